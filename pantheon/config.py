@@ -1,0 +1,98 @@
+"""Every environment variable Pantheon reads, parsed in one place into a frozen dataclass.
+
+The README's table documents each one; nothing else in the code calls os.environ for configuration.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _flag(env: dict[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _int(env: dict[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from exc
+
+
+def _float(env: dict[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    models: tuple[str, ...] = ()
+    api_key: str | None = None
+    admin_key: str | None = None
+    model_dir: Path | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 1024 * 1024
+    dtype: str = "auto"
+    max_seq: int = 2048
+    forbid_compile: bool = False
+    compile_cache: bool = True
+    batch_slots: int = 8
+    driver_sample: bool = True
+    prefill_chunk: int = 128
+    queue_depth: int = 32
+    queue_wait_s: float = 30.0
+    bs_stats: bool = False
+    kv_q4: bool = True
+    die_budget_mb: int = 0
+    layer_loop: str = "auto"
+    extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+
+def load_settings(env: dict[str, str] | None = None) -> Settings:
+    """Read the environment once; callers keep the returned object."""
+    env = dict(os.environ if env is None else env)
+    home = Path(env.get("PANTHEON_HOME") or Path.home() / ".cache" / "pantheon").expanduser()
+    models = tuple(m for m in (env.get("PANTHEON_MODELS") or "").split(",") if m.strip())
+    origins = tuple(o.strip() for o in (env.get("PANTHEON_CORS_ORIGINS") or "").split(",") if o.strip())
+    model_dir = env.get("PANTHEON_MODEL_DIR")
+    raw_slots = env.get("QWEN35_BATCH_SLOTS")
+    batch_slots = 8 if raw_slots in (None, "") else _int(env, "QWEN35_BATCH_SLOTS", 8)
+    if batch_slots == 1 and raw_slots is not None:
+        # The seed used QWEN35_BATCH_SLOTS=1 to mean "batching on"; keep that meaning.
+        batch_slots = 8
+    return Settings(
+        home=home,
+        models=tuple(m.strip() for m in models),
+        api_key=env.get("PANTHEON_API_KEY") or None,
+        admin_key=env.get("PANTHEON_ADMIN_KEY") or None,
+        model_dir=Path(model_dir).expanduser().resolve() if model_dir else None,
+        cors_origins=origins,
+        max_body_bytes=_int(env, "PANTHEON_MAX_BODY_BYTES", 4 * 1024 * 1024),
+        dtype=env.get("PANTHEON_DTYPE", "auto"),
+        max_seq=_int(env, "QWEN35_MAX_SEQ", 2048),
+        forbid_compile=_flag(env, "PANTHEON_FORBID_COMPILE", False),
+        compile_cache=_flag(env, "PANTHEON_COMPILE_CACHE", True),
+        batch_slots=max(0, batch_slots),
+        driver_sample=_flag(env, "QWEN35_BS_DRIVER_SAMPLE", True),
+        prefill_chunk=max(1, _int(env, "QWEN35_BS_PREFILL_CHUNK", 128)),
+        queue_depth=max(0, _int(env, "BS_QUEUE_DEPTH", 32)),
+        queue_wait_s=_float(env, "PANTHEON_QUEUE_WAIT_S", 30.0),
+        bs_stats=_flag(env, "QWEN35_BS_STATS", False),
+        kv_q4=_flag(env, "QWEN35_KV_Q4", True),
+        die_budget_mb=_int(env, "PANTHEON_DIE_BUDGET_MB", 0),
+        layer_loop=env.get("PANTHEON_LAYER_LOOP", "auto"),
+    )

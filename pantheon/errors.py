@@ -1,0 +1,72 @@
+"""Exception types shared across the engine, the scheduler and the web layer.
+
+Each carries the HTTP status the web layer answers with, so a failure deep in the engine maps to one
+well-defined response without the web layer guessing from message text.
+"""
+
+from __future__ import annotations
+
+
+class PantheonError(Exception):
+    """Base class: `status` is the HTTP code, `code` the OpenAI-style error type."""
+
+    status: int = 500
+    code: str = "internal_error"
+
+
+class ModelLoadError(PantheonError):
+    """A model file could not be loaded: names the file and the problem. Nothing is left half-loaded."""
+
+    status = 500
+    code = "model_load_error"
+
+    def __init__(self, path: object, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"cannot load model {self.path}: {problem}")
+
+
+class TemplateError(PantheonError):
+    """The chat template failed to render for these messages (a 400-class error)."""
+
+    status = 400
+    code = "invalid_request_error"
+
+
+class CatalogError(PantheonError):
+    """Unknown catalog name, failed download or checksum mismatch."""
+
+    status = 404
+    code = "model_not_found"
+
+
+class RequestError(PantheonError):
+    """The client's request is invalid; `param` names the offending field."""
+
+    status = 400
+    code = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        if code:
+            self.code = code
+
+
+class BusyError(PantheonError):
+    """No capacity now (429 with Retry-After) or at all (503)."""
+
+    code = "server_busy"
+
+    def __init__(self, message: str, status: int = 429, retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+class CompileForbiddenError(PantheonError):
+    """A jit compile happened after warm-up while PANTHEON_FORBID_COMPILE=1."""
+
+    status = 500
+    code = "compile_forbidden"

@@ -1,0 +1,361 @@
+"""The engine seam: load a model onto JAX devices and run jitted, donated, sampled steps.
+
+`load(path, opts)` / `load_on(path, opts, dies)` return a `Model`. A model owns its params and its
+compiled step; it does not own sequences. Callers (the single-user generator below, the batch
+scheduler) own a state from `new_state()` and pass it to `step_begin`, which dispatches one jitted
+forward over B rows and returns at once (JAX async dispatch); `step_poll` / `step_wait` collect the
+sampled token ids. Only ids (and logits when asked for) cross back to the host.
+
+Shapes are bucketed so the number of compiled programs is small and known at load: rows B in
+(1, 2, 4, 8, ...), tokens per row T in (1, 16, 32, ... prefill_chunk), attention span in powers of
+two up to the cache capacity. The cache has one extra "scratch" slot that padding rows write to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import compile_guard
+from .errors import ModelLoadError
+from .gguf_loader import GGUFFile, ModelConfig, open_gguf
+from .sampler import SamplingParams, make_rows, sample
+
+PENALTY_WINDOW = 64  # tokens of history each row hands the in-step sampler for penalties
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load and place a model. `n_slots` rows share one cache; `max_seq` bounds a sequence."""
+
+    name: str | None = None
+    dtype: str = "auto"  # "auto": f32 on CPU (XLA:CPU is slow in bf16), bf16 on GPU
+    n_slots: int = 8
+    max_seq: int = 2048
+    prefill_chunk: int = 128
+    config_path: str | None = None  # HF config.json for a safetensors checkpoint
+    warmup: bool = False  # compile every bucket at load
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass
+class StepHandle:
+    """A dispatched step: device arrays that become ready asynchronously."""
+
+    ids: jax.Array
+    logits: jax.Array | None
+    n_rows: int
+
+    def ready(self) -> bool:
+        return self.ids.is_ready()
+
+
+class Model:
+    """A loaded model: config, tokenizer, chat template, device params and the compiled step."""
+
+    def __init__(self, path: Path, name: str, cfg: ModelConfig, meta: dict[str, Any], arch: Any,
+                 params: Any, tokenizer: Any, template: Any, opts: LoadOptions, devices: list[Any],
+                 compute_dtype: Any, weight_bytes: int):
+        self.path = path
+        self.name = name
+        self.config = cfg
+        self.meta = meta
+        self.arch = arch
+        self.params = params
+        self.tokenizer = tokenizer
+        self.template = template
+        self.opts = opts
+        self.devices = devices
+        self.dtype = compute_dtype
+        self.weight_bytes = weight_bytes
+        self.n_slots = opts.n_slots
+        self.max_seq = min(opts.max_seq, cfg.context_length) if cfg.context_length else opts.max_seq
+        self.chunk = max(1, min(opts.prefill_chunk, self.max_seq))
+        self.capacity = self.max_seq + self.chunk  # a padded chunk never writes past the end
+        self.scratch_slot = self.n_slots
+        self.row_buckets = _pow2_buckets(1, max(1, self.n_slots))
+        self.chunk_buckets = tuple(b for b in _pow2_buckets(16, max(16, self.chunk)) if b <= max(self.chunk, 16))
+        self.span_buckets = _pow2_buckets(min(128, self.capacity), self.capacity)
+        self._step = jax.jit(self._step_impl, static_argnames=("span", "all_logits", "want_logits"),
+                             donate_argnums=(1,))
+        self._compiled_keys: set[tuple] = set()
+        self._keys_lock = threading.Lock()  # guards _compiled_keys (steps may come from several threads)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def new_state(self) -> Any:
+        """Fresh state for n_slots sequences plus the scratch slot, on the model's device."""
+        with jax.default_device(self.devices[0]):
+            return self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.dtype)
+
+    def state_bytes_per_token(self) -> int:
+        return self.arch.state_bytes_per_token(self.config)
+
+    # ---- the jitted step -----------------------------------------------------------------------
+    def _step_impl(self, params, state, tokens, slots, start, n_new, rows, recent, steps, *, span: int,
+                   all_logits: bool, want_logits: bool):
+        logits, state = self.arch.forward(params, state, tokens, slots, start, n_new, cfg=self.config,
+                                          span=span, all_logits=all_logits)
+        if all_logits:
+            last = common_last(logits, n_new)
+        else:
+            last = logits
+        ids = sample(last, rows, recent, steps)
+        return ids, (logits if want_logits or all_logits else None), state
+
+    def step_begin(self, state: Any, tokens: Sequence[Sequence[int]], slots: Sequence[int],
+                   starts: Sequence[int], params: Sequence[SamplingParams | None] | None = None,
+                   recent: Sequence[Sequence[int]] | None = None, steps: Sequence[int] | None = None,
+                   want_logits: bool = False, all_logits: bool = False) -> tuple[StepHandle, Any]:
+        """Dispatch one forward + sample over len(tokens) rows. Returns (handle, new state).
+
+        Row b feeds tokens[b] at positions starts[b].. into cache slot slots[b]. The old state is
+        donated: the caller must use only the returned one.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("step needs at least one row")
+        lens = [len(t) for t in tokens]
+        if min(lens) < 1:
+            raise ValueError("every row needs at least one token")
+        B = _bucket(n, self.row_buckets)
+        T = 1 if max(lens) == 1 else _bucket(max(lens), self.chunk_buckets)
+        need = max(s + T for s in starts)
+        if need > self.capacity:
+            raise ValueError(f"sequence position {need} exceeds the cache capacity {self.capacity}")
+        span = _bucket(need, self.span_buckets)
+        tok = np.zeros((B, T), np.int32)
+        sl = np.full((B,), self.scratch_slot, np.int32)
+        st = np.zeros((B,), np.int32)
+        nn = np.ones((B,), np.int32)
+        rec = np.full((B, PENALTY_WINDOW), -1, np.int32)
+        stp = np.zeros((B,), np.int32)
+        for b in range(n):
+            tok[b, : lens[b]] = tokens[b]
+            sl[b] = slots[b]
+            st[b] = starts[b]
+            nn[b] = lens[b]
+            if recent is not None and recent[b]:
+                r = list(recent[b])[-PENALTY_WINDOW:]
+                rec[b, PENALTY_WINDOW - len(r):] = r
+            if steps is not None:
+                stp[b] = steps[b]
+        plist = list(params) if params is not None else [None] * n
+        rows = make_rows(plist + [None] * (B - n), B)
+        self._note_shape((B, T, span, all_logits, want_logits))
+        ids, logits, state = self._step(self.params, state, tok, sl, st, nn, rows, rec, stp, span=span,
+                                        all_logits=all_logits, want_logits=want_logits)
+        return StepHandle(ids=ids, logits=logits, n_rows=n), state
+
+    @staticmethod
+    def step_poll(handle: StepHandle) -> np.ndarray | None:
+        """Sampled ids [n_rows] if the step has finished, else None (never blocks)."""
+        if not handle.ready():
+            return None
+        return np.asarray(handle.ids)[: handle.n_rows]
+
+    @staticmethod
+    def step_wait(handle: StepHandle) -> np.ndarray:
+        return np.asarray(handle.ids)[: handle.n_rows]
+
+    def _note_shape(self, key: tuple) -> None:
+        with self._keys_lock:
+            self._compiled_keys.add(key)
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def warmup(self, state: Any, decode: bool = True, prefill: bool = True) -> Any:
+        """Compile every (rows, tokens, span) bucket the scheduler can ask for; returns the state."""
+        shapes = []
+        if decode:
+            shapes += [(b, 1, sp) for b in self.row_buckets for sp in self.span_buckets]
+        if prefill:
+            shapes += [(1, t, sp) for t in self.chunk_buckets for sp in self.span_buckets if sp >= t]
+        for b, t, sp in shapes:
+            start = max(0, sp - t) if sp != self.span_buckets[0] else 0
+            start = min(start, self.capacity - t)
+            toks = [[0] * t for _ in range(b)]
+            h, state = self.step_begin(state, toks, [self.scratch_slot] * b, [start] * b)
+            self.step_wait(h)
+        return state
+
+    # ---- conveniences built on the step -------------------------------------------------------
+    def prefill(self, state: Any, slot: int, ids: Sequence[int], start: int = 0,
+                params: SamplingParams | None = None, recent: Sequence[int] | None = None,
+                step: int = 0, chunk: int | None = None, want_logits: bool = False,
+                all_logits: bool = False) -> tuple[int, np.ndarray | None, Any]:
+        """Feed `ids` into `slot` from position `start`, in chunks; returns (sampled next id, logits, state).
+
+        logits are the last position's [V] (want_logits) or every position's [len(ids), V] (all_logits).
+        """
+        chunk = chunk or self.chunk
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        hist = list(recent or [])
+        out_logits = []
+        pos = start
+        next_id = -1
+        last_logits = None
+        for i in range(0, len(ids), chunk):
+            part = ids[i: i + chunk]
+            final = i + chunk >= len(ids)
+            hist_now = (hist + ids[: i + len(part)])[-PENALTY_WINDOW:]
+            h, state = self.step_begin(state, [part], [slot], [pos], [params], [hist_now], [step],
+                                       want_logits=want_logits and final, all_logits=all_logits)
+            if all_logits:
+                out_logits.append(np.asarray(h.logits)[0, : len(part)])
+            elif final and want_logits:
+                last_logits = np.asarray(h.logits)[0]
+            if final:
+                next_id = int(self.step_wait(h)[0])
+            pos += len(part)
+        if all_logits:
+            return next_id, np.concatenate(out_logits, axis=0), state
+        return next_id, last_logits, state
+
+    def logits(self, ids: Sequence[int], chunk: int | None = None) -> np.ndarray:
+        """Teacher-forced logits [len(ids), V] as float32 (for comparison with other engines)."""
+        state = self.new_state()
+        _, lg, _ = self.prefill(state, 0, ids, chunk=chunk, all_logits=True)
+        return lg
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, max_tokens: int = 128,
+                 stop_ids: Sequence[int] | None = None, state: Any = None, slot: int = 0,
+                 cancel: threading.Event | None = None, chunk: int | None = None,
+                 decode_from: int | None = None) -> Iterator[int]:
+        """Single-sequence generation (the single-user path): yields token ids as they are sampled.
+
+        `decode_from` prefills only prompt_ids[:decode_from] in chunks and feeds the rest one token
+        at a time (a test hook: chunked prefill and step-by-step decode must agree).
+        """
+        params = params or SamplingParams(temperature=0.0)
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=params.resolved_seed())
+        stop = set(self.tokenizer.eot_ids if stop_ids is None and self.tokenizer else (stop_ids or ()))
+        prompt = list(prompt_ids)
+        if len(prompt) + max_tokens > self.max_seq:
+            max_tokens = self.max_seq - len(prompt)
+            if max_tokens <= 0:
+                raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_seq {self.max_seq}")
+        state = state if state is not None else self.new_state()
+        cut = len(prompt) if decode_from is None else max(1, decode_from)
+        nxt, _, state = self.prefill(state, slot, prompt[:cut], params=params, chunk=chunk)
+        hist = prompt[:cut]
+        for tok in prompt[cut:]:
+            h, state = self.step_begin(state, [[tok]], [slot], [len(hist)], [params], [hist + [tok]], [0])
+            hist.append(tok)
+            nxt = int(self.step_wait(h)[0])
+        pos = len(hist)
+        for i in range(max_tokens):
+            yield nxt
+            if nxt in stop or i + 1 >= max_tokens or (cancel is not None and cancel.is_set()):
+                return
+            hist.append(nxt)
+            h, state = self.step_begin(state, [[nxt]], [slot], [pos], [params], [hist], [i + 1])
+            pos += 1
+            nxt = int(self.step_wait(h)[0])
+
+    def compiled_shapes(self) -> set[tuple]:
+        with self._keys_lock:
+            return set(self._compiled_keys)
+
+
+def common_last(logits: jax.Array, n_new: jax.Array) -> jax.Array:
+    from .jax_models.common import last_valid
+    return last_valid(logits, n_new)
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def _arch_module(cfg: ModelConfig, path: Path):
+    from .jax_models import registry
+    mod = registry.module_for(cfg.arch)
+    if mod is None:
+        raise ModelLoadError(path, f"architecture {cfg.arch!r} is recognised but not implemented yet")
+    return mod
+
+
+def _resolve_dtype(opt: str, device: Any):
+    if opt == "auto":
+        return jnp.float32 if device.platform == "cpu" else jnp.bfloat16
+    try:
+        return jnp.dtype(opt).type
+    except TypeError as exc:
+        raise ValueError(f"unknown dtype {opt!r}") from exc
+
+
+def load(path: str | Path, opts: LoadOptions | None = None) -> Model:
+    return load_on(path, opts, None)
+
+
+def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[int] | None = None) -> Model:
+    """Load a GGUF (or HF safetensors dir) onto the given JAX devices (default: the first device).
+
+    Any failure raises ModelLoadError; nothing stays allocated on the device.
+    """
+    opts = opts or LoadOptions()
+    compile_guard.install()
+    all_devices = jax.devices()
+    if dies:
+        bad = [d for d in dies if d < 0 or d >= len(all_devices)]
+        if bad:
+            raise ModelLoadError(path, f"no such die(s) {bad}; this host has {len(all_devices)}")
+        devices = [all_devices[d] for d in dies]
+    else:
+        devices = [all_devices[0]]
+    p = Path(path).expanduser()
+    f: GGUFFile = open_gguf(p)
+    cfg = f.config
+    arch = _arch_module(cfg, p)
+    dtype = _resolve_dtype(opts.dtype, devices[0])
+    np_dtype = np.float32 if dtype == jnp.float32 else np.float32  # dequantize in f32; cast on device
+    try:
+        host_params = arch.load_params(f.tensors, cfg, np_dtype)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(p, f"failed to build parameters: {type(exc).__name__}: {exc}") from exc
+    weight_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(host_params)))
+
+    def put(x):
+        a = np.asarray(x)
+        if a.dtype == np.float32 and dtype != jnp.float32 and a.ndim >= 2:
+            a = jnp.asarray(a, dtype)
+        return jax.device_put(a, devices[0])
+
+    params = jax.tree.map(put, host_params)
+    del host_params
+    tokenizer, template = _tokenizer_and_template(p, f.meta)
+    name = opts.name or p.stem
+    return Model(p, name, cfg, f.meta, arch, params, tokenizer, template, opts, devices, dtype, weight_bytes)
+
+
+def _tokenizer_and_template(path: Path, meta: dict[str, Any]):
+    from .chat_template import ChatTemplate
+    from .tokenizer import Tokenizer
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens missing)")
+    tok = Tokenizer.from_gguf_metadata(meta, str(path))
+    tmpl = ChatTemplate(meta.get("tokenizer.chat_template"), tok.bos_token, tok.eos_token)
+    return tok, tmpl

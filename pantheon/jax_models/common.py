@@ -1,0 +1,110 @@
+"""Building blocks shared by the architecture files: norms, RoPE, the slot KV cache and attention.
+
+Shapes use these letters: B batch rows, T tokens per row in this step, S cache slots,
+C cache capacity (positions), K kv heads, G query heads per kv head, D head dim, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..gguf_loader import ROPE_NORM
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) * w, computed in f32 whatever the activation dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """y = x @ w.T with w stored (out, in): the layout XLA:CPU multiplies fastest (jax-cpu-tuning)."""
+    y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, n_rot: int, base: float, scale: float = 1.0,
+                freq_divisors: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape positions.shape + (n_rot/2,)."""
+    inv = base ** (-jnp.arange(0, n_rot, 2, dtype=jnp.float32) / n_rot)
+    if freq_divisors is not None:
+        inv = inv / freq_divisors
+    ang = (positions.astype(jnp.float32) / scale)[..., None] * inv
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, n_rot: int, rope_type: str) -> jax.Array:
+    """Rotate the first n_rot dims of each head. x: [B, T, N, D]; cos/sin: [B, T, n_rot/2]."""
+    cos = cos[:, :, None, :]
+    sin = sin[:, :, None, :]
+    xr, xp = x[..., :n_rot].astype(jnp.float32), x[..., n_rot:]
+    if rope_type == ROPE_NORM:
+        pairs = xr.reshape(xr.shape[:-1] + (n_rot // 2, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        rot = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(xr.shape)
+    else:
+        a, b = xr[..., : n_rot // 2], xr[..., n_rot // 2:]
+        rot = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    return jnp.concatenate([rot.astype(x.dtype), xp], axis=-1) if n_rot < x.shape[-1] else rot.astype(x.dtype)
+
+
+def init_kv(n_layers: int, n_slots: int, n_kv: int, capacity: int, head_dim: int,
+            dtype=jnp.float32) -> dict[str, jax.Array]:
+    """The static slot cache: k, v of [L, S, K, C, D] (B,H,S,D layout: fastest batched attention)."""
+    shape = (n_layers, n_slots, n_kv, capacity, head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def write_kv(cache: jax.Array, layer: jax.Array | int, new: jax.Array, slots: jax.Array,
+             start: jax.Array) -> jax.Array:
+    """Write new [B, T, K, D] rows at (layer, slot[b], :, start[b]:start[b]+T) in place.
+
+    One dynamic_update_slice per row into the donated stacked cache, *before* any read of the
+    layer (reading first makes XLA copy the whole cache: jax-cpu-findings Q2, trap 2).
+    """
+    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, K, T, D]
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(new.shape[0]):
+        cache = jax.lax.dynamic_update_slice(
+            cache, new[b][None, None], (jnp.asarray(layer, jnp.int32), slots[b], zero, start[b], zero))
+    return cache
+
+
+def gather_span(cache: jax.Array, layer: jax.Array | int, slots: jax.Array, span: int) -> jax.Array:
+    """[B, K, span, D]: only the first `span` positions of each row's slot (a bucket ≥ the filled part)."""
+    lay = jax.lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)  # [S, K, C, D]
+    return lay[slots, :, :span, :]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float,
+              window: int = 0, softcap: float = 0.0) -> jax.Array:
+    """Causal grouped-query attention of q [B, T, N, D] over cached k/v [B, K, span, D].
+
+    Key j is visible to a query at position p iff j <= p (and p - j < window for sliding layers).
+    Query heads sharing a kv head are folded into one dot so each matmul is as large as possible.
+    """
+    b, t, n, d = q.shape
+    kh = k.shape[1]
+    g = n // kh
+    qg = q.reshape(b, t, kh, g, d).astype(jnp.float32)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(jnp.float32)) * scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    kpos = jnp.arange(k.shape[2], dtype=jnp.int32)
+    visible = kpos[None, None, :] <= q_pos[:, :, None]  # [B, T, span]
+    if window:
+        visible = visible & (q_pos[:, :, None] - kpos[None, None, :] < window)
+    s = jnp.where(visible[:, None, None, :, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bksd->btkgd", p, v.astype(jnp.float32))
+    return o.reshape(b, t, n * v.shape[-1]).astype(q.dtype)
+
+
+def last_valid(x: jax.Array, n_new: jax.Array) -> jax.Array:
+    """x[b, n_new[b] - 1] for x [B, T, ...]: the hidden state whose logits the step samples."""
+    idx = jnp.clip(n_new - 1, 0, x.shape[1] - 1)
+    return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]

@@ -1,0 +1,145 @@
+"""The llama family: llama (SmolLM2, Llama 2/3), mistral, qwen2 (q/k/v biases), qwen3 (q/k norm),
+and the MoE variants mixtral / qwen3moe (router top-k over stacked experts).
+
+Pure functions of (params, state, inputs) -> (outputs, state). Layer weights are stacked on a
+leading axis and the layer loop is a `lax.scan` (fast to compile, one code path for any depth).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..gguf_loader import ModelConfig, TensorSource
+from . import common
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+
+
+def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[str, Any]:
+    """Dequantize every tensor to `dtype` numpy arrays, layers stacked on axis 0."""
+    H, nh, nkv, hd, L = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
+    emb = src.get("token_embd.weight", (cfg.vocab, H))
+    params: dict[str, Any] = {
+        "embed": emb.astype(dtype),
+        "norm": src.get("output_norm.weight", (H,)),
+        "head": None if cfg.tied_output else src.get("output.weight", (cfg.vocab, H)).astype(dtype),
+    }
+    if src.has("output.bias"):
+        params["head_bias"] = src.get("output.bias", (cfg.vocab,))
+    if src.has("rope_freqs.weight"):
+        params["rope_freqs"] = src.get("rope_freqs.weight", (cfg.n_rot // 2,))
+
+    def per_layer(fmt: str, shape: tuple[int, ...], wdtype=np.float32, optional: bool = False):
+        arrs = []
+        for i in range(L):
+            name = fmt.format(i)
+            if optional and not src.has(name):
+                return None
+            arrs.append(src.get(name, shape).astype(wdtype))
+        return np.stack(arrs)
+
+    layers: dict[str, Any] = {
+        "attn_norm": per_layer("blk.{}.attn_norm.weight", (H,)),
+        "wq": per_layer("blk.{}.attn_q.weight", (nh * hd, H), dtype),
+        "wk": per_layer("blk.{}.attn_k.weight", (nkv * hd, H), dtype),
+        "wv": per_layer("blk.{}.attn_v.weight", (nkv * hd, H), dtype),
+        "wo": per_layer("blk.{}.attn_output.weight", (H, nh * hd), dtype),
+        "ffn_norm": per_layer("blk.{}.ffn_norm.weight", (H,)),
+    }
+    for name, t, shape in (("bq", "attn_q", nh * hd), ("bk", "attn_k", nkv * hd), ("bv", "attn_v", nkv * hd),
+                           ("bo", "attn_output", H)):
+        b = per_layer("blk.{}." + t + ".bias", (shape,), optional=True)
+        if b is not None:
+            layers[name] = b
+    if cfg.qk_norm:
+        layers["q_norm"] = per_layer("blk.{}.attn_q_norm.weight", (hd,))
+        layers["k_norm"] = per_layer("blk.{}.attn_k_norm.weight", (hd,))
+    if cfg.n_experts:
+        E, F = cfg.n_experts, cfg.expert_ffn or cfg.ffn
+        layers["router"] = per_layer("blk.{}.ffn_gate_inp.weight", (E, H))
+        layers["w_gate_e"] = per_layer("blk.{}.ffn_gate_exps.weight", (E, F, H), dtype)
+        layers["w_up_e"] = per_layer("blk.{}.ffn_up_exps.weight", (E, F, H), dtype)
+        layers["w_down_e"] = per_layer("blk.{}.ffn_down_exps.weight", (E, H, F), dtype)
+    else:
+        layers["w_gate"] = per_layer("blk.{}.ffn_gate.weight", (cfg.ffn, H), dtype)
+        layers["w_up"] = per_layer("blk.{}.ffn_up.weight", (cfg.ffn, H), dtype)
+        layers["w_down"] = per_layer("blk.{}.ffn_down.weight", (H, cfg.ffn), dtype)
+    params["layers"] = layers
+    return params
+
+
+def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+    return common.init_kv(cfg.n_layers, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim, dtype)
+
+
+def state_bytes_per_token(cfg: ModelConfig) -> int:
+    return cfg.kv_bytes_per_token
+
+
+def moe(h: jax.Array, lp: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
+    """Softmax router -> top-k -> renormalise -> weighted SwiGLU experts (dense over experts on CPU)."""
+    logits = common.linear(h, lp["router"]).astype(jnp.float32)  # [B, T, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    topv, topi = jax.lax.top_k(probs, cfg.n_experts_used)
+    topv = topv / jnp.sum(topv, axis=-1, keepdims=True)
+    weights = jnp.sum(jax.nn.one_hot(topi, cfg.n_experts, dtype=jnp.float32) * topv[..., None], axis=-2)
+    g = jnp.einsum("bti,efi->btef", h, lp["w_gate_e"])
+    u = jnp.einsum("bti,efi->btef", h, lp["w_up_e"])
+    y = jnp.einsum("btef,eof->bteo", jax.nn.silu(g) * u, lp["w_down_e"])
+    return jnp.einsum("bteo,bte->bto", y, weights).astype(h.dtype)
+
+
+def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
+            start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
+            all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One step over B rows of T tokens each.
+
+    tokens [B, T] (row b holds n_new[b] real tokens, then padding), slots [B] cache slot of each row,
+    start [B] position of tokens[b, 0]. `span` (static) bounds the cache positions attention reads:
+    a bucket at least as large as every row's start + T. Returns logits [B, V] of each row's last
+    real token (or [B, T, V] with all_logits) and the updated state.
+    """
+    B, T = tokens.shape
+    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    cos, sin = common.rope_angles(positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, params.get("rope_freqs"))
+    x = params["embed"][tokens].astype(jnp.float32)  # [B, T, H]
+
+    def layer(carry, inputs):
+        x, kc, vc = carry
+        lp, li = inputs
+        h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+        q = common.linear(h, lp["wq"], lp.get("bq")).reshape(B, T, nh, hd)
+        k = common.linear(h, lp["wk"], lp.get("bk")).reshape(B, T, nkv, hd)
+        v = common.linear(h, lp["wv"], lp.get("bv")).reshape(B, T, nkv, hd)
+        if "q_norm" in lp:
+            q = common.rms_norm(q, lp["q_norm"], cfg.rms_eps)
+            k = common.rms_norm(k, lp["k_norm"], cfg.rms_eps)
+        q = common.apply_rope(q, cos, sin, cfg.n_rot, cfg.rope_type)
+        k = common.apply_rope(k, cos, sin, cfg.n_rot, cfg.rope_type)
+        kc = common.write_kv(kc, li, k, slots, start)
+        vc = common.write_kv(vc, li, v, slots, start)
+        ks = common.gather_span(kc, li, slots, span)
+        vs = common.gather_span(vc, li, slots, span)
+        o = common.attention(q, ks, vs, positions, cfg.attn_scale)
+        x = x + common.linear(o, lp["wo"], lp.get("bo"))
+        h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+        if cfg.n_experts:
+            x = x + moe(h, lp, cfg)
+        else:
+            x = x + common.linear(jax.nn.silu(common.linear(h, lp["w_gate"])) * common.linear(h, lp["w_up"]),
+                                  lp["w_down"])
+        return (x, kc, vc), None
+
+    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+    (x, kc, vc), _ = jax.lax.scan(layer, (x, state["k"], state["v"]), (params["layers"], layer_ids))
+    if not all_logits:
+        x = common.last_valid(x, n_new)
+    x = common.rms_norm(x, params["norm"], cfg.rms_eps)
+    head = params["embed"] if params["head"] is None else params["head"]
+    logits = common.linear(x, head, params.get("head_bias")).astype(jnp.float32)
+    return logits, {"k": kc, "v": vc}

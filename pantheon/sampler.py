@@ -1,0 +1,416 @@
+"""Token sampling that runs inside the jitted model step, one set of knobs per batch row.
+
+Why on the device: the step's logits are ``f32[B, V]`` with V up to ~152k (Qwen); copying them to the host
+every step costs more than the sampling itself.  So the step calls :func:`sample` and only ``i32[B]`` token
+ids cross to the host.  Every knob is a per-row *value* in :class:`SamplerRows`, never a static argument, so
+changing a request's temperature or seed never recompiles the step; only the shapes (B, V and the width W of
+the ``recent`` window) are static.
+
+Pipeline for one row (the order llama.cpp / vLLM users expect):
+
+1. penalties over the distinct tokens of the row's recent window (the last ``penalty_window`` tokens of its
+   history, prompt included): repetition (a positive logit is divided by the penalty, any other logit is
+   multiplied by it), then ``count * frequency_penalty`` and ``presence_penalty`` (once) are subtracted;
+2. temperature (``temperature == 0`` or ``top_k == 1`` means greedy: ``argmax`` of the penalised logits,
+   lowest id on ties, with no random draw at all);
+3. top-k, then top-p (nucleus, over the top-k-renormalised distribution, always keeping at least the most
+   likely token), then min-p (relative to the most likely token's probability);
+4. one draw from the surviving tokens with a key ``fold_in(key(seed), step)`` of the row's own seed and the
+   index of the token being generated, so a seeded request gives the same tokens whatever batch row or
+   batch size it runs in.
+
+All three filters reduce to a single *logit threshold* per row: a token survives iff its penalised logit is
+``>= thr``.  That makes ties explicit (tokens with equal logits are kept or dropped together, as vLLM's
+top-k does) and lets the same rule be evaluated on a short candidate list or on the whole vocabulary with
+identical results:
+
+* top-k keeps logits ``>=`` the k-th largest logit;
+* top-p keeps logits ``>=`` the logit of the token at which the descending cumulative probability first
+  reaches ``top_p`` (ties at that boundary are all kept);
+* min-p keeps logits ``>= max + T * ln(min_p)``, i.e. ``p >= min_p * p_max`` evaluated in logit space the way
+  llama.cpp does it (so it never depends on how ``exp`` rounds).
+
+Cost: a full sort of V=152k rows is ~370 ms on a CPU, so nothing here sorts the vocabulary.  The
+thresholds are first computed exactly from the ``CANDIDATES`` largest logits (``lax.top_k``); a row whose
+k exceeds that, or whose nucleus does not fit in the candidates, gets its threshold from an exact 32-step
+bisection over the float bit patterns of the whole row instead.  Likewise a row whose surviving tokens are
+all candidates draws among them; the others draw from the whole vocabulary (inverse CDF over 1024-token
+blocks).  Which path a row takes depends only on that row, so results never depend on its neighbours;
+batch-wide ``lax.cond`` only skips work no row needs (an all-greedy batch costs one ``argmax``).  There is
+no approximation: the candidate list is an optimisation, never a cap.
+
+Measured on the 2-core CPU dev box (jit, B=8, median of 20 calls; see tests/test_sampler.py docstring for
+how to reproduce): see the numbers reported in the module's change notes / PR.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# How many largest logits the fast path looks at.  lax.top_k(256) over 152k logits is ~5 ms on a CPU;
+# every threshold it can decide is exact, the rest fall back to bisection (see module docstring).
+CANDIDATES = 256
+# Block width of the whole-vocabulary inverse-CDF draw: a cumulative sum over blocks, then within one block.
+_DRAW_BLOCK = 1024
+DEFAULT_PENALTY_WINDOW = 64
+_U64 = (1 << 64) - 1
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return out
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling knobs, validated on construction so a bad request fails before it is queued.
+
+    Out-of-range values raise ``ValueError`` naming the field (the web layer turns it into a 400).  Neutral
+    values (the defaults, except ``temperature``) switch a stage off, so ``SamplingParams(temperature=0)``
+    is plain greedy decoding.
+    """
+
+    temperature: float = 1.0  # 0 => greedy
+    top_k: int = 0  # 0 (or >= vocabulary size) => off; 1 => greedy
+    top_p: float = 1.0  # in (0, 1]; 1 => off
+    min_p: float = 0.0  # in [0, 1]; 0 => off
+    repetition_penalty: float = 1.0  # > 0; 1 => off
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    seed: int | None = None  # None => a fresh random seed each time one is resolved
+    penalty_window: int = DEFAULT_PENALTY_WINDOW  # how many recent tokens the penalties look at; 0 => none
+
+    def __post_init__(self) -> None:
+        set_ = partial(object.__setattr__, self)
+        t = _real("temperature", self.temperature)
+        if t < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        set_("temperature", t)
+        k = _integer("top_k", self.top_k)
+        if k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        set_("top_k", k)
+        p = _real("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        set_("top_p", p)
+        m = _real("min_p", self.min_p)
+        if not 0.0 <= m <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        set_("min_p", m)
+        r = _real("repetition_penalty", self.repetition_penalty)
+        if r <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        set_("repetition_penalty", r)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _real(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+            set_(name, v)
+        if self.seed is not None:
+            set_("seed", _integer("seed", self.seed))
+        w = _integer("penalty_window", self.penalty_window)
+        if w < 0:
+            raise ValueError(f"penalty_window must be >= 0, got {self.penalty_window!r}")
+        set_("penalty_window", w)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the result is the argmax of the penalised logits and no random number is used."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def resolved_seed(self) -> int:
+        """The 64-bit seed to sample with: ``seed mod 2**64`` (so -1 is a valid, fixed seed), or, when no seed
+        was given, a fresh one from ``os.urandom`` -- a new one on *every* call, so resolve once per request
+        (see :meth:`resolved`) if its draws should form one stream."""
+        if self.seed is None:
+            return int.from_bytes(os.urandom(8), "little")
+        return self.seed & _U64
+
+    def resolved(self) -> "SamplingParams":
+        """A copy whose seed is fixed, for the scheduler to keep for the lifetime of a request."""
+        return self if self.seed is not None else replace(self, seed=self.resolved_seed())
+
+
+GREEDY = SamplingParams(temperature=0.0, penalty_window=0, seed=0)
+
+
+class SamplerRows(NamedTuple):
+    """Per-row sampling knobs as arrays, one row per batch row (a pytree, so it passes through ``jit``).
+
+    ``seed`` holds the request's 64-bit seed as two 32-bit words ``(hi, lo)``, which is exactly the key data
+    threefry derives from that seed (``jax.random.key(seed)`` for any seed below 2**32, and for any 64-bit
+    seed when x64 is on).  ``penalty_window`` lets each row look at fewer than the W tokens in ``recent``.
+    Build with :func:`make_rows`.
+    """
+
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+    min_p: jax.Array  # f32[B]
+    repetition_penalty: jax.Array  # f32[B]
+    presence_penalty: jax.Array  # f32[B]
+    frequency_penalty: jax.Array  # f32[B]
+    seed: jax.Array  # u32[B, 2]  (hi, lo) words of the 64-bit seed
+    penalty_window: jax.Array  # i32[B]
+
+
+def make_rows_np(params: Sequence[SamplingParams | None], bucket: int) -> SamplerRows:
+    """Host-side (numpy) :class:`SamplerRows` for ``params``, padded to ``bucket`` rows.
+
+    ``None`` and padding rows are idle: greedy with neutral penalties, so an all-idle batch takes the
+    argmax-only fast path.  ``None`` seeds are resolved here (a fresh random seed per call).
+    """
+    if len(params) > bucket:
+        raise ValueError(f"{len(params)} rows do not fit in a bucket of {bucket}")
+    rows = [GREEDY if p is None else p for p in params] + [GREEDY] * (bucket - len(params))
+    seeds = np.array([p.resolved_seed() for p in rows], dtype=np.uint64)
+    top_k = np.array([min(p.top_k, np.iinfo(np.int32).max) for p in rows], dtype=np.int32)
+    window = np.array([min(p.penalty_window, np.iinfo(np.int32).max) for p in rows], dtype=np.int32)
+    return SamplerRows(
+        temperature=np.array([p.temperature for p in rows], dtype=np.float32),
+        top_k=top_k,
+        top_p=np.array([p.top_p for p in rows], dtype=np.float32),
+        min_p=np.array([p.min_p for p in rows], dtype=np.float32),
+        repetition_penalty=np.array([p.repetition_penalty for p in rows], dtype=np.float32),
+        presence_penalty=np.array([p.presence_penalty for p in rows], dtype=np.float32),
+        frequency_penalty=np.array([p.frequency_penalty for p in rows], dtype=np.float32),
+        seed=np.stack([(seeds >> np.uint64(32)).astype(np.uint32), (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)], axis=1),
+        penalty_window=window,
+    )
+
+
+def make_rows(params: Sequence[SamplingParams | None], bucket: int) -> SamplerRows:
+    """:func:`make_rows_np` moved to the default device in one transfer (see there for the row rules)."""
+    return jax.device_put(make_rows_np(params, bucket))
+
+
+def recent_window(history: Sequence[int], width: int) -> np.ndarray:
+    """The last ``width`` tokens of ``history`` as ``i32[width]``, oldest first, left-padded with -1.
+
+    This is the row layout :func:`sample` expects in ``recent``: the newest token is the last column, so a
+    row's ``penalty_window`` selects the last columns.
+    """
+    out = np.full(width, -1, dtype=np.int32)
+    tail = list(history)[-width:] if width > 0 else []
+    if tail:
+        out[width - len(tail) :] = tail
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# device side
+
+
+def _ordered_key(x: jax.Array) -> jax.Array:
+    """Map f32 to u32 so that unsigned order equals float order (for non-NaN values; -0 was removed first)."""
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(u >> 31 != 0, ~u, u | jnp.uint32(0x80000000))
+
+
+def _from_ordered_key(k: jax.Array) -> jax.Array:
+    u = jnp.where(k >> 31 != 0, k & jnp.uint32(0x7FFFFFFF), ~k)
+    return jax.lax.bitcast_convert_type(u, jnp.float32)
+
+
+def _bisect_max_key(keys: jax.Array, ok) -> jax.Array:
+    """Per row, the largest u32 ``t`` with ``ok(keys >= t)`` true, given that ``ok`` is monotone (true at 0).
+
+    32 halvings of the u32 range pin ``t`` exactly; each costs one pass over ``keys``.  The result is the key
+    of a value present in the row, so thresholds found this way are real logits.
+    """
+    b = keys.shape[0]
+
+    def body(_, carry):
+        lo, hi = carry
+        span = hi - lo
+        mid = lo + (span >> 1) + (span & 1)  # ceil midpoint without u32 overflow
+        good = ok(keys >= mid[:, None])
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
+
+    lo = jnp.zeros((b,), jnp.uint32)
+    hi = jnp.full((b,), 0xFFFFFFFF, jnp.uint32)
+    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return lo
+
+
+def _penalise(logits: jax.Array, rows: SamplerRows, recent: jax.Array) -> jax.Array:
+    """Apply repetition / frequency / presence penalties to the tokens of each row's recent window.
+
+    Work is O(W^2) per row (W = window width, 64 by default) plus a scatter of W values, never O(V).  With
+    neutral penalties every touched logit is rewritten with its own value, so greedy stays exact.
+    """
+    b, v = logits.shape
+    w = recent.shape[1]
+    if w == 0:
+        return logits
+    pos = jnp.arange(w, dtype=jnp.int32)
+    valid = (recent >= 0) & (recent < v) & (pos[None, :] >= w - rows.penalty_window[:, None])
+    tok = jnp.where(valid, recent, 0)
+    same = (tok[:, :, None] == tok[:, None, :]) & valid[:, None, :]
+    count = jnp.sum(same, axis=-1).astype(jnp.float32)  # occurrences of tok[j] in the window
+    vals = jnp.take_along_axis(logits, tok, axis=1)
+    rp = rows.repetition_penalty[:, None]
+    vals = jnp.where(vals > 0, vals / rp, vals * rp)
+    vals = vals - rows.frequency_penalty[:, None] * count - rows.presence_penalty[:, None]
+    idx = jnp.where(valid, tok, v)  # out of range => dropped by the scatter
+    # Duplicate tokens in the window write the same value, so the scatter order does not matter.
+    return logits.at[jnp.arange(b)[:, None], idx].set(vals, mode="drop")
+
+
+def _first_above(cum: jax.Array, target: jax.Array, npos: jax.Array) -> jax.Array:
+    """Inverse CDF: first index whose cumulative weight exceeds ``target``, clamped to the last positive weight.
+
+    The first index where ``cum`` exceeds a value below the total always carries positive weight; the clamp
+    only catches ``u * total`` rounding up to the total.
+    """
+    return jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), npos - 1).astype(jnp.int32)
+
+
+def _draw_full(x: jax.Array, p: jax.Array, thr: jax.Array, u1: jax.Array, u2: jax.Array) -> jax.Array:
+    """Draw from all tokens with ``x >= thr`` (weights ``p``): pick a 1024-token block by its mass, then a
+    token within it.  Two passes over V and no sort; exact up to float rounding of the sums."""
+    b, v = x.shape
+    nblk = -(-v // _DRAW_BLOCK)
+    w = jnp.where(x >= thr[:, None], p, 0.0)
+    w = jnp.pad(w, ((0, 0), (0, nblk * _DRAW_BLOCK - v))).reshape(b, nblk, _DRAW_BLOCK)
+    mass = jnp.sum(w, axis=-1)
+    cum = jnp.cumsum(mass, axis=-1)
+    last = nblk - jnp.argmax((mass > 0)[:, ::-1], axis=-1)  # 1 + index of the last block with mass
+    blk = _first_above(cum, u1 * cum[:, -1], last)
+    inner = jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0, :]
+    icum = jnp.cumsum(inner, axis=-1)
+    ilast = _DRAW_BLOCK - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
+    j = _first_above(icum, u2 * icum[:, -1], ilast)
+    return blk * _DRAW_BLOCK + j
+
+
+def _sample_penalised(x: jax.Array, rows: SamplerRows, step: jax.Array) -> jax.Array:
+    """Steps 2-4 of the pipeline on already-penalised, zero-canonicalised logits ``x`` (f32[B, V])."""
+    b, v = x.shape
+    kc = min(CANDIDATES, v)
+    greedy = (rows.temperature <= 0) | (rows.top_k == 1)
+    temp = jnp.where(greedy, 1.0, rows.temperature)
+
+    cand_x, cand_i = jax.lax.top_k(x, kc)  # descending
+    xmax = cand_x[:, 0]
+    p = jnp.exp((x - xmax[:, None]) / temp[:, None])  # unnormalised, most likely token has weight 1
+    cand_p = jnp.take_along_axis(p, cand_i, axis=1)  # the very same values as in p
+    neg_inf = jnp.full((b,), -jnp.inf, jnp.float32)
+
+    # top-k: the k-th largest logit (candidates if k <= kc, else bisection over the whole row).
+    k = rows.top_k
+    topk_on = (k > 1) & (k < v) & ~greedy
+    big_k = topk_on & (k > kc)
+    tk_cand = jnp.take_along_axis(cand_x, (jnp.clip(k, 1, kc) - 1)[:, None], axis=1)[:, 0]
+    tk_big = jax.lax.cond(
+        jnp.any(big_k),
+        lambda: _from_ordered_key(_bisect_max_key(_ordered_key(x), lambda m: jnp.sum(m, axis=-1) >= k)),
+        lambda: neg_inf,
+    )
+    tk = jnp.where(topk_on, jnp.where(big_k, tk_big, tk_cand), -jnp.inf)
+
+    # top-p over the top-k-renormalised distribution: the logit where the descending cumulative mass first
+    # reaches top_p * Z.  Exact from the candidates when their total reaches it, else by bisection.
+    topp_on = (rows.top_p < 1.0) & ~greedy
+
+    def nucleus() -> jax.Array:
+        pk = jnp.where(x >= tk[:, None], p, 0.0)
+        target = rows.top_p * jnp.sum(pk, axis=-1)
+        cum = jnp.cumsum(jnp.where(cand_x >= tk[:, None], cand_p, 0.0), axis=-1)
+        fits = cum[:, -1] >= target
+        m = jnp.minimum(jnp.sum(cum < target[:, None], axis=-1), kc - 1)
+        tp_cand = jnp.take_along_axis(cand_x, m[:, None], axis=1)[:, 0]
+        tp_big = jax.lax.cond(
+            jnp.any(topp_on & ~fits),
+            lambda: _from_ordered_key(
+                _bisect_max_key(_ordered_key(x), lambda keep: jnp.sum(jnp.where(keep, pk, 0.0), axis=-1) >= target)
+            ),
+            lambda: neg_inf,
+        )
+        return jnp.where(topp_on, jnp.where(fits, tp_cand, tp_big), -jnp.inf)
+
+    tp = jax.lax.cond(jnp.any(topp_on), nucleus, lambda: neg_inf)
+
+    # min-p: p >= min_p * p_max  <=>  x >= xmax + T * ln(min_p)   (ln 0 = -inf switches it off)
+    tm = jnp.where(greedy, -jnp.inf, xmax + temp * jnp.log(rows.min_p))
+    thr = jnp.maximum(jnp.maximum(tk, tp), tm)
+
+    keys = jax.random.wrap_key_data(rows.seed, impl="threefry2x32")
+    u = jax.vmap(lambda key, s: jax.random.uniform(jax.random.fold_in(key, s), (3,)))(keys, step)
+
+    # Survivors all among the candidates (every non-candidate logit <= cand_x[-1] < thr): draw there.
+    in_cand = (kc == v) | (cand_x[:, -1] < thr)
+    cw = jnp.where(cand_x >= thr[:, None], cand_p, 0.0)  # a prefix of the descending candidates
+    ccum = jnp.cumsum(cw, axis=-1)
+    cpick = _first_above(ccum, u[:, 0] * ccum[:, -1], jnp.sum(cw > 0, axis=-1))
+    drawn = jnp.take_along_axis(cand_i, cpick[:, None], axis=1)[:, 0]
+    full = jax.lax.cond(
+        jnp.any(~greedy & ~in_cand),
+        lambda: _draw_full(x, p, thr, u[:, 1], u[:, 2]),
+        lambda: jnp.zeros((b,), jnp.int32),
+    )
+    drawn = jnp.where(in_cand, drawn, full)
+    return jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), drawn)
+
+
+def sample(logits: jax.Array, rows: SamplerRows, recent: jax.Array, step: jax.Array) -> jax.Array:
+    """Pick one token id per row: ``i32[B]``.  Pure and jittable; call it inside the model step.
+
+    ``logits`` f32[B, V] (any float dtype; computed in f32); ``rows`` from :func:`make_rows`; ``recent``
+    i32[B, W] the last W tokens of each row's history (prompt + generated), oldest first, -1 = empty (see
+    :func:`recent_window`), W >= the largest ``penalty_window`` in use; ``step`` i32[B] the index of the token
+    being generated within its request (0 for the first).  Only shapes are static.
+    """
+    x = _penalise(logits.astype(jnp.float32), rows, recent.astype(jnp.int32))
+    x = jnp.where(x == 0, 0.0, x)  # -0.0 -> +0.0 so the u32 ordering used by bisection matches float order
+    greedy = (rows.temperature <= 0) | (rows.top_k == 1)
+    return jax.lax.cond(
+        jnp.all(greedy),
+        lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),  # all-greedy fast path: no top_k, no exp
+        lambda: _sample_penalised(x, rows, step.astype(jnp.int32)),
+    )
+
+
+sample_jit = jax.jit(sample)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def sample_host(logits: np.ndarray, params: SamplingParams, recent: Sequence[int], step: int) -> int:
+    """:func:`sample` for one row given host values (owner-side sampling); the same ids by construction.
+
+    It runs the jitted :func:`sample` on a batch of one.  ``recent`` may be any length: only the last
+    ``penalty_window`` tokens count, padded to a power-of-two width to bound the number of compilations
+    (the window width does not change the result).
+    """
+    row = np.asarray(logits, dtype=np.float32).reshape(1, -1)
+    hist = list(recent)[-params.penalty_window :] if params.penalty_window > 0 else []
+    width = _pow2(max(1, len(hist)))
+    out = sample_jit(
+        row,
+        make_rows_np([params], 1),
+        recent_window(hist, width)[None, :],
+        np.array([step], dtype=np.int32),
+    )
+    return int(out[0])

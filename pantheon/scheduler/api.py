@@ -1,0 +1,73 @@
+"""The seam between the web layer and whatever generates tokens for a model.
+
+A backend (`SingleUserBackend` when batching is off, `BatchScheduler` by default) accepts a
+`GenRequest` and a `sink` callback, and returns a `Handle` at once: it never blocks the caller (a
+gevent greenlet). From then on the backend's own OS thread calls `sink` with, in order:
+
+    Started()                       the request has a slot and is prefilling (absent if refused)
+    Tokens(ids)                     one or more sampled ids, in order
+    Finished(reason, error, ...)    exactly once, last: "stop" (EOS id), "length" (budget),
+                                    "cancelled" (Handle.cancel), or "error" with `error` set
+
+A request that cannot start (queue timeout, shutdown, admission denied) gets only
+`Finished("error", error=BusyError(...))`, so the web layer can still answer with a status code.
+`sink` must not block: it hands the event to the request greenlet through a thread-safe wake-up.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..sampler import SamplingParams
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    session_id: str | None = None
+    request_id: str = field(default_factory=lambda: secrets.token_hex(12))
+
+
+@dataclass(frozen=True)
+class Started:
+    reused_tokens: int = 0  # prompt tokens served from a prefix already in the slot
+
+
+@dataclass(frozen=True)
+class Tokens:
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    error: Exception | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_tokens: int = 0
+
+
+Event = Started | Tokens | Finished
+Sink = Callable[[Event], None]
+
+
+class Handle(Protocol):
+    def cancel(self) -> None:
+        """Stop generating (client gone, stop string hit): the slot/lock is freed within one step."""
+
+
+class Backend(Protocol):
+    def submit(self, req: GenRequest, sink: Sink) -> Handle:
+        """Start or queue a request; raises BusyError (429/503) when it cannot even be queued."""
+
+    def load_info(self) -> dict:
+        """Counters for /metrics and bench: running, queued, slots, prefix hits..."""
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new work, cancel what runs, join the thread(s)."""

@@ -1,0 +1,64 @@
+"""Shared fixtures: oracle fixture paths, real models pulled once per session, tiny models."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FIXTURES = Path(os.environ.get("PANTHEON_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+TINY = FIXTURES / "tiny"
+REAL = FIXTURES / "real"
+
+
+def pytest_configure(config):
+    from pantheon import compile_guard
+    from pantheon.config import load_settings
+
+    compile_guard.enable_persistent_cache(load_settings().home)
+    compile_guard.install()
+
+
+def tiny_fixture(name: str) -> tuple[Path, dict, np.ndarray]:
+    """(gguf path, json, oracle logits [24, 512]) of a tiny random-weight fixture."""
+    j = json.loads((TINY / f"{name}.json").read_text())
+    return TINY / j["gguf_file"], j, np.load(TINY / j["logits_file"])
+
+
+def real_fixture(name: str) -> dict:
+    return json.loads((REAL / f"{name}.json").read_text())
+
+
+def centered(x: np.ndarray) -> np.ndarray:
+    """Per-row centering removes a constant logit shift, which softmax ignores."""
+    return x - x.max(axis=-1, keepdims=True)
+
+
+@pytest.fixture(scope="session")
+def real_model_path():
+    """real_model_path(name) -> Path of a catalog model, downloaded once into PANTHEON_HOME."""
+    from pantheon import catalog
+
+    def get(name: str) -> Path:
+        return catalog.pull(name, progress=False)
+
+    return get
+
+
+_loaded: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session")
+def load_real(real_model_path):
+    """load_real(name) -> a Model loaded once per test session (shared by every test that asks)."""
+    from pantheon import engine
+
+    def get(name: str):
+        if name not in _loaded:
+            _loaded[name] = engine.load(real_model_path(name), engine.LoadOptions(name=name, max_seq=1024, n_slots=8))
+        return _loaded[name]
+
+    return get

@@ -30,8 +30,8 @@ Choices (the OpenAI API leaves them open):
   client. Tool-call bodies are not content either. Empty stop strings are ignored (they would match at once).
 * A tool-call block ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (Qwen/Hermes style) is emitted
   only once complete. A malformed block is emitted verbatim, tags included, as content, so nothing the model
-  wrote is lost; so is an unterminated block at `Emitter.finish` (think markers in it are still dropped). Inside reasoning, tool-call tags are plain
-  reasoning text (models talk about the calls they plan).
+  wrote is lost; so is an unterminated block at `Emitter.finish` (think markers in it are still dropped).
+  Inside reasoning, tool-call tags are plain reasoning text (models talk about the calls they plan).
 * A tool-call delta carries the raw body (the text between the tags) in `Delta.text`, which is what makes
   "nothing is lost" checkable.
 * "Everything from the stop string on is cut" includes tool calls: a call that comes after the start of a

@@ -7,16 +7,16 @@ concurrently because each model has its own backend and lock.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
+from .. import osthread
 from ..errors import BusyError
 from .api import Finished, GenRequest, Sink, Started, Tokens
 
 
 class _Handle:
     def __init__(self) -> None:
-        self.cancelled = threading.Event()
+        self.cancelled = osthread.Event()
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -28,7 +28,7 @@ class SingleUserBackend:
     def __init__(self, model: Any):
         self.model = model
         # gen_lock: held by the one thread generating on this model; acquired non-blocking (429 if held).
-        self.gen_lock = threading.Lock()
+        self.gen_lock = osthread.Lock()
         self._state = model.new_state()
         self._closed = False
         self._served = 0
@@ -40,10 +40,8 @@ class SingleUserBackend:
             raise BusyError("a generation is already in progress on this model; retry shortly",
                             status=429, retry_after=1)
         handle = _Handle()
-        t = threading.Thread(target=self._run, args=(req, sink, handle), name=f"gen-{self.model.name}",
-                             daemon=True)
         try:
-            t.start()
+            osthread.start_thread(lambda: self._run(req, sink, handle), name=f"gen-{self.model.name}")
         except BaseException:
             self.gen_lock.release()
             raise

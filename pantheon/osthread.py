@@ -1,0 +1,161 @@
+"""Real OS threads and locks, even inside a gevent-monkey-patched process.
+
+gunicorn's gevent worker patches `threading`, so `threading.Thread` becomes a greenlet and
+`threading.Lock` a cooperative lock. The JAX driver threads must be real OS threads (a greenlet
+blocked in XLA would freeze the hub), and the primitives they share with other OS threads must be
+the original ones. Greenlets only ever hold these locks for a few microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def _original(module: str, name: str) -> Any:
+    try:
+        from gevent import monkey
+        if monkey.is_module_patched(module):
+            return monkey.get_original(module, name)
+    except ImportError:
+        pass
+    return getattr(__import__(module), name)
+
+
+def Lock() -> Any:
+    return _original("threading", "Lock")()
+
+
+def RLock() -> Any:
+    return _original("threading", "RLock")()
+
+
+class Condition:
+    """A condition variable built only from original locks.
+
+    The stdlib class allocates its per-waiter locks through the (patched) threading module, so
+    under gevent it would hand OS threads cooperative locks. Waiters here are original locks.
+    """
+
+    def __init__(self, lock: Any = None):
+        self._lock = lock if lock is not None else Lock()
+        self._waiters: list[Any] = []  # locks held by waiting threads; guarded by self._lock
+
+    def __enter__(self) -> "Condition":
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def acquire(self, *args: Any) -> bool:
+        return self._lock.acquire(*args)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Release the lock, sleep until notified or timeout, re-acquire. Call with the lock held."""
+        waiter = Lock()
+        waiter.acquire()
+        self._waiters.append(waiter)
+        self._lock.release()
+        try:
+            got = waiter.acquire(True, -1 if timeout is None else max(0.0, timeout))
+        finally:
+            self._lock.acquire()
+        if not got:
+            try:
+                self._waiters.remove(waiter)
+            except ValueError:
+                got = True  # notified between the timeout and re-acquiring
+        return got
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        import time
+        end = None if timeout is None else time.monotonic() + timeout
+        result = predicate()
+        while not result:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self.wait(left)
+            result = predicate()
+        return result
+
+    def notify(self, n: int = 1) -> None:
+        for w in self._waiters[:n]:
+            w.release()
+        del self._waiters[:n]
+
+    def notify_all(self) -> None:
+        self.notify(len(self._waiters))
+
+
+class Event:
+    """threading.Event semantics over original locks (the stdlib class would use patched ones)."""
+
+    def __init__(self) -> None:
+        self._cond = Condition()
+        self._flag = False  # guarded by self._cond
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        with self._cond:
+            self._flag = True
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        with self._cond:
+            self._flag = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._flag, timeout)
+
+
+class OSThread:
+    """Handle of a thread started with the original `_thread.start_new_thread`.
+
+    The original `threading.Thread` class still uses the patched module's internals (its start()
+    waits on a cooperative event), so the raw primitive is used and joining is done with an
+    original lock released when the target returns.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._done = Lock()
+        self._done.acquire()
+
+    def join(self, timeout: float | None = None) -> bool:
+        if self._done.acquire(True, -1 if timeout is None else max(0.0, timeout)):
+            self._done.release()
+            return True
+        return False
+
+    def is_alive(self) -> bool:
+        if self._done.acquire(False):
+            self._done.release()
+            return False
+        return True
+
+
+def start_thread(target: Callable[[], None], name: str) -> OSThread:
+    """Run `target` in a real OS thread; returns a handle that can be joined."""
+    handle = OSThread(name)
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            handle._done.release()
+
+    _original("_thread", "start_new_thread")(run, ())
+    return handle
+
+
+def sleep(seconds: float) -> None:
+    """time.sleep that really sleeps this OS thread (the patched one would switch greenlets)."""
+    _original("time", "sleep")(seconds)

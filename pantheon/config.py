@@ -27,6 +27,26 @@ def _int(env: dict[str, str], name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from exc
 
 
+def split_model_specs(raw: str) -> tuple[str, ...]:
+    """Split PANTHEON_MODELS into `[NAME=]MODEL[@DIE,DIE]` specs.
+
+    `;` (or a newline) separates models, because a die list `@0,1` itself contains commas. For
+    convenience a comma also separates models when what follows it is not a bare die number, so
+    `a@0,1,b` is read as `a@0,1` and `b` (a model is never named by digits alone).
+    """
+    specs: list[str] = []
+    for part in raw.replace("\n", ";").split(";"):
+        pieces: list[str] = []
+        for piece in part.split(","):
+            piece = piece.strip()
+            if piece.isdigit() and pieces and "@" in pieces[-1]:
+                pieces[-1] += "," + piece
+            elif piece:
+                pieces.append(piece)
+        specs.extend(pieces)
+    return tuple(specs)
+
+
 def _float(env: dict[str, str], name: str, default: float) -> float:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -66,7 +86,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     """Read the environment once; callers keep the returned object."""
     env = dict(os.environ if env is None else env)
     home = Path(env.get("PANTHEON_HOME") or Path.home() / ".cache" / "pantheon").expanduser()
-    models = tuple(m for m in (env.get("PANTHEON_MODELS") or "").split(",") if m.strip())
+    models = split_model_specs(env.get("PANTHEON_MODELS") or "")
     origins = tuple(o.strip() for o in (env.get("PANTHEON_CORS_ORIGINS") or "").split(",") if o.strip())
     model_dir = env.get("PANTHEON_MODEL_DIR")
     raw_slots = env.get("QWEN35_BATCH_SLOTS")
@@ -76,7 +96,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         batch_slots = 8
     return Settings(
         home=home,
-        models=tuple(m.strip() for m in models),
+        models=models,
         api_key=env.get("PANTHEON_API_KEY") or None,
         admin_key=env.get("PANTHEON_ADMIN_KEY") or None,
         model_dir=Path(model_dir).expanduser().resolve() if model_dir else None,

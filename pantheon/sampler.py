@@ -49,7 +49,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -221,8 +221,12 @@ def recent_window(history: Sequence[int], width: int) -> np.ndarray:
 
 
 def _ordered_key(x: jax.Array) -> jax.Array:
-    """Map f32 to u32 so that unsigned order equals float order (for non-NaN values; -0 was removed first)."""
-    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    """Map f32 to u32 so that unsigned order equals float order (non-NaN values).
+
+    -0.0 is first turned into +0.0: float comparison treats them as equal, and the keys must agree with it so
+    that a threshold found by bisection over keys means the same thing as ``x >= thr``.
+    """
+    u = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
     return jnp.where(u >> 31 != 0, ~u, u | jnp.uint32(0x80000000))
 
 
@@ -231,8 +235,8 @@ def _from_ordered_key(k: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(u, jnp.float32)
 
 
-def _bisect_max_key(keys: jax.Array, ok) -> jax.Array:
-    """Per row, the largest u32 ``t`` with ``ok(keys >= t)`` true, given that ``ok`` is monotone (true at 0).
+def _bisect_max_key(keys: jax.Array, ok: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Per row, the largest u32 ``t`` with ``ok(keys >= t)`` true, for an ``ok`` that is monotone and true at 0.
 
     32 halvings of the u32 range pin ``t`` exactly; each costs one pass over ``keys``.  The result is the key
     of a value present in the row, so thresholds found this way are real logits.
@@ -252,12 +256,17 @@ def _bisect_max_key(keys: jax.Array, ok) -> jax.Array:
     return lo
 
 
-def _penalise(logits: jax.Array, rows: SamplerRows, recent: jax.Array) -> jax.Array:
-    """Apply repetition / frequency / presence penalties to the tokens of each row's recent window.
+def apply_penalties(logits: jax.Array, rows: SamplerRows, recent: jax.Array) -> jax.Array:
+    """Repetition / frequency / presence penalties on the tokens of each row's recent window (f32[B, V]).
 
-    Work is O(W^2) per row (W = window width, 64 by default) plus a scatter of W values, never O(V).  With
+    For each distinct token t among the last ``penalty_window`` valid entries of ``recent`` (ids outside
+    [0, V) are ignored), with c = its count there:
+    ``l = l / rp if l > 0 else l * rp``, then ``l -= c * frequency_penalty + presence_penalty``.
+    Work is O(W^2) per row plus a scatter of W values, never O(V) beyond the copy of the logits.  With
     neutral penalties every touched logit is rewritten with its own value, so greedy stays exact.
     """
+    logits = jnp.asarray(logits, jnp.float32)
+    recent = jnp.asarray(recent, jnp.int32)
     b, v = logits.shape
     w = recent.shape[1]
     if w == 0:
@@ -277,10 +286,10 @@ def _penalise(logits: jax.Array, rows: SamplerRows, recent: jax.Array) -> jax.Ar
 
 
 def _first_above(cum: jax.Array, target: jax.Array, npos: jax.Array) -> jax.Array:
-    """Inverse CDF: first index whose cumulative weight exceeds ``target``, clamped to the last positive weight.
+    """Inverse CDF: first index whose cumulative weight exceeds ``target``, clamped to ``npos - 1``.
 
     The first index where ``cum`` exceeds a value below the total always carries positive weight; the clamp
-    only catches ``u * total`` rounding up to the total.
+    (``npos`` = 1 + the last index with positive weight) only catches ``u * total`` rounding up to the total.
     """
     return jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), npos - 1).astype(jnp.int32)
 
@@ -303,22 +312,44 @@ def _draw_full(x: jax.Array, p: jax.Array, thr: jax.Array, u1: jax.Array, u2: ja
     return blk * _DRAW_BLOCK + j
 
 
-def _sample_penalised(x: jax.Array, rows: SamplerRows, step: jax.Array) -> jax.Array:
-    """Steps 2-4 of the pipeline on already-penalised, zero-canonicalised logits ``x`` (f32[B, V])."""
+class _Filtered(NamedTuple):
+    greedy: jax.Array  # bool[B]
+    p: jax.Array  # f32[B, V] unnormalised probabilities after temperature (max token = 1)
+    cand_x: jax.Array  # f32[B, K] the K largest logits, descending
+    cand_i: jax.Array  # i32[B, K] their ids
+    cand_p: jax.Array  # f32[B, K] their entries of p
+    thr: jax.Array  # f32[B] a token may be drawn iff its logit >= thr (for non-greedy rows)
+
+
+def _filter(x: jax.Array, rows: SamplerRows, kc: int) -> _Filtered:
+    """Temperature, then the top-k / top-p / min-p threshold of every row, on penalised logits ``x``."""
     b, v = x.shape
-    kc = min(CANDIDATES, v)
     greedy = (rows.temperature <= 0) | (rows.top_k == 1)
     temp = jnp.where(greedy, 1.0, rows.temperature)
 
-    # The barrier keeps XLA from folding our later slices (e.g. [:, 0]) into the top_k; CPU XLA only uses its
-    # fast top-k kernel when the sort is followed by plain [:k] slices, otherwise it fully sorts the row (~60x).
-    cand_x, cand_i = jax.lax.optimization_barrier(jax.lax.top_k(x, kc))  # descending
-    xmax = cand_x[:, 0]
+    # Candidates are only needed by rows with a filter on (rows without one draw from the whole vocabulary
+    # unless the candidates are the whole vocabulary), so a temperature-only batch skips the top_k.
+    filtered = ~greedy & (((rows.top_k > 1) & (rows.top_k < v)) | (rows.top_p < 1.0) | (rows.min_p > 0.0))
+
+    def top() -> tuple[jax.Array, jax.Array]:
+        # The barrier keeps XLA from folding later slices (e.g. [:, -1]) into the top_k: CPU XLA only uses its
+        # fast top-k kernel when the sort is followed by plain [:k] slices, otherwise it sorts whole rows (~60x).
+        return jax.lax.optimization_barrier(jax.lax.top_k(x, kc))  # descending
+
+    if kc == v:
+        cand_x, cand_i = top()
+    else:
+        cand_x, cand_i = jax.lax.cond(
+            jnp.any(filtered),
+            top,
+            lambda: (jnp.full((b, kc), jnp.inf, jnp.float32), jnp.zeros((b, kc), jnp.int32)),
+        )
+    xmax = jnp.max(x, axis=-1)
     p = jnp.exp((x - xmax[:, None]) / temp[:, None])  # unnormalised, most likely token has weight 1
     cand_p = jnp.take_along_axis(p, cand_i, axis=1)  # the very same values as in p
     neg_inf = jnp.full((b,), -jnp.inf, jnp.float32)
 
-    # top-k: the k-th largest logit (candidates if k <= kc, else bisection over the whole row).
+    # top-k: the k-th largest logit (from the candidates if k <= kc, else bisection over the whole row).
     k = rows.top_k
     topk_on = (k > 1) & (k < v) & ~greedy
     big_k = topk_on & (k > kc)
@@ -355,44 +386,75 @@ def _sample_penalised(x: jax.Array, rows: SamplerRows, step: jax.Array) -> jax.A
     # min-p: p >= min_p * p_max  <=>  x >= xmax + T * ln(min_p)   (ln 0 = -inf switches it off)
     tm = jnp.where(greedy, -jnp.inf, xmax + temp * jnp.log(rows.min_p))
     thr = jnp.maximum(jnp.maximum(tk, tp), tm)
+    return _Filtered(greedy, p, cand_x, cand_i, cand_p, thr)
 
+
+def _draw(x: jax.Array, f: _Filtered, rows: SamplerRows, step: jax.Array) -> jax.Array:
+    """Greedy rows: argmax.  Others: one inverse-CDF draw among tokens with ``x >= thr``, keyed by
+    ``fold_in(key(seed), step)`` of the row alone (vmapped, so no draw depends on the batch)."""
+    b, v = x.shape
+    kc = f.cand_x.shape[1]
     keys = jax.random.wrap_key_data(rows.seed, impl="threefry2x32")
     u = jax.vmap(lambda key, s: jax.random.uniform(jax.random.fold_in(key, s), (3,)))(keys, step)
 
     # Survivors all among the candidates (every non-candidate logit <= cand_x[-1] < thr): draw there.
-    in_cand = (kc == v) | (cand_x[:, -1] < thr)
-    cw = jnp.where(cand_x >= thr[:, None], cand_p, 0.0)  # a prefix of the descending candidates
+    in_cand = (kc == v) | (f.cand_x[:, -1] < f.thr)
+    cw = jnp.where(f.cand_x >= f.thr[:, None], f.cand_p, 0.0)  # a prefix of the descending candidates
     ccum = jnp.cumsum(cw, axis=-1)
     cpick = _first_above(ccum, u[:, 0] * ccum[:, -1], jnp.sum(cw > 0, axis=-1))
-    drawn = jnp.take_along_axis(cand_i, cpick[:, None], axis=1)[:, 0]
+    drawn = jnp.take_along_axis(f.cand_i, cpick[:, None], axis=1)[:, 0]
     full = jax.lax.cond(
-        jnp.any(~greedy & ~in_cand),
-        lambda: _draw_full(x, p, thr, u[:, 1], u[:, 2]),
+        jnp.any(~f.greedy & ~in_cand),
+        lambda: _draw_full(x, f.p, f.thr, u[:, 1], u[:, 2]),
         lambda: jnp.zeros((b,), jnp.int32),
     )
     drawn = jnp.where(in_cand, drawn, full)
-    return jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), drawn)
+    greedy_ids = jax.lax.cond(
+        jnp.any(f.greedy), lambda: jnp.argmax(x, axis=-1).astype(jnp.int32), lambda: jnp.zeros((b,), jnp.int32)
+    )
+    return jnp.where(f.greedy, greedy_ids, drawn)
 
 
-def sample(logits: jax.Array, rows: SamplerRows, recent: jax.Array, step: jax.Array) -> jax.Array:
+def _candidates(v: int, candidates: int | None) -> int:
+    return max(1, min(CANDIDATES if candidates is None else candidates, v))
+
+
+def sample(
+    logits: jax.Array, rows: SamplerRows, recent: jax.Array, step: jax.Array, *, candidates: int | None = None
+) -> jax.Array:
     """Pick one token id per row: ``i32[B]``.  Pure and jittable; call it inside the model step.
 
     ``logits`` f32[B, V] (any float dtype; computed in f32); ``rows`` from :func:`make_rows`; ``recent``
     i32[B, W] the last W tokens of each row's history (prompt + generated), oldest first, -1 = empty (see
     :func:`recent_window`), W >= the largest ``penalty_window`` in use; ``step`` i32[B] the index of the token
-    being generated within its request (0 for the first).  Only shapes are static.
+    being generated within its request (0 for the first).  Only shapes are static.  ``candidates`` (static,
+    default :data:`CANDIDATES`) sizes the fast path; it changes speed and which random number a row uses,
+    never which tokens may be drawn (tests shrink it to exercise the whole-vocabulary paths).
     """
-    x = _penalise(logits.astype(jnp.float32), rows, recent.astype(jnp.int32))
-    x = jnp.where(x == 0, 0.0, x)  # -0.0 -> +0.0 so the u32 ordering used by bisection matches float order
+    x = apply_penalties(logits, rows, recent)
     greedy = (rows.temperature <= 0) | (rows.top_k == 1)
+    kc = _candidates(x.shape[1], candidates)
     return jax.lax.cond(
         jnp.all(greedy),
         lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),  # all-greedy fast path: no top_k, no exp
-        lambda: _sample_penalised(x, rows, step.astype(jnp.int32)),
+        lambda: _draw(x, _filter(x, rows, kc), rows, step.astype(jnp.int32)),
     )
 
 
-sample_jit = jax.jit(sample)
+def kept_mask(
+    logits: jax.Array, rows: SamplerRows, recent: jax.Array, *, candidates: int | None = None
+) -> jax.Array:
+    """bool[B, V]: the tokens :func:`sample` may return for each row (after penalties and all filters).
+
+    Greedy rows allow exactly their argmax.  For checks and debugging, not for the hot path.
+    """
+    x = apply_penalties(logits, rows, recent)
+    f = _filter(x, rows, _candidates(x.shape[1], candidates))
+    greedy_mask = jnp.arange(x.shape[1])[None, :] == jnp.argmax(x, axis=-1)[:, None]
+    return jnp.where(f.greedy[:, None], greedy_mask, x >= f.thr[:, None])
+
+
+sample_jit = jax.jit(sample, static_argnames="candidates")
 
 
 def _pow2(n: int) -> int:

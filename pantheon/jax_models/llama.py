@@ -135,8 +135,14 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
                                   lp["w_down"])
         return (x, kc, vc), None
 
-    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    (x, kc, vc), _ = jax.lax.scan(layer, (x, state["k"], state["v"]), (params["layers"], layer_ids))
+    carry = (x, state["k"], state["v"])
+    if isinstance(params["layers"], (list, tuple)):  # unrolled: per-layer weights, no slicing copies
+        for li, lp in enumerate(params["layers"]):
+            carry, _ = layer(carry, (lp, li))
+    else:
+        layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+        carry, _ = jax.lax.scan(layer, carry, (params["layers"], layer_ids))
+    x, kc, vc = carry
     if not all_logits:
         x = common.last_valid(x, n_new)
     x = common.rms_norm(x, params["norm"], cfg.rms_eps)

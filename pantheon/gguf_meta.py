@@ -6,6 +6,7 @@ vocabulary without touching its weights.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,27 @@ from .errors import ModelLoadError
 
 
 def open_reader(path: str | Path) -> gguf.GGUFReader:
-    """Memory-map a GGUF file, turning every parse failure into a ModelLoadError naming the file."""
-    p = Path(path)
+    """Memory-map a GGUF file, turning every parse failure into a ModelLoadError naming the file.
+
+    Parsing a large vocabulary takes gguf's reader seconds, so readers are cached per
+    (path, size, mtime): loading a model again, or its tokenizer alone, reuses the parse.
+    """
+    p = Path(path).expanduser().resolve()
+    try:
+        st = p.stat()
+    except OSError:
+        st = None
+    if st is not None:
+        return _open_cached(p, st.st_size, st.st_mtime_ns)
+    return _open_uncached(p)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(p: Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    return _open_uncached(p)
+
+
+def _open_uncached(p: Path) -> gguf.GGUFReader:
     if not p.exists():
         raise ModelLoadError(p, "file does not exist")
     if not p.is_file():

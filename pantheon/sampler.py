@@ -17,7 +17,7 @@ Pipeline for one row (the order llama.cpp / vLLM users expect):
    likely token), then min-p (relative to the most likely token's probability);
 4. one draw from the surviving tokens with a key ``fold_in(key(seed), step)`` of the row's own seed and the
    index of the token being generated, so a seeded request gives the same tokens whatever batch row or
-   batch size it runs in.
+   batch size it runs in.  (Same JAX version and backend: a CPU and a GPU may round ``exp`` differently.)
 
 All three filters reduce to a single *logit threshold* per row: a token survives iff its penalised logit is
 ``>= thr``.  That makes ties explicit (tokens with equal logits are kept or dropped together, as vLLM's
@@ -30,17 +30,32 @@ identical results:
 * min-p keeps logits ``>= max + T * ln(min_p)``, i.e. ``p >= min_p * p_max`` evaluated in logit space the way
   llama.cpp does it (so it never depends on how ``exp`` rounds).
 
-Cost: a full sort of V=152k rows is ~370 ms on a CPU, so nothing here sorts the vocabulary.  The
+Cost: a full sort of 8 x 152k logits is ~390 ms on a CPU, so nothing here sorts the vocabulary.  The
 thresholds are first computed exactly from the ``CANDIDATES`` largest logits (``lax.top_k``); a row whose
 k exceeds that, or whose nucleus does not fit in the candidates, gets its threshold from an exact 32-step
 bisection over the float bit patterns of the whole row instead.  Likewise a row whose surviving tokens are
 all candidates draws among them; the others draw from the whole vocabulary (inverse CDF over 1024-token
 blocks).  Which path a row takes depends only on that row, so results never depend on its neighbours;
-batch-wide ``lax.cond`` only skips work no row needs (an all-greedy batch costs one ``argmax``).  There is
-no approximation: the candidate list is an optimisation, never a cap.
+batch-wide ``lax.cond`` only skips work no row needs (an all-greedy batch costs one ``argmax``, a batch
+without filters skips the ``top_k``).  There is no approximation: the candidate list is an optimisation,
+never a cap.
 
-Measured on the 2-core CPU dev box (jit, B=8, median of 20 calls; see tests/test_sampler.py docstring for
-how to reproduce): see the numbers reported in the module's change notes / PR.
+Measured with ``python -m pantheon.sampler`` (jit, B=8, median of 20 calls, 2 shared CPU cores, ms;
+"flat" = N(0,1) logits, the worst case for the nucleus fast path):
+
+=====================================  ==========  ==========
+rows (all 8 alike)                      V=49152     V=151936
+=====================================  ==========  ==========
+greedy (fast path)                        0.6-1.5     1.4-1.9
+greedy + penalties                        0.6-1.2     1.2-2.1
+temperature only                          0.6-0.9     2.0-3.0
+top_k=40 top_p=0.95 T=0.7                 2.5-3.0     4.5-5.9
+min_p=0.05 T=0.7                          2.5-3.2     4.3-7.1
+all filters + penalties                   2.5-3.1     5.6-6.5
+top_p=0.9 T=0.7, flat (bisection)         5.9         17-22
+top_k=1000 (bisection)                    5.2-12      14-18
+full sort alone (what we avoid)           127         393
+=====================================  ==========  ==========
 """
 
 from __future__ import annotations
@@ -193,7 +208,7 @@ def make_rows_np(params: Sequence[SamplingParams | None], bucket: int) -> Sample
         repetition_penalty=np.array([p.repetition_penalty for p in rows], dtype=np.float32),
         presence_penalty=np.array([p.presence_penalty for p in rows], dtype=np.float32),
         frequency_penalty=np.array([p.frequency_penalty for p in rows], dtype=np.float32),
-        seed=np.stack([(seeds >> np.uint64(32)).astype(np.uint32), (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)], axis=1),
+        seed=np.stack([(seeds >> np.uint64(32)).astype(np.uint32), seeds.astype(np.uint32)], axis=1),  # (hi, lo)
         penalty_window=window,
     )
 
@@ -334,7 +349,8 @@ def _filter(x: jax.Array, rows: SamplerRows, kc: int) -> _Filtered:
     def top() -> tuple[jax.Array, jax.Array]:
         # The barrier keeps XLA from folding later slices (e.g. [:, -1]) into the top_k: CPU XLA only uses its
         # fast top-k kernel when the sort is followed by plain [:k] slices, otherwise it sorts whole rows (~60x).
-        return jax.lax.optimization_barrier(jax.lax.top_k(x, kc))  # descending
+        vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(x, kc))  # descending
+        return vals, ids
 
     if kc == v:
         cand_x, cand_i = top()
@@ -478,3 +494,41 @@ def sample_host(logits: np.ndarray, params: SamplingParams, recent: Sequence[int
         np.array([step], dtype=np.int32),
     )
     return int(out[0])
+
+
+def _benchmark() -> None:  # pragma: no cover - a measuring tool, run by hand
+    """Print the timings quoted in the module docstring for this machine."""
+    import time
+
+    f = jax.jit(sample)
+    cases = {
+        "greedy": SamplingParams(temperature=0),
+        "greedy+penalties": SamplingParams(temperature=0, repetition_penalty=1.1, frequency_penalty=0.5),
+        "temperature": SamplingParams(temperature=0.8),
+        "k40 p0.95 T0.7": SamplingParams(temperature=0.7, top_k=40, top_p=0.95),
+        "min_p0.05 T0.7": SamplingParams(temperature=0.7, min_p=0.05),
+        "all+penalties": SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1),
+        "p0.9 T0.7": SamplingParams(temperature=0.7, top_p=0.9),
+        "k1000": SamplingParams(top_k=1000),
+    }
+    rng = np.random.default_rng(0)
+    for v in (49152, 151936):
+        for scale, label in ((1.0, "flat"), (4.0, "peaked")):
+            logits = jnp.asarray(rng.normal(size=(8, v)).astype(np.float32) * scale)
+            recent = jnp.asarray(rng.integers(0, v, size=(8, DEFAULT_PENALTY_WINDOW)).astype(np.int32))
+            step = jnp.zeros(8, jnp.int32)
+            out = []
+            for name, p in cases.items():
+                rows = make_rows([p] * 8, 8)
+                jax.block_until_ready(f(logits, rows, recent, step))
+                ts = []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(f(logits, rows, recent, step))
+                    ts.append(time.perf_counter() - t0)
+                out.append(f"{name}={np.median(ts) * 1e3:.1f}")
+            print(f"V={v} {label}: " + "  ".join(out), flush=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _benchmark()

@@ -16,6 +16,7 @@ A request that cannot start (queue timeout, shutdown, admission denied) gets onl
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,14 @@ class GenRequest:
     stop_ids: frozenset[int] = frozenset()
     session_id: str | None = None
     request_id: str = field(default_factory=lambda: secrets.token_hex(12))
+
+    def __post_init__(self) -> None:
+        # One seed per request (not per step), and a penalty window the in-step sampler can see.
+        from ..engine import PENALTY_WINDOW
+        p = self.params.resolved()
+        if p.penalty_window > PENALTY_WINDOW:
+            p = dataclasses.replace(p, penalty_window=PENALTY_WINDOW)
+        self.params = p
 
 
 @dataclass(frozen=True)

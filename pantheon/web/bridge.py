@@ -17,12 +17,22 @@ the WSGI environ (no read, so it never consumes or waits for data).
 
 from __future__ import annotations
 
+import importlib
 import select
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from .. import osthread
+
+
+def gevent_active() -> bool:
+    """True in a gevent-patched process (gunicorn's gevent worker): waits must then be cooperative."""
+    try:
+        from gevent import monkey
+    except ImportError:
+        return False
+    return bool(monkey.is_module_patched("threading"))
 
 
 class Timeout(Exception):
@@ -71,7 +81,7 @@ class Channel:
     """
 
     def __init__(self) -> None:
-        self._gevent = osthread.gevent_patched()
+        self._gevent = gevent_active()
         if self._gevent:
             from gevent.queue import Queue
             self._q: Any = Queue()
@@ -120,7 +130,15 @@ def call_in_thread(fn: Callable[..., Any], *args: Any, name: str = "pantheon-cal
     raise value
 
 
-_orig_poll = None
+def _unpatched(module: str, name: str) -> Any:
+    try:
+        from gevent import monkey
+    except ImportError:
+        return getattr(importlib.import_module(module), name)
+    return monkey.get_original(module, name)
+
+
+_poll = _unpatched("select", "poll")  # with a 0 timeout it never waits, patched or not
 
 
 def client_gone(environ: dict) -> bool:
@@ -137,17 +155,10 @@ def client_gone(environ: dict) -> bool:
         return True
     if fd < 0:
         return True
-    global _orig_poll
-    if _orig_poll is None:
-        from .. import osthread as _o
-        _orig_poll = _o._original("select", "poll")
-    p = _orig_poll()  # the unpatched poll: with a 0 timeout it never waits
+    p = _poll()
     rdhup = getattr(select, "POLLRDHUP", 0)
     p.register(fd, select.POLLIN | rdhup)
     events = p.poll(0)
     if not events:
         return False
-    flags = events[0][1]
-    if flags & (rdhup | select.POLLHUP | select.POLLERR | select.POLLNVAL):
-        return True
-    return False
+    return bool(events[0][1] & (rdhup | select.POLLHUP | select.POLLERR | select.POLLNVAL))

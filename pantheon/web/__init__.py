@@ -1,0 +1,99 @@
+"""The HTTP server: a Flask app factory for gunicorn's gevent worker (`pantheon.web:create_app()`).
+
+`create_app` does no JAX work itself: under gunicorn it runs in the worker after the fork, and it only
+starts one OS thread that loads the configured models (PANTHEON_MODELS) into the registry. Until that
+thread is done, `/` answers 503 `{"status": "loading"}`; chat requests get 503 until a model is ready.
+If a configured model cannot be loaded, the worker exits with gunicorn's boot-error code so the whole
+server stops with the error in its log instead of serving without the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+from flask import Flask
+
+from .. import osthread
+from ..config import Settings, load_settings
+from ..registry import Registry, parse_spec
+
+log = logging.getLogger(__name__)
+
+WORKER_BOOT_ERROR = 3  # gunicorn's arbiter halts when a worker exits with this code
+
+
+@dataclass
+class ServerState:
+    """Per-app state (in `app.extensions["pantheon"]`): settings, model table and startup status."""
+
+    settings: Settings
+    registry: Registry
+    status: str = "loading"  # "loading" -> "ok" | "failed"; written once by the startup thread
+    error: str | None = None
+    startup: object | None = field(default=None, repr=False)  # the startup OSThread
+
+
+def _configure_logging() -> None:
+    root = logging.getLogger("pantheon")
+    if not root.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
+    """Startup thread: load every configured model in order, then flip `/` to ok."""
+    settings = state.settings
+    try:
+        if settings.compile_cache:
+            from .. import compile_guard
+            compile_guard.enable_persistent_cache(settings.home)
+        for text in settings.models:
+            spec = parse_spec(text)
+            log.info("loading %s", text)
+            state.registry.load(spec.source, spec.name, spec.dies)
+        state.status = "ok"
+        log.info("ready: %d model instance(s) loaded", state.registry.ready_count())
+    except BaseException as exc:  # noqa: BLE001 - any failure ends startup with a message
+        state.error = f"{type(exc).__name__}: {exc}"
+        state.status = "failed"
+        log.critical("startup failed, not serving: %s", state.error)
+        if exit_on_failure:
+            logging.shutdown()
+            os._exit(WORKER_BOOT_ERROR)
+
+
+def create_app(settings: Settings | None = None, registry: Registry | None = None,
+               exit_on_failure: bool | None = None) -> Flask:
+    """Build the app and start loading the configured models in the background.
+
+    `exit_on_failure` (default: only inside a gunicorn worker) ends the process when a startup model
+    fails to load. Tests may pass their own `settings` and a `registry` with fake models.
+    """
+    _configure_logging()
+    settings = settings or load_settings()
+    for text in settings.models:  # fail fast on a malformed spec, before anything loads
+        try:
+            parse_spec(text)
+        except ValueError as exc:
+            raise SystemExit(f"pantheon: bad PANTHEON_MODELS entry: {exc}") from None
+    state = ServerState(settings=settings, registry=registry or Registry(settings))
+    app = Flask(__name__)
+    app.json.sort_keys = False
+    app.extensions["pantheon"] = state
+
+    from . import admin, errors, routes, security
+    errors.init_app(app)
+    security.init_app(app, settings)
+    app.register_blueprint(routes.bp)
+    app.register_blueprint(admin.bp)
+
+    if exit_on_failure is None:
+        exit_on_failure = "gunicorn.arbiter" in sys.modules
+    state.startup = osthread.start_thread(lambda: _load_startup_models(state, exit_on_failure),
+                                          name="pantheon-startup")
+    return app

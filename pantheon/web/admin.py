@@ -1,0 +1,99 @@
+"""Admin routes: load and unload models at runtime, and show how the dies are used.
+
+Loads and unloads block for seconds to minutes (weight upload, draining in-flight requests), so each
+runs in its own OS thread via `bridge.call_in_thread`; the request greenlet waits cooperatively and
+every other route keeps answering. Paths are confined to PANTHEON_MODEL_DIR (see `security`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flask import Blueprint, Response, jsonify
+
+from ..errors import CatalogError, RequestError
+from . import bridge
+from .routes import read_json, server
+from .security import model_path_in_dir
+
+bp = Blueprint("admin", __name__, url_prefix="/admin")
+
+LOAD_FIELDS = frozenset({"path", "model", "name", "dies"})
+UNLOAD_FIELDS = frozenset({"name", "instance_id", "timeout_s"})
+MAX_DIES = 64
+
+
+def _object(body: Any, allowed: frozenset[str]) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(f"{unknown[0]}: is not a supported field (allowed: {', '.join(sorted(allowed))})",
+                           param=unknown[0])
+    return body
+
+
+def _opt_str(body: dict, key: str) -> str | None:
+    v = body.get(key)
+    if v is not None and (not isinstance(v, str) or not v or len(v) > 4096):
+        raise RequestError(f"{key}: must be a non-empty string", param=key)
+    return v
+
+
+def _resolver(body: dict) -> tuple[str, Any]:
+    """(source, resolve) for a load body: catalog names pull from the catalog; paths stay in the model dir."""
+    from ..catalog import CATALOG, pull
+
+    path, model = _opt_str(body, "path"), _opt_str(body, "model")
+    if (path is None) == (model is None):
+        raise RequestError("give exactly one of \"path\" (a file in the model directory) or \"model\" "
+                           "(a catalog name)", param="path" if path else "model")
+    settings = server().settings
+    if model is not None and model in CATALOG:
+        return model, lambda src: pull(src, progress=False)
+    raw = path if path is not None else model
+    if model is not None and settings.model_dir is None:
+        raise CatalogError(f"{model!r} is not a catalog model; the catalog has: {', '.join(sorted(CATALOG))}")
+    target = model_path_in_dir(settings, raw)
+    if not target.is_file():
+        raise RequestError(f"no model file {raw!r} in the model directory", param="path" if path else "model",
+                           status=404, code="model_not_found")
+    return str(target), lambda src: Path(src)
+
+
+@bp.post("/models/load")
+def load() -> Response:
+    body = _object(read_json(), LOAD_FIELDS)
+    source, resolve = _resolver(body)
+    name = _opt_str(body, "name")
+    dies = body.get("dies")
+    if dies is not None:
+        if not isinstance(dies, list) or len(dies) > MAX_DIES or \
+                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dies):
+            raise RequestError("dies: must be a list of die numbers (non-negative integers)", param="dies")
+    registry = server().registry
+    info = bridge.call_in_thread(registry.load, source, name, dies, resolve, name="pantheon-admin-load")
+    return jsonify(status="loaded", **info)
+
+
+@bp.post("/models/unload")
+def unload() -> Response:
+    body = _object(read_json(), UNLOAD_FIELDS)
+    name, instance_id = _opt_str(body, "name"), _opt_str(body, "instance_id")
+    if (name is None) == (instance_id is None):
+        raise RequestError("give exactly one of \"name\" (every replica of that model) or \"instance_id\"",
+                           param="name")
+    timeout = body.get("timeout_s")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 <= timeout <= 86400):
+        raise RequestError("timeout_s: must be a number of seconds in [0, 86400]", param="timeout_s")
+    registry = server().registry
+    done = bridge.call_in_thread(registry.unload, name, instance_id, timeout, name="pantheon-admin-unload")
+    return jsonify(status="unloaded", unloaded=done)
+
+
+@bp.get("/dies")
+def dies() -> Response:
+    table = bridge.call_in_thread(server().registry.dies, name="pantheon-admin-dies")  # first call imports JAX
+    return jsonify(object="list", data=table)

@@ -1,0 +1,613 @@
+"""POST /v1/chat/completions: validate the body, run one generation, and shape the OpenAI response.
+
+`parse_chat_request` turns the JSON body into a `ChatRequest` or raises a 400 naming the field; it never
+ignores a field it does not honour. `Generation` owns everything one completion holds while it runs:
+the registry ref, the backend handle, the detokenizer and the emitter. Its life:
+
+1. `start()` renders the prompt, submits it, and waits (cooperatively) for the backend's first event,
+   so a refusal (queue timeout, busy single-user model) is still a real HTTP status;
+2. `pump()` yields text/tool-call deltas as tokens arrive, cancels the backend when a stop string is
+   hit, and notices a client that went away;
+3. `close()` (always, exactly once) cancels what still runs, waits a moment for the backend to confirm,
+   and releases the registry ref. Waiting for the confirmation means the model's slot/lock is free by
+   the time the client (or the next request) sees the answer.
+
+`SSEStream` is the streaming body: an iterable whose `close()` (called by the WSGI server, also on
+disconnect) closes the generation even if the iteration never started.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..emitter import Delta, Emitter, merge_deltas
+from ..errors import PantheonError, RequestError
+from . import bridge
+from .errors import from_exception
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_STOP = 4
+MAX_STOP_CHARS = 512
+MAX_ID_CHARS = 256
+POLL_S = 0.1  # longest a waiting request goes without checking that its client is still there
+CHECK_GAP_S = 0.02  # while events flow, check the client at most this often (one poll() syscall)
+CANCEL_WAIT_S = 5.0  # how long close() waits for the backend to confirm a cancel
+
+TOP_FIELDS = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "stream_options",
+    "tools", "tool_choice", "parallel_tool_calls", "session_id", "n", "user", "logprobs", "top_logprobs",
+    "response_format", "chat_template_kwargs",
+})
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content",
+                            "reasoning"})
+
+
+def new_completion_id() -> str:
+    """Unpredictable and unique across restarts (the seed used an unseeded rand())."""
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+class ClientGone(Exception):
+    """The client closed its connection; there is no one left to answer."""
+
+
+@dataclass
+class ChatRequest:
+    model: str | None
+    messages: list[dict]
+    params: Any  # SamplingParams
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    tools: list[dict] | None
+    tool_choice: Any  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    session_id: str | None
+    enable_thinking: bool | None
+
+    @property
+    def tools_enabled(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict] | None:
+        """Tools shown to the model: none for tool_choice "none", only the named one for a named choice."""
+        if not self.tools_enabled:
+            return None
+        if isinstance(self.tool_choice, dict):
+            want = self.tool_choice["function"]["name"]
+            return [t for t in self.tools if t["function"]["name"] == want]
+        return self.tools
+
+
+# ---- validation ------------------------------------------------------------------------------------
+def _bad(param: str, message: str) -> RequestError:
+    return RequestError(f"{param}: {message}", param=param)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _number(body: Mapping, key: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_num(v):
+        raise _bad(key, f"must be a number, got {json.dumps(v)[:40]}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise _bad(key, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+    return float(v)
+
+
+def _integer(body: Mapping, key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise _bad(key, f"must be an integer, got {json.dumps(v)[:40]}")
+    if v < lo or v > hi:
+        raise _bad(key, f"must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _string(body: Mapping, key: str, max_len: int = MAX_ID_CHARS) -> str | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _bad(key, "must be a string")
+    if len(v) > max_len:
+        raise _bad(key, f"must be at most {max_len} characters")
+    return v
+
+
+def _boolean(body: Mapping, key: str) -> bool | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise _bad(key, "must be true or false")
+    return v
+
+
+def _content(msg: Mapping, where: str, required: bool) -> None:
+    c = msg.get("content")
+    if c is None:
+        if required:
+            raise _bad(f"{where}.content", "is required")
+        return
+    if isinstance(c, str):
+        return
+    if not isinstance(c, list):
+        raise _bad(f"{where}.content", "must be a string or a list of text parts")
+    for j, part in enumerate(c):
+        p = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise _bad(p, "must be an object like {\"type\": \"text\", \"text\": \"...\"}")
+        if part.get("type") != "text":
+            raise _bad(f"{p}.type", f"only text parts are supported, got {json.dumps(part.get('type'))[:40]}")
+        extra = set(part) - {"type", "text"}
+        if extra:
+            raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{p}.text", "must be a string")
+
+
+def _tool_calls(msg: Mapping, where: str) -> None:
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return
+    if msg.get("role") != "assistant":
+        raise _bad(f"{where}.tool_calls", "is only allowed on assistant messages")
+    if not isinstance(calls, list):
+        raise _bad(f"{where}.tool_calls", "must be a list")
+    for j, call in enumerate(calls):
+        p = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise _bad(p, "must be an object")
+        if call.get("type", "function") != "function":
+            raise _bad(f"{p}.type", "must be \"function\"")
+        if call.get("id") is not None and not isinstance(call.get("id"), str):
+            raise _bad(f"{p}.id", "must be a string")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{p}.function", "must be an object with name and arguments")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"{p}.function.name", "must be a non-empty string")
+        args = fn.get("arguments")
+        if args is not None and not isinstance(args, (str, dict)):
+            raise _bad(f"{p}.function.arguments", "must be a JSON string")
+
+
+def _messages(body: Mapping) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise _bad("messages", "is required")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, "must be an object")
+        # Clients echo back response messages with null fields (refusal, audio...): nulls are ignored.
+        m = {k: v for k, v in m.items() if v is not None}
+        unknown = sorted(set(m) - MESSAGE_FIELDS)
+        if unknown:
+            raise _bad(f"{where}.{unknown[0]}", "is not supported")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {json.dumps(role)[:40]}")
+        _content(m, where, required=not (role == "assistant" and m.get("tool_calls")))
+        _tool_calls(m, where)
+        for key in ("name", "tool_call_id"):
+            if key in m and not isinstance(m[key], str):
+                raise _bad(f"{where}.{key}", "must be a string")
+        if "tool_call_id" in m and role != "tool":
+            raise _bad(f"{where}.tool_call_id", "is only allowed on tool messages")
+        for key in ("reasoning_content", "reasoning"):
+            if key in m and not isinstance(m[key], str):
+                raise _bad(f"{where}.{key}", "must be a string")
+        if "reasoning" in m and "reasoning_content" not in m:
+            m["reasoning_content"] = m["reasoning"]
+        m.pop("reasoning", None)
+        out.append(m)
+    return out
+
+
+def _tools(body: Mapping) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", "must be a list")
+    seen = set()
+    for i, t in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise _bad(p, "must be an object")
+        if t.get("type") != "function":
+            raise _bad(f"{p}.type", "must be \"function\"")
+        extra = set(t) - {"type", "function"}
+        if extra:
+            raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{p}.function", "must be an object")
+        extra = set(fn) - {"name", "description", "parameters", "strict"}
+        if extra:
+            raise _bad(f"{p}.function.{sorted(extra)[0]}", "is not supported")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise _bad(f"{p}.function.name", "must be a non-empty string of at most 64 characters")
+        if name in seen:
+            raise _bad(f"{p}.function.name", f"duplicate tool name {name!r}")
+        seen.add(name)
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise _bad(f"{p}.function.description", "must be a string")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise _bad(f"{p}.function.parameters", "must be a JSON Schema object")
+        if "strict" in fn and not isinstance(fn["strict"], bool):
+            raise _bad(f"{p}.function.strict", "must be true or false")
+    return tools or None
+
+
+def _tool_choice(body: Mapping, tools: list[dict] | None) -> Any:
+    tc = body.get("tool_choice")
+    if tc is None:
+        return "auto" if tools else "none"
+    if isinstance(tc, str):
+        if tc not in ("none", "auto", "required"):
+            raise _bad("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", ...}")
+        if tc == "required" and not tools:
+            raise _bad("tool_choice", "\"required\" needs tools")
+        return tc
+    if not isinstance(tc, dict) or tc.get("type") != "function" or not isinstance(tc.get("function"), dict) \
+            or not isinstance(tc["function"].get("name"), str):
+        raise _bad("tool_choice", "must be \"none\", \"auto\", \"required\" or "
+                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    names = {t["function"]["name"] for t in tools or []}
+    if tc["function"]["name"] not in names:
+        raise _bad("tool_choice.function.name", f"no tool named {tc['function']['name']!r} in tools")
+    return {"type": "function", "function": {"name": tc["function"]["name"]}}
+
+
+def _stop(body: Mapping) -> tuple[str, ...]:
+    s = body.get("stop")
+    if s is None:
+        return ()
+    items = [s] if isinstance(s, str) else s
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise _bad("stop", "must be a string or a list of strings")
+    if len(items) > MAX_STOP:
+        raise _bad("stop", f"at most {MAX_STOP} stop strings are allowed")
+    if any(len(x) > MAX_STOP_CHARS for x in items):
+        raise _bad("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters")
+    return tuple(x for x in items if x)
+
+
+def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
+    """Validate a chat-completions body; raises RequestError (400) naming the first bad field."""
+    from ..sampler import SamplingParams
+
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", param=None)
+    unknown = sorted(set(body) - TOP_FIELDS)
+    if unknown:
+        raise _bad(unknown[0], "is not a supported field" +
+                   (f" (also unsupported: {', '.join(unknown[1:6])})" if len(unknown) > 1 else ""))
+    model = _string(body, "model")
+    messages = _messages(body)
+    max_tokens = _integer(body, "max_tokens", 1, 1 << 31)
+    mct = _integer(body, "max_completion_tokens", 1, 1 << 31)
+    if mct is not None:
+        max_tokens = mct
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    top_k = _integer(body, "top_k", -1, 1 << 30)
+    min_p = _number(body, "min_p", 0.0, 1.0)
+    rep = _number(body, "repetition_penalty", 0.0, 10.0, lo_open=True)
+    pres = _number(body, "presence_penalty", -2.0, 2.0)
+    freq = _number(body, "frequency_penalty", -2.0, 2.0)
+    seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
+    stop = _stop(body)
+    stream = bool(_boolean(body, "stream"))
+    include_usage = False
+    so = body.get("stream_options")
+    if so is not None:
+        if not stream:
+            raise _bad("stream_options", "is only allowed when stream is true")
+        if not isinstance(so, dict):
+            raise _bad("stream_options", "must be an object")
+        extra = sorted(set(so) - {"include_usage"})
+        if extra:
+            raise _bad(f"stream_options.{extra[0]}", "is not supported")
+        iu = so.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise _bad("stream_options.include_usage", "must be true or false")
+        include_usage = bool(iu)
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
+    _boolean(body, "parallel_tool_calls")
+    session_id = _string(body, "session_id")
+    if session_id is None:
+        hdr = headers.get("X-Session-Id")
+        if hdr:
+            if len(hdr) > MAX_ID_CHARS:
+                raise _bad("X-Session-Id", f"must be at most {MAX_ID_CHARS} characters")
+            session_id = hdr
+    n = _integer(body, "n", 1, 1 << 30)
+    if n is not None and n != 1:
+        raise _bad("n", "only n=1 is supported")
+    _string(body, "user")
+    if _boolean(body, "logprobs"):
+        raise _bad("logprobs", "log probabilities are not supported (only false)")
+    if body.get("top_logprobs") not in (None, 0):
+        raise _bad("top_logprobs", "log probabilities are not supported")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise _bad("response_format", "only {\"type\": \"text\"} is supported (no constrained decoding)")
+    enable_thinking = None
+    ctk = body.get("chat_template_kwargs")
+    if ctk is not None:
+        if not isinstance(ctk, dict):
+            raise _bad("chat_template_kwargs", "must be an object")
+        extra = sorted(set(ctk) - {"enable_thinking"})
+        if extra:
+            raise _bad(f"chat_template_kwargs.{extra[0]}", "is not supported (only enable_thinking)")
+        enable_thinking = _boolean(ctk, "enable_thinking")
+    try:
+        params = SamplingParams(
+            temperature=1.0 if temperature is None else temperature,
+            top_k=0 if top_k is None or top_k < 0 else top_k,
+            top_p=1.0 if top_p is None else top_p,
+            min_p=0.0 if min_p is None else min_p,
+            repetition_penalty=1.0 if rep is None else rep,
+            presence_penalty=0.0 if pres is None else pres,
+            frequency_penalty=0.0 if freq is None else freq,
+            seed=seed,
+        )
+    except ValueError as exc:  # SamplingParams names the field first
+        field = str(exc).split(" ", 1)[0]
+        raise RequestError(str(exc), param=field) from None
+    return ChatRequest(model=model, messages=messages, params=params, max_tokens=max_tokens, stop=stop,
+                       stream=stream, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
+                       session_id=session_id, enable_thinking=enable_thinking)
+
+
+# ---- running one completion --------------------------------------------------------------------------
+def _json_line(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+class Generation:
+    """One completion in flight. Greenlet only: every method runs in the request's greenlet."""
+
+    def __init__(self, registry: Any, entry: Any, creq: ChatRequest, environ: dict):
+        self.registry = registry
+        self.entry = entry
+        self.creq = creq
+        self.environ = environ
+        self.id = new_completion_id()
+        self.created = int(time.time())
+        self.model_name = entry.name
+        self.channel = bridge.Channel()
+        self.handle: Any = None
+        self.finished = False  # the backend's Finished event has been seen
+        self.closed = False
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.capped = False
+        self.finish_reason: str | None = None
+        self.emitter: Emitter | None = None
+        self._stop_ids: frozenset[int] = frozenset()
+        self._decoder: Any = None
+        self._eos = False
+        self._last_check = time.monotonic()
+        self._replay: list[Any] = []  # events taken out early by start(), delivered before the channel's
+
+    # -- setup --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Render, tokenize, submit, and wait for the first event. Raises PantheonError for an HTTP error."""
+        from ..scheduler.api import Finished, GenRequest, Started
+
+        model = self.entry.model
+        tok = model.tokenizer
+        kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
+        if self.creq.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.creq.enable_thinking
+        rendered = model.template.render(self.creq.messages, **kwargs)
+        ids = tok.encode(rendered)
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids.insert(0, tok.bos_id)
+        limit = int(model.max_seq)
+        if len(ids) > limit - 1:
+            raise RequestError(f"messages: the prompt has {len(ids)} tokens; this model's context holds {limit} "
+                               "and at least one must be left to generate", param="messages",
+                               code="context_length_exceeded")
+        room = limit - len(ids)
+        want = self.creq.max_tokens
+        self.capped = want is not None and want > room
+        max_tokens = room if want is None else min(want, room)
+        self.prompt_tokens = len(ids)
+        self._stop_ids = frozenset(tok.eot_ids)
+        self._decoder = tok.stream(skip_special=True)
+        ends_in_think = getattr(model.template, "prompt_ends_in_think", None)
+        in_think = bool(ends_in_think(rendered)) if ends_in_think else False
+        self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled)
+        req = GenRequest(prompt_ids=ids, params=self.creq.params.resolved(), max_tokens=max_tokens,
+                         stop_ids=self._stop_ids, session_id=self.creq.session_id, request_id=self.id)
+        self.handle = self.entry.backend.submit(req, self.channel.put)
+        first = self._next_event()
+        if isinstance(first, Finished):
+            self.finished = True
+            if first.error is not None:
+                raise first.error
+        if not isinstance(first, Started):
+            self._replay.append(first)  # no Started (a backend may skip it): pump() sees it first
+
+    def _next_event(self) -> Any:
+        """Wait for the backend, checking every POLL_S that the client is still connected."""
+        if self._replay:
+            return self._replay.pop(0)
+        while True:
+            now = time.monotonic()
+            if now - self._last_check >= CHECK_GAP_S:
+                self._last_check = now
+                if bridge.client_gone(self.environ):
+                    raise ClientGone()
+            try:
+                return self.channel.get(timeout=POLL_S)
+            except bridge.Timeout:
+                continue
+
+    # -- running ----------------------------------------------------------------------------------------
+    def pump(self) -> Iterator[list[Delta]]:
+        """Yield lists of deltas until the backend finishes; sets finish_reason. Raises on a backend error."""
+        from ..scheduler.api import Finished, Tokens
+
+        em = self.emitter
+        assert em is not None
+        while True:
+            ev = self._next_event()
+            if isinstance(ev, Tokens):
+                out: list[Delta] = []
+                for tid in ev.ids:
+                    if em.stopped or self._eos:
+                        break  # over-generated past a stop string or EOS: discarded
+                    self.completion_tokens += 1
+                    if tid in self._stop_ids:
+                        self._eos = True
+                        break
+                    out += em.feed(self._decoder.push(tid))
+                    if em.stopped:
+                        self.handle.cancel()
+                if out:
+                    yield out
+            elif isinstance(ev, Finished):
+                self.finished = True
+                if ev.reason == "error" and not em.stopped:
+                    raise ev.error if ev.error is not None else RuntimeError("generation failed")
+                out = []
+                if not em.stopped:
+                    out += em.feed(self._decoder.flush())
+                out += em.finish()
+                if out:
+                    yield out
+                if em.finish_reason is not None:
+                    self.finish_reason = em.finish_reason
+                elif ev.reason == "length" and not self._eos:
+                    self.finish_reason = "length"
+                else:
+                    self.finish_reason = "stop"
+                return
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def close(self) -> None:
+        """Cancel if still running, wait briefly for the backend to confirm, release the ref. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.handle is not None and not self.finished:
+                log.info("request %s on %s: cancelling after %d tokens (client gone or request aborted)", self.id,
+                         self.model_name, self.completion_tokens)
+                self.handle.cancel()
+                deadline = time.monotonic() + CANCEL_WAIT_S
+                while time.monotonic() < deadline:
+                    try:
+                        ev = self.channel.get(timeout=max(0.01, deadline - time.monotonic()))
+                    except bridge.Timeout:
+                        break
+                    if type(ev).__name__ == "Finished":
+                        self.finished = True
+                        break
+                if not self.finished:
+                    log.warning("backend of %s did not confirm the cancel of %s within %.0f s", self.model_name,
+                                self.id, CANCEL_WAIT_S)
+        finally:
+            self.registry.release(self.entry)
+
+    # -- response shapes ---------------------------------------------------------------------------------
+    def complete(self) -> dict:
+        """Run to the end and return the non-streamed chat.completion object."""
+        deltas: list[Delta] = []
+        for batch in self.pump():
+            deltas += batch
+        merged = merge_deltas(deltas)
+        message = {"role": "assistant", "content": merged["content"],
+                   "reasoning_content": merged["reasoning_content"], "reasoning": merged["reasoning_content"],
+                   "tool_calls": merged["tool_calls"]}
+        out = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_name,
+               "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish_reason}],
+               "usage": self.usage()}
+        if self.capped:
+            out["context_capped"] = True
+        return out
+
+    def _chunk(self, delta: dict, finish_reason: str | None = None, **extra: Any) -> bytes:
+        return _json_line({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                           "model": self.model_name,
+                           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+                           **extra})
+
+    def sse(self) -> Iterator[bytes]:
+        """The SSE body: role chunk, deltas, finish chunk, optional usage chunk, [DONE]."""
+        error: BaseException | None = None
+        try:
+            yield self._chunk({"role": "assistant", "content": ""})
+            for batch in self.pump():
+                for d in batch:
+                    if d.kind == "content":
+                        yield self._chunk({"content": d.text})
+                    elif d.kind == "reasoning":
+                        yield self._chunk({"reasoning_content": d.text, "reasoning": d.text})
+                    elif d.tool_call is not None:
+                        yield self._chunk({"tool_calls": [d.tool_call]})
+            yield self._chunk({}, self.finish_reason, **({"context_capped": True} if self.capped else {}))
+            if self.creq.include_usage:
+                yield _json_line({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                                  "model": self.model_name, "choices": [], "usage": self.usage()})
+        except ClientGone:
+            return
+        except Exception as exc:  # after the 200 went out: report in-band
+            if not isinstance(exc, PantheonError):
+                log.exception("stream %s failed", self.id)
+            error = exc
+        if error is not None:
+            _, body, _ = from_exception(error)
+            yield _json_line(body)
+        yield b"data: [DONE]\n\n"
+
+
+class SSEStream:
+    """WSGI body for a stream: iterating yields SSE frames; close() always closes the generation, also
+    when the server closes the body without ever iterating it (a client gone before the first byte)."""
+
+    def __init__(self, gen: Generation):
+        self._gen = gen
+        self._it = gen.sse()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._it
+
+    def close(self) -> None:
+        try:
+            self._it.close()
+        finally:
+            self._gen.close()

@@ -1,0 +1,55 @@
+"""`pantheon serve`: check the model specs, fetch catalog models, then exec gunicorn with one gevent worker.
+
+Everything is handed to the worker through the environment (PANTHEON_MODELS, `;`-separated), so
+`pantheon serve --model a --model b@0,1` and `PANTHEON_MODELS='a;b@0,1' gunicorn -k gevent -w 1
+'pantheon.web:create_app()'` start the same server. One worker, because models live in its memory;
+concurrency comes from gevent (requests) and the backends' OS threads (generation). No `--preload`:
+JAX must first be touched after the fork.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import PantheonError
+
+
+def bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def gunicorn_argv(host: str, port: int, timeout: int) -> list[str]:
+    return [sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-b", bind_address(host, port),
+            "--timeout", str(max(0, timeout)), "--graceful-timeout", "10", "--keep-alive", "5",
+            "pantheon.web:create_app()"]
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Validate `--model` specs, pull catalog models (with progress, here rather than in the worker),
+    then replace this process with gunicorn. Returns only on a bad argument."""
+    from ..catalog import DEFAULT_MODEL, resolve_model
+    from ..config import split_model_specs
+    from ..registry import parse_spec
+
+    specs = [s for m in (args.model or []) for s in split_model_specs(m)]
+    if not specs:
+        specs = list(split_model_specs(os.environ.get("PANTHEON_MODELS", ""))) or [DEFAULT_MODEL]
+    for text in specs:
+        try:
+            spec = parse_spec(text)
+        except ValueError as exc:
+            print(f"pantheon: {exc}", file=sys.stderr)
+            return 2
+        try:
+            resolve_model(spec.source)  # a catalog name is downloaded now, with a progress bar
+        except PantheonError as exc:
+            print(f"pantheon: {exc}", file=sys.stderr)
+            return 1
+    env = dict(os.environ, PANTHEON_MODELS=";".join(specs))
+    argv = gunicorn_argv(args.host, args.port, int(getattr(args, "timeout", 0) or 0))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)
+    return 0  # not reached

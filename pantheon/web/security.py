@@ -1,0 +1,113 @@
+"""API keys, the admin gate, CORS and the request-body limit: checks that run before any route.
+
+* `PANTHEON_API_KEY` set: every route but `GET /` (a health probe) and CORS preflights needs it, as
+  `Authorization: Bearer KEY` or `X-Api-Key: KEY` (compared in constant time).
+* `/admin/*` needs `PANTHEON_ADMIN_KEY` the same way (the API key does not open it); with no admin key
+  configured the admin API is off (403), so a default install cannot be told to read files.
+* CORS is off unless `PANTHEON_CORS_ORIGINS` lists origins (or `*`).
+* Bodies larger than `PANTHEON_MAX_BODY_BYTES` are refused with 413 before they are read.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from flask import Flask, Response, request
+
+from ..config import Settings
+from ..errors import RequestError
+
+CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Session-Id"
+CORS_METHODS = "GET, POST, OPTIONS"
+
+
+def _presented_key() -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.headers.get("X-Api-Key")
+
+
+def _matches(presented: str | None, expected: str) -> bool:
+    if presented is None:
+        return False
+    return hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), expected.encode("utf-8"))
+
+
+def check_access(settings: Settings) -> None:
+    """Raise 401/403 unless the request may use the route it targets."""
+    if request.method == "OPTIONS" or request.path == "/":
+        return
+    key = _presented_key()
+    if request.path.startswith("/admin/") or request.path == "/admin":
+        if not settings.admin_key:
+            raise RequestError("the admin API is disabled (set PANTHEON_ADMIN_KEY to enable it)", status=403,
+                               code="admin_disabled")
+        if not _matches(key, settings.admin_key):
+            raise RequestError("a valid admin key is required (Authorization: Bearer KEY or X-Api-Key)",
+                               status=401, code="invalid_api_key")
+        return
+    if settings.api_key and not _matches(key, settings.api_key):
+        raise RequestError("a valid API key is required (Authorization: Bearer KEY or X-Api-Key)", status=401,
+                           code="invalid_api_key")
+
+
+def allowed_origin(settings: Settings, origin: str | None) -> str | None:
+    """The value for Access-Control-Allow-Origin, or None when CORS does not apply."""
+    if not origin or not settings.cors_origins:
+        return None
+    if "*" in settings.cors_origins:
+        return "*"
+    return origin if origin in settings.cors_origins else None
+
+
+def add_cors_headers(settings: Settings, resp: Response) -> Response:
+    allowed = allowed_origin(settings, request.headers.get("Origin"))
+    if allowed:
+        resp.headers["Access-Control-Allow-Origin"] = allowed
+        resp.headers["Vary"] = "Origin"
+        if request.method == "OPTIONS":
+            resp.headers["Access-Control-Allow-Methods"] = CORS_METHODS
+            resp.headers["Access-Control-Allow-Headers"] = CORS_HEADERS
+            resp.headers["Access-Control-Max-Age"] = "600"
+    return resp
+
+
+def model_path_in_dir(settings: Settings, raw: str) -> Path:
+    """Resolve an admin-supplied path inside PANTHEON_MODEL_DIR; anything outside it is refused (403).
+
+    Symlinks are resolved before the check, so a link out of the directory does not get out either.
+    """
+    if settings.model_dir is None:
+        raise RequestError("loading by path is disabled (set PANTHEON_MODEL_DIR); use a catalog name",
+                           param="path", status=403, code="path_not_allowed")
+    if "\x00" in raw:
+        raise RequestError("path contains a NUL byte", param="path")
+    root = settings.model_dir
+    candidate = Path(raw).expanduser()
+    if not candidate.is_absolute():
+        candidate = root / candidate
+    resolved = candidate.resolve()
+    if resolved != root and root not in resolved.parents:
+        raise RequestError(f"path {raw!r} is outside the model directory", param="path", status=403,
+                           code="path_not_allowed")
+    return resolved
+
+
+def init_app(app: Flask, settings: Settings) -> None:
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+
+    @app.before_request
+    def _gate() -> Response | None:
+        if request.method == "OPTIONS":
+            return Response("{}", status=200, mimetype="application/json")  # preflight: before any auth
+        if request.content_length is not None and request.content_length > settings.max_body_bytes:
+            raise RequestError(f"request body of {request.content_length} bytes exceeds the limit of "
+                               f"{settings.max_body_bytes}", status=413, code="request_too_large")
+        check_access(settings)
+        return None
+
+    @app.after_request
+    def _cors(resp: Response) -> Response:
+        return add_cors_headers(settings, resp)

@@ -1,0 +1,155 @@
+"""Start a real `gunicorn -k gevent` Pantheon server on a free local port for end-to-end tests.
+
+Each test module starts its own server once (module-scoped fixture) and stops it at the end; the server
+runs in its own process group so stopping it also stops the worker. Its log goes to a file whose tail
+is shown when it fails to come up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = Path(os.environ.get("PANTHEON_FIXTURES", ROOT.parent / "shared" / "fixtures")) / "tiny"
+LLAMA = str(TINY / "llama.gguf")
+QWEN2 = str(TINY / "qwen2.gguf")
+
+# Light defaults for every test server: CPU, small caches, no stray keys from the caller's shell.
+BASE_ENV = {"JAX_PLATFORMS": "cpu", "QWEN35_MAX_SEQ": "128", "QWEN35_BS_PREFILL_CHUNK": "32"}
+_CLEARED = ("PANTHEON_API_KEY", "PANTHEON_ADMIN_KEY", "PANTHEON_MODEL_DIR", "PANTHEON_CORS_ORIGINS",
+            "PANTHEON_DIE_BUDGET_MB", "PANTHEON_MAX_BODY_BYTES", "QWEN35_BATCH_SLOTS", "PANTHEON_MODELS",
+            "XLA_FLAGS")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process. `env` adds to BASE_ENV; `via_cli` starts it with `pantheon serve`."""
+
+    def __init__(self, models: list[str], env: dict[str, str] | None = None, via_cli: bool = False):
+        self.models = models
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {k: v for k, v in os.environ.items() if k not in _CLEARED}
+        self.env.update(BASE_ENV)
+        self.env.update(env or {})
+        self.via_cli = via_cli
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(tempfile.mkstemp(prefix="pantheon-server-", suffix=".log")[1])
+        self.seen_statuses: list[tuple[int, dict]] = []  # (HTTP status, body) of every / poll
+
+    def start(self) -> "Server":
+        if self.via_cli:
+            cmd = [sys.executable, "-m", "pantheon.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+            for m in self.models:
+                cmd += ["--model", m]
+        else:
+            self.env["PANTHEON_MODELS"] = ";".join(self.models)
+            cmd = [sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{self.port}",
+                   "pantheon.web:create_app()"]
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                r = requests.get(self.url + "/", timeout=2)
+                self.seen_statuses.append((r.status_code, r.json()))
+                if r.status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=15)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=5)
+        try:
+            self.log_path.unlink()
+        except OSError:
+            pass
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def post(self, path: str, body: object = None, key: str | None = None, **kw) -> requests.Response:
+        headers = kw.pop("headers", {})
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return requests.post(self.url + path, json=body, headers=headers, timeout=kw.pop("timeout", 120), **kw)
+
+    def get(self, path: str, key: str | None = None, **kw) -> requests.Response:
+        headers = kw.pop("headers", {})
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return requests.get(self.url + path, headers=headers, timeout=kw.pop("timeout", 30), **kw)
+
+
+def start_server(models: list[str], env: dict[str, str] | None = None, via_cli: bool = False,
+                 timeout: float = 240.0) -> Server:
+    srv = Server(models, env, via_cli).start()
+    try:
+        return srv.wait_ready(timeout)
+    except BaseException:
+        srv.stop()
+        raise
+
+
+def sse_events(resp: requests.Response) -> list:
+    """Parse an SSE body into JSON objects, ending with the string "[DONE]"."""
+    import json
+    out = []
+    for line in resp.iter_lines(decode_unicode=True):
+        if not line or not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_error(resp: requests.Response, status: int, param: str | None = None) -> dict:
+    """The response is a JSON error with this status (and names `param` when given)."""
+    assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    assert resp.headers.get("Content-Type", "").startswith("application/json"), resp.headers
+    body = resp.json()
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+        assert param.split("[")[0].split(".")[0] in err["message"], err
+    return err

@@ -196,6 +196,9 @@ def config_from_metadata(path: Path, meta: dict[str, Any], tensors: TensorSource
         expert_ffn=int(_scalar(meta, p + "expert_feed_forward_length", 0, path=path)),
         sliding_window=int(_scalar(meta, p + "attention.sliding_window", 0, path=path)),
         name=str(meta.get("general.name", path.stem)),
+        # Every "{arch}.*" key with the prefix stripped, for arch files that need more than the
+        # common fields (e.g. the hybrids' ssm.* sizes and attention.recurrent_layers).
+        extra={k[len(p):]: v for k, v in meta.items() if k.startswith(p)},
     )
 
 

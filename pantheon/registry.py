@@ -303,9 +303,9 @@ class Registry:
     def acquire(self, name: str | None) -> Entry:
         """The entry a request for `name` runs on, with its refcount taken; pair with `release`.
 
-        One resident model name: everything routes to it. Several: exact name (unknown -> 404); an empty
-        name takes the first resident entry. Replicas sharing a name: the one with fewest in-flight refs.
-        None resident -> 503.
+        An exact name match wins. Otherwise: a name that is loading/unloading -> 503; one resident model
+        name -> everything routes to it; an empty name -> the first resident entry; several resident and
+        an unknown name -> 404. Replicas sharing a name: the one with fewest in-flight refs. None -> 503.
         """
         with self._lock:
             ready = [e for e in self._entries if e is not None and e.state == READY]
@@ -314,16 +314,14 @@ class Registry:
                 raise _status_error("no model is loaded" + (" yet; one is loading or unloading" if busy else ""),
                                     503, "model_not_loaded")
             names = {e.name for e in ready}
-            if len(names) == 1:
-                candidates = ready
-            elif not name:
-                candidates = [e for e in ready if e.name == ready[0].name]
-            else:
-                candidates = [e for e in ready if e.name == name]
-                if not candidates:
-                    if any(e is not None and e.name == name for e in self._entries):
-                        raise _status_error(f"model {name!r} is loading or being unloaded", 503, "model_not_ready",
-                                            "model")
+            candidates = [e for e in ready if name and e.name == name]
+            if not candidates:
+                if name and any(e is not None and e.name == name for e in self._entries):
+                    raise _status_error(f"model {name!r} is loading or being unloaded", 503, "model_not_ready",
+                                        "model")
+                if len(names) == 1 or not name:
+                    candidates = [e for e in ready if e.name == ready[0].name]
+                else:
                     raise _status_error(f"model {name!r} is not loaded; loaded models: {', '.join(sorted(names))}",
                                         404, "model_not_found", "model")
             entry = min(candidates, key=lambda e: (e.refs, e.slot))
@@ -349,7 +347,7 @@ class Registry:
         with self._lock:
             if instance_id:
                 targets = [e for e in self._entries if e is not None and e.instance_id == instance_id]
-                what = f"instance {instance_id!r}"
+                what = f"instance_id {instance_id!r}"
             else:
                 targets = [e for e in self._entries if e is not None and e.name == name]
                 what = f"model {name!r}"

@@ -92,7 +92,7 @@ class Server:
             return
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(self.proc.pid, signal.SIGINT)  # gunicorn's quick shutdown
                 self.proc.wait(timeout=15)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 try:

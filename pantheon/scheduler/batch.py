@@ -97,7 +97,7 @@ class BatchScheduler:
     def __init__(self, model: Model, settings: Settings, pressure: Callable[[], int] | None = None,
                  warmup: bool = True):
         self.model = model
-        self.n_slots = model.n_slots
+        self.n_slots = min(model.n_slots, settings.batch_slots) if settings.batch_slots > 0 else model.n_slots
         self.chunk = min(settings.prefill_chunk, model.chunk)
         self.queue_depth = settings.queue_depth
         self.queue_wait_s = settings.queue_wait_s

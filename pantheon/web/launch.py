@@ -22,7 +22,7 @@ def bind_address(host: str, port: int) -> str:
 
 def gunicorn_argv(host: str, port: int, timeout: int) -> list[str]:
     return [sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-b", bind_address(host, port),
-            "--timeout", str(max(0, timeout)), "--graceful-timeout", "10", "--keep-alive", "5",
+            "--timeout", str(max(0, timeout)), "--graceful-timeout", "10",
             "pantheon.web:create_app()"]
 
 

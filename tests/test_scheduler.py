@@ -1,0 +1,238 @@
+"""The continuous-batching scheduler: correctness under concurrency, backpressure, reuse, no recompiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_fixture
+from pantheon import compile_guard, engine
+from pantheon.config import Settings
+from pantheon.errors import BusyError
+from pantheon.sampler import SamplingParams
+from pantheon.scheduler import Finished, GenRequest, Started, Tokens
+from pantheon.scheduler.batch import BatchScheduler
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Collector:
+    """A sink that records events and lets the test wait for Finished."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self.done = threading.Event()
+
+    def __call__(self, ev) -> None:
+        self.events.append(ev)
+        if isinstance(ev, Finished):
+            self.done.set()
+
+    @property
+    def ids(self) -> list[int]:
+        return [i for ev in self.events if isinstance(ev, Tokens) for i in ev.ids]
+
+    @property
+    def finished(self) -> Finished:
+        return next(ev for ev in self.events if isinstance(ev, Finished))
+
+    @property
+    def started(self) -> Started | None:
+        return next((ev for ev in self.events if isinstance(ev, Started)), None)
+
+
+def settings(**kw) -> Settings:
+    base = dict(home=Path("/tmp"), batch_slots=8, queue_depth=32, queue_wait_s=30.0, prefill_chunk=16)
+    base.update(kw)
+    return Settings(**base)
+
+
+@pytest.fixture(scope="module")
+def model():
+    path, _, _ = tiny_fixture("llama")
+    return engine.load(path, engine.LoadOptions(n_slots=8, max_seq=128, prefill_chunk=16))
+
+
+@pytest.fixture(scope="module")
+def sched(model):
+    s = BatchScheduler(model, settings())
+    yield s
+    s.close()
+
+
+def prompts() -> list[list[int]]:
+    _, j, _ = tiny_fixture("llama")
+    base = j["prompt_ids"]
+    return [base[: 3 + 3 * i] + [7 + i] * i for i in range(8)]
+
+
+def run_alone(model, prompt, params, n) -> list[int]:
+    return list(model.generate(prompt, params, max_tokens=n, stop_ids=[]))
+
+
+def submit(sched, prompt, params=GREEDY, n=12, session=None) -> Collector:
+    c = Collector()
+    sched.submit(GenRequest(prompt_ids=prompt, params=params, max_tokens=n, session_id=session), c)
+    return c
+
+
+def test_tiny_oracle_through_the_scheduler(sched):
+    _, j, _ = tiny_fixture("llama")
+    c = submit(sched, j["prompt_ids"], n=16)
+    assert c.done.wait(60)
+    assert c.ids == j["greedy_ids"]
+    assert c.finished.reason == "length" and c.finished.completion_tokens == 16
+
+
+def test_eight_concurrent_streams_equal_their_single_request_outputs(model, sched):
+    """Different lengths and sampling parameters, all in flight at once, each equal to running alone."""
+    ps = prompts()
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=1), GREEDY, SamplingParams(temperature=1.0, top_k=5, seed=7),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=3), GREEDY, SamplingParams(min_p=0.1, seed=11),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3)]
+    lengths = [5, 9, 13, 17, 7, 11, 15, 19]
+    alone = [run_alone(model, p, prm, n) for p, prm, n in zip(ps, params, lengths)]
+    cs = [submit(sched, p, prm, n) for p, prm, n in zip(ps, params, lengths)]
+    for c in cs:
+        assert c.done.wait(120)
+    assert [c.ids for c in cs] == alone
+
+
+def test_request_joining_midway_is_unaffected(model, sched):
+    ps = prompts()
+    first = submit(sched, ps[7], n=30)
+    while len(first.ids) < 5:
+        time.sleep(0.01)
+    late = submit(sched, ps[2], n=10)
+    assert first.done.wait(60) and late.done.wait(60)
+    assert first.ids == run_alone(model, ps[7], GREEDY, 30)
+    assert late.ids == run_alone(model, ps[2], GREEDY, 10)
+
+
+def test_eos_finishes_with_stop(sched, model):
+    _, j, _ = tiny_fixture("llama")
+    eos = j["greedy_ids"][3]
+    c = Collector()
+    sched.submit(GenRequest(prompt_ids=j["prompt_ids"], params=GREEDY, max_tokens=16, stop_ids=frozenset({eos})), c)
+    assert c.done.wait(60)
+    assert c.ids == j["greedy_ids"][:4] and c.finished.reason == "stop"
+
+
+def test_cancel_frees_the_slot_within_a_step(model):
+    s = BatchScheduler(model, settings(batch_slots=1), warmup=False)
+    try:
+        ps = prompts()
+        a = Collector()
+        h = s.submit(GenRequest(prompt_ids=ps[0], params=GREEDY, max_tokens=100), a)
+        while len(a.ids) < 2:
+            time.sleep(0.005)
+        h.cancel()
+        assert a.done.wait(10) and a.finished.reason == "cancelled"
+        b = submit(s, ps[1], n=3)
+        assert b.done.wait(10) and len(b.ids) == 3
+    finally:
+        s.close()
+
+
+def test_queue_then_429_with_retry_after(model):
+    """With every slot busy, requests queue up to the depth; the next one is refused at once."""
+    s = BatchScheduler(model, settings(queue_depth=3), warmup=False)
+    try:
+        ps = prompts()
+        running = [submit(s, ps[i % 8], n=60) for i in range(8)]
+        queued = [submit(s, ps[i], n=2) for i in range(3)]
+        with pytest.raises(BusyError) as exc:
+            s.submit(GenRequest(prompt_ids=ps[0], params=GREEDY, max_tokens=2), Collector())
+        assert exc.value.status == 429 and exc.value.retry_after == 5
+        for c in running + queued:
+            assert c.done.wait(120)
+        assert all(c.finished.reason == "length" for c in queued)
+    finally:
+        s.close()
+
+
+def test_queue_wait_timeout_is_429_retry_after_2(model):
+    s = BatchScheduler(model, settings(batch_slots=1, queue_wait_s=0.02), warmup=False)
+    try:
+        ps = prompts()
+        hog = submit(s, ps[0], n=120)
+        while not hog.ids:
+            time.sleep(0.001)
+        waiter = submit(s, ps[1], n=2)
+        assert waiter.done.wait(30)
+        fin = waiter.finished
+        assert fin.reason == "error" and isinstance(fin.error, BusyError)
+        assert fin.error.status == 429 and fin.error.retry_after == 2
+        assert waiter.started is None
+        assert hog.done.wait(60)
+    finally:
+        s.close()
+
+
+def test_cancelled_queued_request_leaves_the_queue(model):
+    s = BatchScheduler(model, settings(batch_slots=1), warmup=False)
+    try:
+        ps = prompts()
+        hog = submit(s, ps[0], n=40)
+        c = Collector()
+        h = s.submit(GenRequest(prompt_ids=ps[1], params=GREEDY, max_tokens=2), c)
+        h.cancel()
+        assert c.done.wait(5) and c.finished.reason == "cancelled" and not c.ids
+        assert s.load_info()["queued"] == 0
+        assert hog.done.wait(60)
+    finally:
+        s.close()
+
+
+def test_prefix_reuse_automatic_and_by_session(model):
+    """A follow-up sharing a prefix prefills only the suffix and produces the cold-prefill output."""
+    s = BatchScheduler(model, settings(batch_slots=2), warmup=False)
+    try:
+        _, j, _ = tiny_fixture("llama")
+        base = j["prompt_ids"]
+        first = submit(s, base[:20], n=6)
+        assert first.done.wait(30)
+        before = s.load_info()
+        follow = base[:20] + first.ids[:5] + [9, 10, 11]
+        second = submit(s, follow, n=6)
+        assert second.done.wait(30)
+        after = s.load_info()
+        assert second.started.reused_tokens >= 20
+        assert after["prefix_hits"] == before["prefix_hits"] + 1
+        assert after["prefill_tokens"] - before["prefill_tokens"] == len(follow) - second.started.reused_tokens
+        assert second.ids == run_alone(model, follow, GREEDY, 6)
+        # by session: the slot holding the session is preferred even when another slot shares more
+        third = submit(s, base[:10] + [5, 6], n=4, session="abc")
+        assert third.done.wait(30)
+        fourth = submit(s, base[:10] + [5, 6, 7, 8], n=4, session="abc")
+        assert fourth.done.wait(30)
+        assert fourth.started.reused_tokens == 12
+        assert fourth.ids == run_alone(model, base[:10] + [5, 6, 7, 8], GREEDY, 4)
+    finally:
+        s.close()
+
+
+def test_no_compilation_after_warmup(model, sched):
+    """Every bucket compiled at start-up: serving mixed traffic afterwards compiles nothing."""
+    n0 = compile_guard.compile_count()
+    ps = prompts()
+    cs = [submit(sched, p + p, SamplingParams(temperature=0.5, seed=i), 9) for i, p in enumerate(ps)]
+    for c in cs:
+        assert c.done.wait(120)
+    assert compile_guard.compile_count() == n0
+
+
+def test_owner_side_sampling_matches_driver_sampling(model):
+    s = BatchScheduler(model, settings(driver_sample=False), warmup=False)
+    try:
+        ps = prompts()
+        prm = SamplingParams(temperature=0.9, top_k=20, seed=5)
+        c = submit(s, ps[3], prm, 10)
+        assert c.done.wait(60)
+        assert c.ids == run_alone(model, ps[3], prm, 10)
+    finally:
+        s.close()

@@ -1,0 +1,347 @@
+"""The web layer on a scripted fake backend (Flask test client, no gunicorn, no JAX).
+
+A fake model turns every character into one token; its backend replays a script of events. That makes
+paths reachable that a real model cannot be steered into: a refusal before the first event (429 with
+Retry-After, even for stream=true), a backend error after the stream started (SSE error object, then
+[DONE]), reasoning and tool-call channels, stop strings cancelling the backend, admin path rules.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pantheon import osthread
+from pantheon.config import Settings
+from pantheon.errors import BusyError
+from pantheon.registry import Registry
+from pantheon.scheduler.api import Finished, Started, Tokens
+from pantheon.web import create_app
+from pantheon.web.chat import new_completion_id
+
+ADMIN = "admin-secret"
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+class CharTokenizer:
+    eot_ids = frozenset({0})
+    add_bos = False
+    bos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def stream(self, skip_special: bool = False):
+        class Dec:
+            def push(self, tid: int) -> str:
+                return chr(tid)
+
+            def flush(self) -> str:
+                return ""
+        return Dec()
+
+
+class Template:
+    def __init__(self, think: bool = False):
+        self.think = think
+
+    def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> str:
+        return "".join(str(m.get("content") or "") for m in messages) + ("<think>" if self.think else "")
+
+    def prompt_ends_in_think(self, rendered: str) -> bool:
+        return rendered.endswith("<think>")
+
+
+class FakeModel:
+    max_seq = 64
+    weight_bytes = 1000
+
+    def __init__(self, name: str, think: bool = False):
+        self.name = name
+        self.tokenizer = CharTokenizer()
+        self.template = Template(think)
+
+
+class Handle:
+    def __init__(self):
+        self.cancelled = osthread.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class ScriptBackend:
+    """Replays `script` (text, then a finish reason) or `events` (explicit list) from an OS thread."""
+
+    def __init__(self, model):
+        self.model = model
+        self.script: tuple[str, str] = ("hello", "length")
+        self.events: list | None = None
+        self.refuse: BusyError | None = None
+        self.last_request = None
+        self.last_handle: Handle | None = None
+
+    def submit(self, req, sink):
+        if self.refuse:
+            raise self.refuse
+        self.last_request = req
+        handle = self.last_handle = Handle()
+        events = self.events
+        text, reason = self.script
+
+        def run():
+            if events is not None:
+                for ev in events:
+                    sink(ev)
+                return
+            sink(Started())
+            n = 0
+            for ch in text:
+                if handle.cancelled.wait(0.001):
+                    sink(Finished("cancelled", completion_tokens=n))
+                    return
+                n += 1
+                sink(Tokens((ord(ch),)))
+                if ord(ch) == 0:
+                    sink(Finished("stop", completion_tokens=n))
+                    return
+            sink(Finished(reason, completion_tokens=n))
+
+        osthread.start_thread(run, name="script")
+        return handle
+
+    def load_info(self):
+        return {}
+
+    def close(self, timeout: float = 10.0):
+        pass
+
+
+@pytest.fixture()
+def app_and_reg(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "ok.gguf").write_bytes(b"GGUF")
+    (tmp_path / "secret.gguf").write_bytes(b"GGUF")
+    settings = Settings(home=tmp_path, admin_key=ADMIN, model_dir=(tmp_path / "models").resolve())
+    reg = Registry(settings, load_model=lambda p, n, d, s: FakeModel(n, think=n.startswith("think")),
+                   make_backend=lambda m, s: ScriptBackend(m),
+                   devices=lambda s: [{"die": 0, "platform": "cpu", "kind": "cpu", "budget_bytes": 10**9}],
+                   estimate=lambda p, s, pl: 1000)
+    app = create_app(settings, registry=reg, exit_on_failure=False)
+    app.extensions["pantheon"].startup.join(10)
+    reg.load("fake", "m", None, resolve=lambda s: Path(s))
+    return app, reg
+
+
+@pytest.fixture()
+def client(app_and_reg):
+    return app_and_reg[0].test_client()
+
+
+def backend(reg, name="m") -> ScriptBackend:
+    e = reg.acquire(name)
+    reg.release(e)
+    return e.backend
+
+
+def chat(client, **body):
+    body.setdefault("messages", HELLO)
+    return client.post("/v1/chat/completions", json=body)
+
+
+def sse(resp) -> list:
+    """The SSE events of a streamed response; closes it, as a WSGI server does after the last byte."""
+    out = []
+    text = resp.get_data(as_text=True)
+    resp.close()
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def in_flight(reg) -> int:
+    return sum(i["in_flight"] for i in reg.snapshot())
+
+
+def test_completion_ids_are_random():
+    ids = {new_completion_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(i.startswith("chatcmpl-") and len(i) == 33 for i in ids)
+
+
+def test_plain_completion(client, app_and_reg):
+    r = chat(client)
+    assert r.status_code == 200
+    body = r.get_json()
+    assert body["choices"][0]["message"]["content"] == "hello"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    req = backend(app_and_reg[1]).last_request
+    assert req.prompt_ids == [ord("h"), ord("i")] and req.max_tokens == 62 and req.stop_ids == frozenset({0})
+    assert in_flight(app_and_reg[1]) == 0
+
+
+def test_max_tokens_clamped_and_session(client, app_and_reg):
+    r = client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 500},
+                    headers={"X-Session-Id": "sess-9"})
+    assert r.get_json()["context_capped"] is True
+    req = backend(app_and_reg[1]).last_request
+    assert req.max_tokens == 62 and req.session_id == "sess-9"
+    chat(client, session_id="body-wins", max_tokens=3)
+    assert backend(app_and_reg[1]).last_request.session_id == "body-wins"
+
+
+def test_eos_is_stop_and_not_shown(client, app_and_reg):
+    backend(app_and_reg[1]).script = ("ok\0ignored", "stop")
+    body = chat(client).get_json()
+    assert body["choices"][0]["message"]["content"] == "ok"
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cancels_the_backend(client, app_and_reg, stream):
+    b = backend(app_and_reg[1])
+    b.script = ("hello STOP and much more text that should never be generated" * 3, "length")
+    r = chat(client, stop="STOP", stream=stream)
+    if stream:
+        chunks = sse(r)[:-1]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        body = r.get_json()
+        text, finish = body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"]
+    assert text == "hello " and finish == "stop"
+    assert b.last_handle.cancelled.is_set()
+    assert in_flight(app_and_reg[1]) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_refused_before_start_is_a_real_status(client, app_and_reg, stream):
+    b = backend(app_and_reg[1])
+    b.events = [Finished("error", error=BusyError("queue wait timed out", status=429, retry_after=2))]
+    r = chat(client, stream=stream)
+    r.close()
+    assert r.status_code == 429 and r.headers["Retry-After"] == "2"
+    assert r.get_json()["error"]["code"] == "server_busy"
+    b.events = None
+    b.refuse = BusyError("a generation is already in progress", status=429, retry_after=1)
+    r = chat(client, stream=stream)
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    b.refuse = BusyError("shutting down", status=503)
+    assert chat(client, stream=stream).status_code == 503
+    assert in_flight(app_and_reg[1]) == 0
+
+
+def test_error_after_start(client, app_and_reg):
+    b = backend(app_and_reg[1])
+    b.events = [Started(), Tokens((ord("a"), ord("b"))), Finished("error", error=RuntimeError("device lost"))]
+    r = chat(client, stream=True)
+    assert r.status_code == 200
+    events = sse(r)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "server_error" and set(events[-2]["error"]) == {
+        "message", "type", "param", "code"}
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2]) == "ab"
+    r = chat(client)
+    assert r.status_code == 500 and r.get_json()["error"]["type"] == "server_error"
+    assert in_flight(app_and_reg[1]) == 0
+
+
+def test_reasoning_channel(app_and_reg):
+    app, reg = app_and_reg
+    reg.load("fake", "think-model", None, resolve=lambda s: Path(s))
+    client = app.test_client()
+    backend(reg, "think-model").script = ("let me see</think>\n\nanswer", "stop")
+    msg = chat(client, model="think-model").get_json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == msg["reasoning"] == "let me see"
+    assert msg["content"] == "answer"
+    chunks = sse(chat(client, model="think-model", stream=True))[:-1]
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks)
+    assert reasoning == "let me see"
+    assert all(c["choices"][0]["delta"].get("reasoning") == c["choices"][0]["delta"].get("reasoning_content")
+               for c in chunks)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def test_tool_calls(client, app_and_reg):
+    backend(app_and_reg[1]).script = (CALL, "stop")
+    body = chat(client, tools=TOOLS).get_json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choice["message"]["content"] is None
+    chunks = sse(chat(client, tools=TOOLS, stream=True))[:-1]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert deltas[0]["tool_calls"][0]["index"] == 0
+    assert deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # tool_choice none: the same text is plain content
+    body = chat(client, tools=TOOLS, tool_choice="none").get_json()
+    assert body["choices"][0]["message"]["content"] == CALL and body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_prompt_too_long(client, app_and_reg):
+    r = chat(client, messages=[{"role": "user", "content": "x" * 64}])
+    assert r.status_code == 400 and r.get_json()["error"]["code"] == "context_length_exceeded"
+    assert in_flight(app_and_reg[1]) == 0
+
+
+# ---- admin on the fake registry ----------------------------------------------------------------------------
+def admin(client, path, body=None, key=ADMIN, method="POST"):
+    return client.open("/admin" + path, method=method, json=body, headers={"Authorization": f"Bearer {key}"})
+
+
+def test_admin_needs_the_admin_key(client):
+    assert admin(client, "/dies", method="GET", key="wrong").status_code == 401
+    assert client.get("/admin/dies").status_code == 401
+    assert admin(client, "/dies", method="GET").status_code == 200
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"path": "../secret.gguf"}, 403),
+    ({"path": "/etc/passwd"}, 403),
+    ({"path": "sub/../../secret.gguf"}, 403),
+    ({"path": "missing.gguf"}, 404),
+    ({"model": "not-in-catalog-or-dir"}, 404),
+    ({"path": "ok.gguf", "model": "smollm2-135m"}, 400),
+    ({}, 400),
+    ({"path": "ok.gguf", "dies": "0"}, 400),
+    ({"path": "ok.gguf", "dies": [True]}, 400),
+    ({"path": "ok.gguf", "quantize": True}, 400),
+    ({"path": 5}, 400),
+    ([1], 400),
+])
+def test_admin_load_rules(client, body, status):
+    r = admin(client, "/models/load", body)
+    assert r.status_code == status, r.get_data(as_text=True)
+    assert set(r.get_json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_admin_symlink_out_of_the_dir_is_refused(client, tmp_path):
+    (tmp_path / "models" / "link.gguf").symlink_to(tmp_path / "secret.gguf")
+    assert admin(client, "/models/load", {"path": "link.gguf"}).status_code == 403
+
+
+def test_admin_load_unload_cycle(client, app_and_reg):
+    r = admin(client, "/models/load", {"path": "ok.gguf", "name": "second", "dies": [0]})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    info = r.get_json()
+    assert info["status"] == "loaded" and info["name"] == "second" and info["dies"] == [0]
+    dies = admin(client, "/dies", method="GET").get_json()["data"]
+    assert {m["instance_id"] for m in dies[0]["models"]} >= {info["instance_id"]}
+    assert sorted(m["id"] for m in client.get("/v1/models").get_json()["data"]) == ["m", "second"]
+    assert admin(client, "/models/unload", {"instance_id": info["instance_id"]}).status_code == 200
+    assert admin(client, "/models/unload", {"name": "second"}).status_code == 404
+    assert admin(client, "/models/unload", {"name": "m", "instance_id": "x"}).status_code == 400
+    assert admin(client, "/models/unload", {"name": "m", "timeout_s": -1}).status_code == 400
+    assert admin(client, "/models/unload", {"name": "m", "timeout_s": 5}).status_code == 200
+    r = chat(client)
+    assert r.status_code == 503 and r.get_json()["error"]["code"] == "model_not_loaded"

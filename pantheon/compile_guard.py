@@ -16,11 +16,12 @@ from .errors import CompileForbiddenError
 
 _EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # fires for every new lowering, cache hit or not
 
-# _lock guards _count and _armed_threads; listeners run on whichever thread compiles.
+# _lock guards _count, _forbid and _forbidden_threads; listeners run on whichever thread compiles.
 _lock = threading.Lock()
 _count = 0
 _installed = False
 _forbid = False
+_forbidden_threads: set[int] = set()
 
 
 def _listener(name: str, duration: float, **_: object) -> None:
@@ -29,9 +30,19 @@ def _listener(name: str, duration: float, **_: object) -> None:
         return
     with _lock:
         _count += 1
-        forbid = _forbid
+        forbid = _forbid or threading.get_ident() in _forbidden_threads
     if forbid:
         raise CompileForbiddenError("a JAX compilation happened after warm-up (PANTHEON_FORBID_COMPILE=1)")
+
+
+def forbid_current_thread(flag: bool = True) -> None:
+    """Arm (or disarm) the guard for the calling thread only: a serving driver after its warm-up,
+    while other threads may still be loading and compiling other models."""
+    with _lock:
+        if flag:
+            _forbidden_threads.add(threading.get_ident())
+        else:
+            _forbidden_threads.discard(threading.get_ident())
 
 
 def install() -> None:

@@ -108,7 +108,10 @@ class Model:
     def new_state(self) -> Any:
         """Fresh state for n_slots sequences plus the scratch slot, on the model's device."""
         with jax.default_device(self.devices[0]):
-            return self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.dtype)
+            state = self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.dtype)
+        # Committed to the device like every step's output, so the first step and later ones share
+        # one compiled program (an uncommitted input is a different jit cache key).
+        return jax.device_put(state, self.devices[0])
 
     def state_bytes_per_token(self) -> int:
         return self.arch.state_bytes_per_token(self.config)

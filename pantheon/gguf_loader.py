@@ -64,6 +64,11 @@ class ModelConfig:
     expert_ffn: int = 0
     sliding_window: int = 0
     name: str = ""
+    rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (gemma3); 0 = the arch's own default
+    rope_orig_context: int = 0  # pre-extension context: LongRoPE uses its long factors beyond it
+    rope_attn_factor: float = 1.0  # LongRoPE multiplier of cos/sin
+    attn_softcap: float = 0.0  # scores -> c*tanh(scores/c) when > 0 (Gemma 2 style)
+    final_softcap: float = 0.0  # logits -> c*tanh(logits/c) when > 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -196,6 +201,11 @@ def config_from_metadata(path: Path, meta: dict[str, Any], tensors: TensorSource
         expert_ffn=int(_scalar(meta, p + "expert_feed_forward_length", 0, path=path)),
         sliding_window=int(_scalar(meta, p + "attention.sliding_window", 0, path=path)),
         name=str(meta.get("general.name", path.stem)),
+        rope_base_swa=float(_scalar(meta, p + "rope.freq_base_swa", 0.0, path=path)),
+        rope_orig_context=int(_scalar(meta, p + "rope.scaling.original_context_length", 0, path=path)),
+        rope_attn_factor=float(_scalar(meta, p + "rope.scaling.attn_factor", 1.0, path=path) or 1.0),
+        attn_softcap=float(_scalar(meta, p + "attn_logit_softcapping", 0.0, path=path) or 0.0),
+        final_softcap=float(_scalar(meta, p + "final_logit_softcapping", 0.0, path=path) or 0.0),
         # Every "{arch}.*" key with the prefix stripped, for arch files that need more than the
         # common fields (e.g. the hybrids' ssm.* sizes and attention.recurrent_layers).
         extra={k[len(p):]: v for k, v in meta.items() if k.startswith(p)},

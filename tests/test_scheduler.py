@@ -59,7 +59,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def sched(model):
-    s = BatchScheduler(model, settings())
+    s = BatchScheduler(model, settings(forbid_compile=True))
     yield s
     s.close()
 
@@ -234,5 +234,18 @@ def test_owner_side_sampling_matches_driver_sampling(model):
         c = submit(s, ps[3], prm, 10)
         assert c.done.wait(60)
         assert c.ids == run_alone(model, ps[3], prm, 10)
+    finally:
+        s.close()
+
+
+def test_compile_after_warmup_is_an_error_under_the_guard():
+    """PANTHEON_FORBID_COMPILE=1: a shape that warm-up did not compile fails its request, not the server."""
+    path, j, _ = tiny_fixture("llama")
+    fresh = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=96, prefill_chunk=16))
+    s = BatchScheduler(fresh, settings(batch_slots=2, forbid_compile=True), warmup=False)
+    try:
+        c = submit(s, j["prompt_ids"], n=3)
+        assert c.done.wait(30)
+        assert c.finished.reason == "error" and "compil" in str(c.finished.error)
     finally:
         s.close()

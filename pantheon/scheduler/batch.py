@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import osthread
+from .. import compile_guard, osthread
 from ..config import Settings
 from ..engine import PENALTY_WINDOW, Model
 from ..errors import BusyError
@@ -103,6 +103,7 @@ class BatchScheduler:
         self.queue_wait_s = settings.queue_wait_s
         self.driver_sample = settings.driver_sample
         self.log_stats = settings.bs_stats
+        self.forbid_compile = settings.forbid_compile
         self.pressure = pressure or (lambda: 0)
         # _mu guards _slots' state/job fields, _queue, _closed and stats; held only for bookkeeping,
         # never across a device step. _work (on _mu) wakes the driver: new job, cancel or close.
@@ -155,6 +156,8 @@ class BatchScheduler:
 
     # ---- the driver thread ---------------------------------------------------------------------
     def _drive(self) -> None:
+        if self.forbid_compile:  # every bucket was compiled by warm-up; a new compile is a bug
+            compile_guard.forbid_current_thread()
         while True:
             with self._mu:
                 if self._closed:

@@ -1,0 +1,156 @@
+"""Gemma 3 (text): the llama skeleton plus Gemma's differences, exactly as llama.cpp runs a GGUF.
+
+What differs from llama.py, and why each is done the way it is:
+
+* the embedding is multiplied by sqrt(hidden) in float32 (llama.cpp's exact value; HF rounds it to the
+  weight dtype, which only matters for bf16 checkpoints), while the tied LM head uses the unscaled table;
+* norm weights are used as stored: the GGUF converter already folded Gemma's ``(1 + w)`` into them;
+* sandwich norms: the attention and FFN outputs are RMS-normed again before each residual add;
+* per-head q/k RMSNorm before RoPE, GeGLU with tanh-approximate GELU;
+* layers interleave 5 sliding-window ("local") layers with 1 global one. Local layers rotate with base
+  10000 (or ``rope.freq_base_swa``) and no scaling, and a key is visible only when
+  ``q_pos - k_pos < sliding_window``; global layers use ``rope.freq_base`` with linear scaling;
+* the attention scale is llama.cpp's rule (1/sqrt(head_dim), except the 62-layer 27B), because the
+  GGUF does not carry HF's ``query_pre_attn_scalar``;
+* optional final logit soft-capping.
+
+KV cache: every layer keeps full-capacity K/V in the same ``[L, S, K, C, D]`` slot cache as llama.py, so
+prefix reuse by the scheduler (rewinding a slot to any earlier length) stays valid. Local layers only
+*read* the last ``sliding_window + T - 1`` positions of each row, so their attention cost is bounded by the
+window, not the context. (A window-sized ring would also bound their memory, but a ring forgets positions
+the scheduler may rewind to; see the module's report.)
+
+The layer loop is unrolled in Python: local and global layers read different key lengths, so they
+cannot share one ``lax.scan`` body.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..gguf_loader import ModelConfig, TensorSource
+from . import common
+
+ARCHS = ("gemma3",)
+SWA_PATTERN = 6  # llama.cpp's gemma3 loader: every 6th layer is global (no GGUF key carries this)
+LOCAL_ROPE_BASE = 10000.0  # hard-coded in llama.cpp for gemma3's local layers
+
+
+def is_global(cfg: ModelConfig, layer: int) -> bool:
+    """Layer `layer` attends to the whole context (else to the last `sliding_window` positions)."""
+    return cfg.sliding_window <= 0 or (layer + 1) % SWA_PATTERN == 0
+
+
+def attn_scale(cfg: ModelConfig) -> float:
+    """llama.cpp's gemma3 rule: 1/sqrt(hidden/heads) for the 62-layer 27B (query_pre_attn_scalar 168),
+    otherwise the file's scale (1/sqrt(head_dim) unless `attention.scale` says otherwise)."""
+    if cfg.n_layers == 62 and math.isclose(cfg.attn_scale, cfg.head_dim ** -0.5):
+        return (cfg.hidden / cfg.n_heads) ** -0.5
+    return cfg.attn_scale
+
+
+def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[str, Any]:
+    """Per-layer dicts in a list (the forward is unrolled, so no stacking and no slicing copies)."""
+    H, nh, nkv, hd, F = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn
+    params: dict[str, Any] = {
+        "embed": src.get("token_embd.weight", (cfg.vocab, H)).astype(dtype),
+        "norm": src.get("output_norm.weight", (H,)),
+        "head": None if cfg.tied_output else src.get("output.weight", (cfg.vocab, H)).astype(dtype),
+    }
+    shapes = {  # our name -> (GGUF name, shape, is a matrix)
+        "attn_norm": ("attn_norm", (H,), False),
+        "wq": ("attn_q", (nh * hd, H), True),
+        "wk": ("attn_k", (nkv * hd, H), True),
+        "wv": ("attn_v", (nkv * hd, H), True),
+        "wo": ("attn_output", (H, nh * hd), True),
+        "q_norm": ("attn_q_norm", (hd,), False),
+        "k_norm": ("attn_k_norm", (hd,), False),
+        "post_attn_norm": ("post_attention_norm", (H,), False),
+        "ffn_norm": ("ffn_norm", (H,), False),
+        "w_gate": ("ffn_gate", (F, H), True),
+        "w_up": ("ffn_up", (F, H), True),
+        "w_down": ("ffn_down", (H, F), True),
+        "post_ffw_norm": ("post_ffw_norm", (H,), False),
+    }
+    params["layers"] = [
+        {ours: src.get(f"blk.{i}.{name}.weight", shape).astype(dtype if matrix else np.float32)
+         for ours, (name, shape, matrix) in shapes.items()}
+        for i in range(cfg.n_layers)
+    ]
+    return params
+
+
+def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+    return common.init_kv(cfg.n_layers, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim, dtype)
+
+
+def state_bytes_per_token(cfg: ModelConfig) -> int:
+    return cfg.kv_bytes_per_token
+
+
+def _gather_recent(cache: jax.Array, layer: int, slots: jax.Array, first: jax.Array, length: int) -> jax.Array:
+    """[B, K, length, D]: positions first[b] .. first[b]+length-1 of each row's slot."""
+    lay = cache[layer]  # [S, K, C, D]
+    zero = jnp.zeros((), jnp.int32)
+
+    def one(slot, off):
+        return jax.lax.dynamic_slice(lay, (slot, zero, off, zero), (1,) + lay.shape[1:2] + (length,) + lay.shape[3:])[0]
+
+    return jax.vmap(one)(slots, first)
+
+
+def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
+            start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
+            all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Same contract as llama.forward: B rows of T tokens; logits [B, V] (or [B, T, V]) and new state."""
+    B, T = tokens.shape
+    nh, nkv, hd, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.sliding_window
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    rope = {
+        True: common.rope_angles(positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale),
+        False: common.rope_angles(positions, cfg.n_rot, cfg.rope_base_swa or LOCAL_ROPE_BASE),
+    }
+    scale = attn_scale(cfg)
+    # Local layers read only what a window can see: the last W + T - 1 positions up to start + T.
+    local_len = min(span, W + T - 1) if W > 0 else span
+    local_first = jnp.maximum(start + T - local_len, 0)  # [B]; first + local_len <= start + T <= span
+    x = params["embed"][tokens].astype(jnp.float32) * np.float32(math.sqrt(cfg.hidden))
+    kc, vc = state["k"], state["v"]
+
+    for li, lp in enumerate(params["layers"]):
+        glob = is_global(cfg, li)
+        cos, sin = rope[glob]
+        h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+        q = common.rms_norm(common.linear(h, lp["wq"]).reshape(B, T, nh, hd), lp["q_norm"], cfg.rms_eps)
+        k = common.rms_norm(common.linear(h, lp["wk"]).reshape(B, T, nkv, hd), lp["k_norm"], cfg.rms_eps)
+        v = common.linear(h, lp["wv"]).reshape(B, T, nkv, hd)
+        q = common.apply_rope(q, cos, sin, cfg.n_rot, cfg.rope_type)
+        k = common.apply_rope(k, cos, sin, cfg.n_rot, cfg.rope_type)
+        kc = common.write_kv(kc, li, k, slots, start)  # write before any read of the cache
+        vc = common.write_kv(vc, li, v, slots, start)
+        if glob or local_len == span:
+            ks, vs = common.gather_span(kc, li, slots, span), common.gather_span(vc, li, slots, span)
+            q_pos = positions
+        else:  # keys j of the slice sit at positions first + j: shift the queries to match
+            ks = _gather_recent(kc, li, slots, local_first, local_len)
+            vs = _gather_recent(vc, li, slots, local_first, local_len)
+            q_pos = positions - local_first[:, None]
+        o = common.attention(q, ks, vs, q_pos, scale, window=0 if glob else W, softcap=cfg.attn_softcap)
+        x = x + common.rms_norm(common.linear(o, lp["wo"]), lp["post_attn_norm"], cfg.rms_eps)
+        h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+        f = jax.nn.gelu(common.linear(h, lp["w_gate"]), approximate=True) * common.linear(h, lp["w_up"])
+        x = x + common.rms_norm(common.linear(f, lp["w_down"]), lp["post_ffw_norm"], cfg.rms_eps)
+
+    if not all_logits:
+        x = common.last_valid(x, n_new)
+    x = common.rms_norm(x, params["norm"], cfg.rms_eps)
+    head = params["embed"] if params["head"] is None else params["head"]
+    logits = common.linear(x, head).astype(jnp.float32)
+    if cfg.final_softcap:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits, {"k": kc, "v": vc}

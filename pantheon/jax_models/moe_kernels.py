@@ -1,0 +1,327 @@
+"""Mixture-of-experts FFN shared by every MoE arch: router top-k, then SwiGLU experts.
+
+Why several implementations of the same math: the best way to run "each token through its k of E
+experts" depends on the backend and on how many tokens a step carries.
+
+* `pallas` (GPU): tokens are sorted by expert into groups padded to a multiple of the row tile,
+  and one grouped-matmul kernel walks the tiles, each tile reading only its own expert's weights.
+  Pallas' Triton backend has no scalar prefetch, so the tile -> expert table is an ordinary input
+  and the kernel indexes the whole-weight ref itself. `pallas_prefetch` is the same kernel with
+  the table as scalar prefetch driving the weight BlockSpec (the TPU form). `pallas_interpret`
+  / `pallas_prefetch_interpret` run either kernel in Pallas' interpreter on CPU: slow, but they
+  prove the kernels right against the XLA paths (tests/test_moe_kernels.py).
+* `loop` (CPU, few tokens): a fori_loop over the (token, expert) pairs, each iteration a matvec
+  against one expert slice, so a decode step reads only the experts it uses.
+* `capacity` (CPU, many tokens): the pairs are scattered into an [E, C, H] buffer and the experts
+  run as one batched einsum. C is chosen *inside* the step by lax.switch among a few static
+  buckets (the smallest one that holds the fullest expert), so no token is ever dropped: the
+  result is exact, unlike training-style capacity factors.
+* `dense` (reference): every expert on every token, weighted by the sparse routing weights.
+
+`moe_ffn(h, router, w_gate, w_up, w_down, k)` is the one-call form an arch file uses; `route`
+and `experts` are its halves for archs whose routers differ (sigmoid, bias, group routing).
+Weights keep the GGUF/HF (out, in) layout: w_gate/w_up [E, F, H], w_down [E, H, F].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+IMPLS = ("auto", "dense", "capacity", "loop", "pallas", "pallas_interpret", "pallas_prefetch",
+         "pallas_prefetch_interpret")
+
+# On CPU the per-pair loop wins while a step carries at most this many (token, expert) pairs;
+# above it the capacity einsum does (measured: see the module's __main__ and the issue report).
+CPU_LOOP_MAX_PAIRS = 64
+
+
+# ---- routing -------------------------------------------------------------------------------------
+def route(logits: jax.Array, k: int, *, renormalize: bool = True,
+          scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Softmax over all experts in f32, top-k, optional renormalisation of the k weights.
+
+    Returns (weights [N, k] f32, expert ids [N, k] int32). `scale` multiplies the final weights
+    (GGUF `expert_weights_scale`; 1.0 for the Qwen and Mixtral families).
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(probs, k)
+    if renormalize:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    if scale != 1.0:
+        w = w * scale
+    return w, idx.astype(jnp.int32)
+
+
+# ---- XLA paths -----------------------------------------------------------------------------------
+def _dense(x, w, idx, wg, wu, wd):
+    E = wg.shape[0]
+    n = x.shape[0]
+    dense_w = jnp.zeros((n, E), jnp.float32).at[jnp.arange(n)[:, None], idx].add(w)
+    g = jnp.einsum("nh,efh->nef", x, wg, preferred_element_type=jnp.float32)
+    u = jnp.einsum("nh,efh->nef", x, wu, preferred_element_type=jnp.float32)
+    a = (jax.nn.silu(g) * u * dense_w[..., None]).astype(wd.dtype)
+    return jnp.einsum("nef,ehf->nh", a, wd, preferred_element_type=jnp.float32)
+
+
+def _loop(x, w, idx, wg, wu, wd):
+    n, k = idx.shape
+    e_flat = idx.reshape(-1)
+    w_flat = w.reshape(-1)
+
+    def body(p, acc):
+        t = p // k
+        e = e_flat[p]
+        xt = x[t]
+        g = jnp.dot(wg[e], xt, preferred_element_type=jnp.float32)
+        u = jnp.dot(wu[e], xt, preferred_element_type=jnp.float32)
+        y = jnp.dot(wd[e], (jax.nn.silu(g) * u).astype(wd.dtype), preferred_element_type=jnp.float32)
+        return acc.at[t].add(w_flat[p] * y)
+
+    return jax.lax.fori_loop(0, n * k, body, jnp.zeros((n, wd.shape[1]), jnp.float32))
+
+
+def _group_ranks(e_flat: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(rank of each pair inside its expert's group in pair order, per-expert counts)."""
+    P = e_flat.shape[0]
+    order = jnp.argsort(e_flat, stable=True)
+    counts = jnp.bincount(e_flat, length=n_experts).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    e_sorted = e_flat[order]
+    rank_sorted = jnp.arange(P, dtype=jnp.int32) - starts[e_sorted]
+    rank = jnp.zeros((P,), jnp.int32).at[order].set(rank_sorted)
+    return rank, counts
+
+
+def capacity_buckets(n_tokens: int, k: int, n_experts: int) -> tuple[int, ...]:
+    """Static capacities lax.switch chooses from; the last (= n_tokens) can never overflow."""
+    avg = -(-n_tokens * k // n_experts)
+    cands = {min(n_tokens, max(1, m * avg)) for m in (2, 4)} | {n_tokens}
+    return tuple(sorted(cands))
+
+
+def _capacity(x, w, idx, wg, wu, wd):
+    n, k = idx.shape
+    E = wg.shape[0]
+    e_flat = idx.reshape(-1)
+    t_flat = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)
+    rank, counts = _group_ranks(e_flat, E)
+    buckets = capacity_buckets(n, k, E)
+
+    def run(cap: int):
+        def f(_):
+            buf = jnp.zeros((E, cap, x.shape[1]), x.dtype).at[e_flat, rank].set(x[t_flat], mode="drop")
+            g = jnp.einsum("ech,efh->ecf", buf, wg, preferred_element_type=jnp.float32)
+            u = jnp.einsum("ech,efh->ecf", buf, wu, preferred_element_type=jnp.float32)
+            out = jnp.einsum("ecf,ehf->ech", (jax.nn.silu(g) * u).astype(wd.dtype), wd,
+                             preferred_element_type=jnp.float32)
+            y = out[idx, rank.reshape(n, k)]  # [N, k, H]
+            return jnp.einsum("nkh,nk->nh", y, w)
+        return f
+
+    which = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), jnp.max(counts), side="left")
+    return jax.lax.switch(which, [run(c) for c in buckets], None)
+
+
+# ---- Pallas grouped matmul -----------------------------------------------------------------------
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap dividing n (Triton tiles must be powers of two)."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def tile_layout(e_flat: jax.Array, n_experts: int, tm: int) -> tuple[jax.Array, jax.Array, int]:
+    """Place pairs sorted by expert into groups padded to multiples of tm rows.
+
+    Returns (dest row of each pair [P], tile -> expert [n_tiles] with -1 for unused tiles,
+    n_tiles). n_tiles is a static bound: each expert needs ceil(count/tm) tiles, which sums to at
+    most P//tm + min(E, P), and never more than P (every used tile holds a real row).
+    """
+    P = e_flat.shape[0]
+    n_tiles = min(P, P // tm + min(n_experts, P))
+    rank, counts = _group_ranks(e_flat, n_experts)
+    padded = (counts + tm - 1) // tm * tm
+    pend = jnp.cumsum(padded)
+    pstart = pend - padded
+    dest = pstart[e_flat] + rank
+    tile_row = jnp.arange(n_tiles, dtype=jnp.int32) * tm
+    te = jnp.searchsorted(pend, tile_row, side="right").astype(jnp.int32)  # skips empty groups
+    te = jnp.where(te < n_experts, te, -1)
+    return dest, te, n_tiles
+
+
+def _gmm_kernel(te_ref, x_ref, w_ref, o_ref, *, bk: int, precision):
+    """One (row tile, column tile): o = x_tile @ w[te[tile]].T, zeros for an unused tile."""
+    e = te_ref[pl.program_id(0)]
+    tn = o_ref.shape[1]
+    j = pl.program_id(1)
+
+    @pl.when(e < 0)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    @pl.when(e >= 0)
+    def _():
+        def body(kk, acc):
+            xb = x_ref[:, pl.ds(kk * bk, bk)]
+            wb = w_ref[e, pl.ds(j * tn, tn), pl.ds(kk * bk, bk)]
+            return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), precision=precision,
+                                             preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, jnp.zeros(o_ref.shape, jnp.float32))
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _gmm_prefetch_kernel(te_ref, valid_ref, x_ref, w_ref, o_ref, *, precision):
+    """Scalar-prefetch form: the BlockSpec already brought in this tile's expert slice."""
+    acc = jax.lax.dot_general(x_ref[...], w_ref[...], (((1,), (1,)), ((), ())), precision=precision,
+                              preferred_element_type=jnp.float32)
+    o_ref[...] = jnp.where(valid_ref[pl.program_id(0)] > 0, acc, 0.0).astype(o_ref.dtype)
+
+
+def gmm(x: jax.Array, w: jax.Array, te: jax.Array, *, tm: int, interpret: bool = False,
+        prefetch: bool = False, out_dtype=jnp.float32) -> jax.Array:
+    """Grouped matmul: rows [i*tm, (i+1)*tm) of x [M, K] times w[te[i]].T (w [E, N, K]) -> [M, N].
+
+    te[i] = -1 marks an unused tile (zero output). M must be a multiple of tm.
+    """
+    M, K = x.shape
+    E, N, K2 = w.shape
+    assert K == K2 and M % tm == 0, (x.shape, w.shape, tm)
+    n_tiles = M // tm
+    tn = _pow2_divisor(N, 128)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    out_shape = jax.ShapeDtypeStruct((M, N), out_dtype)
+    if prefetch:
+        from jax.experimental.pallas import tpu as pltpu
+
+        valid = (te >= 0).astype(jnp.int32)
+        te_c = jnp.maximum(te, 0)  # an unused tile re-reads expert 0's slice; its output is masked
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(n_tiles, N // tn),
+            in_specs=[pl.BlockSpec((tm, K), lambda i, j, te, v: (i, 0)),
+                      pl.BlockSpec((None, tn, K), lambda i, j, te, v: (te[i], j, 0))],
+            out_specs=pl.BlockSpec((tm, tn), lambda i, j, te, v: (i, j)))
+        kern = functools.partial(_gmm_prefetch_kernel, precision=precision)
+        return pl.pallas_call(kern, out_shape=out_shape, grid_spec=grid_spec, interpret=interpret)(
+            te_c, valid, x, w)
+    bk = _pow2_divisor(K, 128)
+    kern = functools.partial(_gmm_kernel, bk=bk, precision=precision)
+    return pl.pallas_call(
+        kern, out_shape=out_shape, grid=(n_tiles, N // tn),
+        in_specs=[pl.BlockSpec((n_tiles,), lambda i, j: (0,)),
+                  pl.BlockSpec((tm, K), lambda i, j: (i, 0)),
+                  pl.BlockSpec((E, N, K), lambda i, j: (0, 0, 0))],
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+        interpret=interpret)(te, x, w)
+
+
+def _pallas(x, w, idx, wg, wu, wd, *, interpret: bool, prefetch: bool, tm: int | None = None):
+    n, k = idx.shape
+    E = wg.shape[0]
+    P = n * k
+    if tm is None:  # Triton dots need >= 16 rows; larger tiles once groups are large
+        tm = 16 if P <= 4 * E else 64
+    e_flat = idx.reshape(-1)
+    t_flat = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)
+    dest, te, n_tiles = tile_layout(e_flat, E, tm)
+    xs = jnp.zeros((n_tiles * tm, x.shape[1]), x.dtype).at[dest].set(x[t_flat])
+    call = functools.partial(gmm, te=te, tm=tm, interpret=interpret, prefetch=prefetch)
+    g = call(xs, wg)
+    u = call(xs, wu)
+    d = call((jax.nn.silu(g) * u).astype(wd.dtype), wd)  # [M, H]
+    y = d[dest].reshape(n, k, -1)
+    return jnp.einsum("nkh,nk->nh", y, w)
+
+
+def _pallas_fits(wg: jax.Array, wd: jax.Array) -> bool:
+    """Triton needs every loaded tile (rows x cols) to be >= 16 on each side and a power of two."""
+    E, F, H = wg.shape
+    return min(_pow2_divisor(F, 128), _pow2_divisor(H, 128)) >= 16
+
+
+def pick_impl(n_pairs: int, wg: jax.Array, wd: jax.Array) -> str:
+    """The implementation `auto` resolves to for this step's size on the default backend."""
+    backend = jax.default_backend()
+    if backend == "gpu" and _pallas_fits(wg, wd):
+        return "pallas"
+    if backend == "tpu":
+        return "pallas_prefetch"
+    return "loop" if n_pairs <= CPU_LOOP_MAX_PAIRS else "capacity"
+
+
+def experts(x: jax.Array, w: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+            w_down: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """Σ_j w[n, j] · down_e(silu(gate_e x_n) ⊙ up_e x_n) over e = idx[n, j]; f32 [N, H].
+
+    x [N, H]; w [N, k] routing weights; idx [N, k] expert ids; w_gate/w_up [E, F, H] and
+    w_down [E, H, F] in the GGUF (out, in) layout.
+    """
+    if impl == "auto":
+        impl = pick_impl(idx.size, w_gate, w_down)
+    w = w.astype(jnp.float32)
+    if impl == "dense":
+        return _dense(x, w, idx, w_gate, w_up, w_down)
+    if impl == "loop":
+        return _loop(x, w, idx, w_gate, w_up, w_down)
+    if impl == "capacity":
+        return _capacity(x, w, idx, w_gate, w_up, w_down)
+    if impl.startswith("pallas"):
+        return _pallas(x, w, idx, w_gate, w_up, w_down, interpret=impl.endswith("interpret"),
+                       prefetch="prefetch" in impl)
+    raise ValueError(f"unknown MoE implementation {impl!r} (known: {', '.join(IMPLS)})")
+
+
+def moe_ffn(h: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+            k: int, *, renormalize: bool = True, scale: float = 1.0, impl: str = "auto") -> jax.Array:
+    """Routed SwiGLU experts of h [..., H] (router [E, H]); returns [..., H] in h's dtype."""
+    lead = h.shape[:-1]
+    x = h.reshape(-1, h.shape[-1])
+    logits = jnp.einsum("nh,eh->ne", x.astype(jnp.float32), router.astype(jnp.float32))
+    w, idx = route(logits, k, renormalize=renormalize, scale=scale)
+    y = experts(x, w, idx, w_gate, w_up, w_down, impl=impl)
+    return y.reshape(lead + (h.shape[-1],)).astype(h.dtype)
+
+
+# ---- timing (python -m pantheon.jax_models.moe_kernels) ------------------------------------------
+def _bench(E: int, k: int, H: int, F: int, tokens: tuple[int, ...], impls: tuple[str, ...],
+           reps: int = 5) -> None:
+    import time
+
+    kg = jax.random.split(jax.random.PRNGKey(0), 5)
+    wg = jax.random.normal(kg[0], (E, F, H), jnp.float32) * 0.05
+    wu = jax.random.normal(kg[1], (E, F, H), jnp.float32) * 0.05
+    wd = jax.random.normal(kg[2], (E, H, F), jnp.float32) * 0.05
+    router = jax.random.normal(kg[3], (E, H), jnp.float32)
+    for n in tokens:
+        h = jax.random.normal(kg[4], (n, H), jnp.float32)
+        ref = None
+        for impl in impls:
+            f = jax.jit(functools.partial(moe_ffn, k=k, impl=impl))
+            y = f(h, router, wg, wu, wd).block_until_ready()
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                f(h, router, wg, wu, wd).block_until_ready()
+                ts.append(time.perf_counter() - t0)
+            ts.sort()
+            err = 0.0 if ref is None else float(jnp.max(jnp.abs(y - ref)))
+            ref = y if ref is None else ref
+            print(f"E={E} k={k} H={H} F={F} tokens={n:4d} pairs={n * k:5d} {impl:9s} "
+                  f"median {ts[len(ts) // 2] * 1e3:8.2f} ms  min {ts[0] * 1e3:8.2f} ms  maxdiff {err:.1e}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    shapes = [(64, 8, 1024, 512), (256, 8, 512, 256)]
+    if len(sys.argv) > 1:
+        shapes = [tuple(int(v) for v in sys.argv[1].split(","))]
+    for E, k, H, F in shapes:
+        _bench(E, k, H, F, tokens=(1, 8, 32, 128), impls=("dense", "loop", "capacity"))

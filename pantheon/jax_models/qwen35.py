@@ -1,0 +1,505 @@
+"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: hybrids of Gated DeltaNet and gated full attention.
+
+GGUF archs `qwen35` (dense SwiGLU FFN), `qwen35moe` and `qwen3next` (routed experts plus a
+sigmoid-gated shared expert). Spec: shared/specs/qwen35moe.md (section numbers below refer to it).
+
+Why the code is shaped this way:
+* Layers are heterogeneous (three DeltaNet layers, then one attention layer, ...). The layer
+  pattern is periodic, so the stack is a `lax.scan` over *periods* whose body unrolls one period:
+  compile time stays that of one period whatever the depth (a non-periodic pattern is one period).
+* Each slot carries, per DeltaNet layer, a conv state (the last K-1 pre-conv inputs) and a f32
+  delta-rule state S (n_v x d_k x d_v); attention layers use the common slot KV cache. The rows
+  of this step gather their recurrent state once before the scan and scatter it back once after.
+* Padding tokens (t >= n_new[b]) must not move the recurrent state: their decay g and write
+  strength beta are forced to 0 (an identity update) and the conv state is cut after the row's
+  last real input. A row starting at position 0 begins a new sequence: its gathered state is
+  zeroed, so a reused slot never sees its previous occupant.
+* Decode (T == 1) uses the recurrent update; prefill uses the chunked (WY / triangular-solve)
+  form, whose per-chunk work is batched and only the state hand-off between chunks is a scan.
+* V-head j reads q/k head j mod n_k in qwen35* GGUFs (the converter tiled the V heads) and
+  j // r in qwen3next (grouped): the wrong mapping silently wrecks the output (section 5.4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import ModelLoadError
+from ..gguf_loader import ModelConfig, TensorSource
+from . import common, moe_kernels
+
+ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+DELTA_CHUNK = 64  # chunk length of the prefill delta rule (llama.cpp and HF use 64 too)
+HIGHEST = jax.lax.Precision.HIGHEST  # delta-rule matmuls must not drop to TF32/bf16 passes on GPU
+
+
+# ---- dimensions ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HybridDims:
+    """The hybrid-specific sizes, derived from the GGUF `{arch}.*` keys in cfg.extra."""
+
+    recurrent: tuple[bool, ...]  # per main layer: Gated DeltaNet (True) or full attention
+    period: int  # the layer pattern repeats every `period` layers
+    conv_k: int
+    n_k: int
+    n_v: int
+    d_k: int
+    d_v: int
+    grouped: bool  # qwen3next: v-head j uses q/k head j // r; qwen35*: j % n_k
+    shared_ffn: int
+
+    @property
+    def n_main(self) -> int:
+        return len(self.recurrent)
+
+    @property
+    def n_lin(self) -> int:
+        return sum(self.recurrent)
+
+    @property
+    def n_attn(self) -> int:
+        return self.n_main - self.n_lin
+
+    @property
+    def groups(self) -> int:
+        return self.n_main // self.period
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k * self.d_k
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v * self.d_v
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+def _period(pattern: tuple[bool, ...]) -> int:
+    n = len(pattern)
+    for p in range(1, n + 1):
+        if n % p == 0 and all(pattern[i] == pattern[i % p] for i in range(n)):
+            return p
+    return n
+
+
+def hybrid_dims(cfg: ModelConfig) -> HybridDims:
+    """Read the Gated DeltaNet sizes and the layer pattern (section 3's layer type rule)."""
+    ex = cfg.extra
+    missing = [key for key in ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
+                               "ssm.inner_size") if key not in ex]
+    if missing:
+        raise ValueError(f"{cfg.arch}: GGUF metadata lacks {', '.join(cfg.arch + '.' + m for m in missing)}")
+    n_main = cfg.n_layers - int(ex.get("nextn_predict_layers", 0) or 0)  # MTP blocks are not run
+    rec = ex.get("attention.recurrent_layers")
+    if rec is not None and len(rec) >= n_main:
+        recurrent = tuple(bool(r) for r in rec[:n_main])
+    else:
+        interval = int(ex.get("full_attention_interval", 4) or 4)
+        recurrent = tuple((i + 1) % interval != 0 for i in range(n_main))
+    n_v = int(ex["ssm.time_step_rank"])
+    return HybridDims(
+        recurrent=recurrent, period=_period(recurrent), conv_k=int(ex["ssm.conv_kernel"]),
+        n_k=int(ex["ssm.group_count"]), n_v=n_v, d_k=int(ex["ssm.state_size"]),
+        d_v=int(ex["ssm.inner_size"]) // n_v, grouped=cfg.arch == "qwen3next",
+        shared_ffn=int(ex.get("expert_shared_feed_forward_length", 0) or 0))
+
+
+# ---- parameters ------------------------------------------------------------------------------------
+def _split_ssm_in(w: np.ndarray, d: HybridDims) -> tuple[np.ndarray, np.ndarray]:
+    """Legacy qwen3next `ssm_in` [(2 key + 2 value dims), H] packed per k-head group as
+    [q, k, v (r heads), z (r heads)] -> (attn_qkv rows [all q | all k | all v], attn_gate rows)."""
+    r = d.n_v // d.n_k
+    per = w.reshape(d.n_k, 2 * d.d_k + 2 * r * d.d_v, -1)
+    q, k = per[:, : d.d_k], per[:, d.d_k: 2 * d.d_k]
+    v, z = per[:, 2 * d.d_k: 2 * d.d_k + r * d.d_v], per[:, 2 * d.d_k + r * d.d_v:]
+    H = w.shape[-1]
+    qkv = np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)], axis=0)
+    return qkv, z.reshape(-1, H)
+
+
+def _linear_layer(src: TensorSource, i: int, cfg: ModelConfig, d: HybridDims, dtype) -> dict[str, np.ndarray]:
+    """One Gated DeltaNet block's tensors, with qwen3next's packed forms unpacked (section 9)."""
+    H, p = cfg.hidden, f"blk.{i}."
+    if src.has(p + "attn_qkv.weight"):
+        w_qkv = src.get(p + "attn_qkv.weight", (d.conv_dim, H))
+        w_z = src.get(p + "attn_gate.weight", (d.value_dim, H))
+    else:
+        w_qkv, w_z = _split_ssm_in(src.get(p + "ssm_in.weight", (d.conv_dim + d.value_dim, H)), d)
+    if src.has(p + "ssm_ba.weight"):  # per k-head group [b (r), a (r)]
+        r = d.n_v // d.n_k
+        ba = src.get(p + "ssm_ba.weight", (2 * d.n_v, H)).reshape(d.n_k, 2 * r, H)
+        w_beta, w_alpha = ba[:, :r].reshape(d.n_v, H), ba[:, r:].reshape(d.n_v, H)
+    else:
+        w_beta = src.get(p + "ssm_beta.weight", (d.n_v, H))
+        w_alpha = src.get(p + "ssm_alpha.weight", (d.n_v, H))
+    return {
+        "w_qkv": w_qkv.astype(dtype), "w_z": w_z.astype(dtype),
+        "w_beta": w_beta.astype(dtype), "w_alpha": w_alpha.astype(dtype),
+        "a": src.get(p + "ssm_a", (d.n_v,)), "dt_bias": src.get(p + "ssm_dt.bias", (d.n_v,)),
+        "conv": src.get(p + "ssm_conv1d.weight", (d.conv_dim, d.conv_k)),
+        "ssm_norm": src.get(p + "ssm_norm.weight", (d.d_v,)),
+        "w_out": src.get(p + "ssm_out.weight", (H, d.value_dim)).astype(dtype),
+    }
+
+
+def _attn_layer(src: TensorSource, i: int, cfg: ModelConfig, dtype) -> dict[str, np.ndarray]:
+    H, nh, nkv, hd, p = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, f"blk.{i}."
+    if src.has(p + "attn_q.weight"):
+        wq = src.get(p + "attn_q.weight", (2 * nh * hd, H))
+        wk = src.get(p + "attn_k.weight", (nkv * hd, H))
+        wv = src.get(p + "attn_v.weight", (nkv * hd, H))
+    else:  # fused Q(+gate)/K/V rows
+        fused = src.get(p + "attn_qkv.weight", (2 * nh * hd + 2 * nkv * hd, H))
+        wq, wk, wv = np.split(fused, [2 * nh * hd, 2 * nh * hd + nkv * hd])
+    return {
+        "wq": wq.astype(dtype), "wk": wk.astype(dtype), "wv": wv.astype(dtype),
+        "wo": src.get(p + "attn_output.weight", (H, nh * hd)).astype(dtype),
+        "q_norm": src.get(p + "attn_q_norm.weight", (hd,)),
+        "k_norm": src.get(p + "attn_k_norm.weight", (hd,)),
+    }
+
+
+def _ffn_layer(src: TensorSource, i: int, cfg: ModelConfig, d: HybridDims, dtype) -> dict[str, np.ndarray]:
+    H, p = cfg.hidden, f"blk.{i}."
+    out = {"attn_norm": src.get(p + "attn_norm.weight", (H,)),
+           "post_norm": src.get(p + "post_attention_norm.weight", (H,))}
+    if not cfg.n_experts:
+        out.update(w_gate=src.get(p + "ffn_gate.weight", (cfg.ffn, H)).astype(dtype),
+                   w_up=src.get(p + "ffn_up.weight", (cfg.ffn, H)).astype(dtype),
+                   w_down=src.get(p + "ffn_down.weight", (H, cfg.ffn)).astype(dtype))
+        return out
+    E, F = cfg.n_experts, cfg.expert_ffn or cfg.ffn
+    if src.has(p + "ffn_gate_up_exps.weight"):  # merged: rows [0, F) gate, [F, 2F) up
+        gu = src.get(p + "ffn_gate_up_exps.weight", (E, 2 * F, H))
+        wg, wu = gu[:, :F], gu[:, F:]
+    else:
+        wg = src.get(p + "ffn_gate_exps.weight", (E, F, H))
+        wu = src.get(p + "ffn_up_exps.weight", (E, F, H))
+    out.update(router=src.get(p + "ffn_gate_inp.weight", (E, H)), w_gate_e=wg.astype(dtype),
+               w_up_e=wu.astype(dtype), w_down_e=src.get(p + "ffn_down_exps.weight", (E, H, F)).astype(dtype))
+    if src.has(p + "ffn_gate_shexp.weight"):
+        Fs = d.shared_ffn or int(src.get(p + "ffn_gate_shexp.weight").shape[0])
+        out.update(sh_gate_inp=src.get(p + "ffn_gate_inp_shexp.weight").reshape(H),  # {H} or {H, 1}
+                   sh_gate=src.get(p + "ffn_gate_shexp.weight", (Fs, H)).astype(dtype),
+                   sh_up=src.get(p + "ffn_up_shexp.weight", (Fs, H)).astype(dtype),
+                   sh_down=src.get(p + "ffn_down_shexp.weight", (H, Fs)).astype(dtype))
+    return out
+
+
+def _stack_groups(layers: list[dict[str, np.ndarray]], groups: int) -> dict[str, np.ndarray]:
+    """Per-layer dicts (in layer order) -> arrays [groups, per_group, ...] for the period scan."""
+    if not layers:
+        return {}
+    return {k: np.stack([lp[k] for lp in layers]).reshape((groups, len(layers) // groups) + layers[0][k].shape)
+            for k in layers[0]}
+
+
+def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[str, Any]:
+    """Dequantized numpy params: embedding/head, and per-type layer stacks shaped [G, per, ...]."""
+    try:
+        d = hybrid_dims(cfg)
+    except ValueError as exc:
+        raise ModelLoadError(src.path, str(exc)) from exc
+    if d.n_v % d.n_k:
+        raise ModelLoadError(src.path, f"ssm.time_step_rank {d.n_v} is not a multiple of ssm.group_count {d.n_k}")
+    H = cfg.hidden
+    lin = [_linear_layer(src, i, cfg, d, dtype) for i in range(d.n_main) if d.recurrent[i]]
+    attn = [_attn_layer(src, i, cfg, dtype) for i in range(d.n_main) if not d.recurrent[i]]
+    per_layer = [_ffn_layer(src, i, cfg, d, dtype) for i in range(d.n_main)]
+    return {
+        "embed": src.get("token_embd.weight", (cfg.vocab, H)).astype(dtype),
+        "norm": src.get("output_norm.weight", (H,)),
+        "head": None if cfg.tied_output else src.get("output.weight", (cfg.vocab, H)).astype(dtype),
+        "lin": _stack_groups(lin, d.groups),
+        "attn": _stack_groups(attn, d.groups),
+        "layer": _stack_groups(per_layer, d.groups),
+    }
+
+
+# ---- state -----------------------------------------------------------------------------------------
+def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+    """KV [L_attn, S, K, C, D] for attention layers; f32 conv [L_lin, S, K-1, conv_dim] and
+    delta-rule state [L_lin, S, n_v, d_k, d_v] for DeltaNet layers."""
+    d = hybrid_dims(cfg)
+    state = common.init_kv(d.n_attn, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim, dtype)
+    state["conv"] = jnp.zeros((d.n_lin, n_slots, d.conv_k - 1, d.conv_dim), jnp.float32)
+    state["ssm"] = jnp.zeros((d.n_lin, n_slots, d.n_v, d.d_k, d.d_v), jnp.float32)
+    return state
+
+
+def state_bytes_per_token(cfg: ModelConfig) -> int:
+    """f32 K and V of the attention layers only: DeltaNet layers cost nothing per token."""
+    return 2 * hybrid_dims(cfg).n_attn * cfg.n_kv_heads * cfg.head_dim * 4
+
+
+def state_bytes_per_sequence(cfg: ModelConfig) -> int:
+    """The fixed f32 conv + recurrent state one sequence holds, whatever its length (section 6)."""
+    d = hybrid_dims(cfg)
+    return d.n_lin * ((d.conv_k - 1) * d.conv_dim + d.n_v * d.d_k * d.d_v) * 4
+
+
+RECURRENT_KEYS = ("conv", "ssm")
+
+
+@jax.jit
+def snapshot_slot(state: dict[str, jax.Array], slot: jax.Array | int) -> dict[str, jax.Array]:
+    """Copies of one slot's conv and delta-rule state (what a KV prefix cache must store with the
+    KV rows at a committed boundary: the recurrent state cannot be recomputed from KV)."""
+    return {k: jax.lax.dynamic_index_in_dim(state[k], slot, axis=1, keepdims=False) for k in RECURRENT_KEYS}
+
+
+def _set_slot(state: dict[str, jax.Array], slot: jax.Array | int,
+              values: dict[str, jax.Array] | None) -> dict[str, jax.Array]:
+    out = dict(state)
+    for k in RECURRENT_KEYS:
+        v = jnp.zeros_like(state[k][:, 0]) if values is None else values[k].astype(state[k].dtype)
+        out[k] = jax.lax.dynamic_update_index_in_dim(state[k], v, slot, axis=1)
+    return out
+
+
+@jax.jit
+def _restore(state, slot, snap):
+    return _set_slot(state, slot, snap)
+
+
+@jax.jit
+def _reset(state, slot):
+    return _set_slot(state, slot, None)
+
+
+def restore_slot(state: dict[str, jax.Array], slot: jax.Array | int,
+                 snap: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The state with one slot's conv/recurrent state replaced by `snap` (from snapshot_slot)."""
+    return _restore(state, jnp.asarray(slot, jnp.int32), snap)
+
+
+def reset_slot(state: dict[str, jax.Array], slot: jax.Array | int) -> dict[str, jax.Array]:
+    """The state with one slot's conv/recurrent state zeroed. forward already does this for any
+    row starting at position 0; this is for callers that recycle a slot outside a step."""
+    return _reset(state, jnp.asarray(slot, jnp.int32))
+
+
+# ---- Gated DeltaNet --------------------------------------------------------------------------------
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """HF's x * rsqrt(sum x^2 + 1e-6) (llama.cpp's max(|x|, eps) differs negligibly)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def delta_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array,
+                    S: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Token-by-token delta rule. q, k [B, N, T, dk], v [B, N, T, dv], beta, g [B, N, T],
+    S [B, N, dk, dv] -> (outputs [B, N, T, dv], final S). S_t = e^g (I - b k k^T) S + b k v^T."""
+    def step(S, xs):
+        qt, kt, vt, bt, gt = xs
+        S = jnp.exp(gt)[..., None, None] * S
+        u = jnp.einsum("bnkv,bnk->bnv", S, kt, precision=HIGHEST)
+        S = S + kt[..., :, None] * (bt[..., None] * (vt - u))[..., None, :]
+        return S, jnp.einsum("bnkv,bnk->bnv", S, qt, precision=HIGHEST)
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (q, k, v, beta, g))
+    S, o = jax.lax.scan(step, S, xs)
+    return jnp.moveaxis(o, 0, 2), S
+
+
+def delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array,
+                  S: jax.Array, chunk: int = DELTA_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """The same recurrence in chunked (WY) form, section 5.4. Shapes as delta_recurrent.
+
+    Inside a chunk everything that does not depend on the incoming state (decay matrix, the unit
+    lower-triangular solve, q k^T) is computed for all chunks at once; only the state hand-off is
+    a scan. Exponents are masked before exp so every exponent taken is <= 0 (no overflow).
+    """
+    B, N, T, dk = k.shape
+    dv = v.shape[-1]
+    C = min(chunk, T)
+    nc = -(-T // C)
+    pad = nc * C - T
+    if pad:  # zero q/k/v/beta and g = 0: identity steps whose outputs are dropped
+        q, k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (q, k, v))
+        beta, g = (jnp.pad(a, ((0, 0), (0, 0), (0, pad))) for a in (beta, g))
+    q, k, v = (a.reshape(B, N, nc, C, -1) for a in (q, k, v))
+    beta, g = (a.reshape(B, N, nc, C) for a in (beta, g))
+    gam = jnp.cumsum(g, axis=-1)  # cumulative log-decay inside each chunk
+    ii = jnp.arange(C)
+    incl = ii[:, None] >= ii[None, :]
+    diff = gam[..., :, None] - gam[..., None, :]
+    D = jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)), 0.0)  # e^(γi-γj), i >= j
+    kk = jnp.einsum("...id,...jd->...ij", k, k, precision=HIGHEST)
+    A = jnp.where(ii[:, None] > ii[None, :], beta[..., :, None] * kk * D, 0.0)
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gam))[..., None] * k], axis=-1)
+    eye = jnp.eye(C, dtype=A.dtype)
+    sol = jax.lax.linalg.triangular_solve(eye + A, rhs, left_side=True, lower=True, unit_diagonal=True)
+    U, W = sol[..., :dv], sol[..., dv:]
+    qk = jnp.einsum("...id,...jd->...ij", q, k, precision=HIGHEST) * D
+    eq = jnp.exp(gam)[..., None] * q
+    g_end = gam[..., -1]
+    k_end = jnp.exp(g_end[..., None] - gam)[..., None] * k
+
+    def step(S, xs):
+        U, W, eq, qk, k_end, g_end = xs
+        Vp = U - jnp.einsum("bncd,bnde->bnce", W, S, precision=HIGHEST)
+        O = (jnp.einsum("bncd,bnde->bnce", eq, S, precision=HIGHEST)
+             + jnp.einsum("bnij,bnje->bnie", qk, Vp, precision=HIGHEST))
+        S = (jnp.exp(g_end)[..., None, None] * S
+             + jnp.einsum("bncd,bnce->bnde", k_end, Vp, precision=HIGHEST))
+        return S, O
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (U, W, eq, qk, k_end, g_end))
+    S, O = jax.lax.scan(step, S, xs)
+    O = jnp.moveaxis(O, 0, 2).reshape(B, N, nc * C, dv)[:, :, :T]
+    return O, S
+
+
+def _delta_mixer(h: jax.Array, mp: dict[str, jax.Array], conv_state: jax.Array, S: jax.Array,
+                 valid: jax.Array, n_new: jax.Array, d: HybridDims,
+                 eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gated DeltaNet token mixer of h [B, T, H]; returns (output, new conv state, new S)."""
+    B, T, _ = h.shape
+    mix = common.linear(h, mp["w_qkv"]).astype(jnp.float32)  # [B, T, conv_dim]
+    z = common.linear(h, mp["w_z"]).astype(jnp.float32)
+    b = common.linear(h, mp["w_beta"]).astype(jnp.float32)
+    a = common.linear(h, mp["w_alpha"]).astype(jnp.float32)
+    beta = jnp.where(valid[..., None], jax.nn.sigmoid(b), 0.0)
+    g = jnp.where(valid[..., None], mp["a"] * jax.nn.softplus(a + mp["dt_bias"]), 0.0)
+
+    # Causal depthwise conv over [last K-1 inputs | this step's inputs]; newest tap is w[:, K-1].
+    K = d.conv_k
+    buf = jnp.concatenate([conv_state, mix], axis=1)  # [B, K-1+T, conv_dim]
+    w = mp["conv"].astype(jnp.float32)
+    c = sum(w[:, j] * buf[:, j: j + T] for j in range(K))
+    new_conv = jax.vmap(lambda bb, n: jax.lax.dynamic_slice_in_dim(bb, n, K - 1, axis=0))(buf, n_new)
+    c = jax.nn.silu(c)
+
+    q = _l2norm(c[..., : d.key_dim].reshape(B, T, d.n_k, d.d_k)) * (d.d_k ** -0.5)
+    k = _l2norm(c[..., d.key_dim: 2 * d.key_dim].reshape(B, T, d.n_k, d.d_k))
+    v = c[..., 2 * d.key_dim:].reshape(B, T, d.n_v, d.d_v)
+    r = d.n_v // d.n_k
+    if d.grouped:
+        q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
+    else:
+        q, k = jnp.tile(q, (1, 1, r, 1)), jnp.tile(k, (1, 1, r, 1))
+    k = jnp.where(valid[..., None, None], k, 0.0)
+    v = jnp.where(valid[..., None, None], v, 0.0)
+
+    qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, N, T, d]
+    bh, gh = jnp.swapaxes(beta, 1, 2), jnp.swapaxes(g, 1, 2)
+    delta = delta_recurrent if T == 1 else delta_chunked
+    o, S = delta(qh, kh, vh, bh, gh, S)
+    o = jnp.swapaxes(o, 1, 2)  # [B, T, n_v, d_v]
+    o = common.rms_norm(o, mp["ssm_norm"], eps) * jax.nn.silu(z.reshape(B, T, d.n_v, d.d_v))
+    y = common.linear(o.reshape(B, T, d.value_dim).astype(h.dtype), mp["w_out"])
+    return y, new_conv, S
+
+
+# ---- gated attention -------------------------------------------------------------------------------
+def _attn_mixer(h: jax.Array, mp: dict[str, jax.Array], kc: jax.Array, vc: jax.Array, layer: jax.Array,
+                slots: jax.Array, start: jax.Array, positions: jax.Array, cos: jax.Array, sin: jax.Array,
+                span: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Full attention with per-head q/k RMSNorm, partial NEOX RoPE and a sigmoid output gate."""
+    B, T, _ = h.shape
+    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qg = common.linear(h, mp["wq"]).reshape(B, T, nh, 2 * hd)  # per head [q | gate]
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
+    k = common.linear(h, mp["wk"]).reshape(B, T, nkv, hd)
+    v = common.linear(h, mp["wv"]).reshape(B, T, nkv, hd)
+    q = common.apply_rope(common.rms_norm(q, mp["q_norm"], cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
+    k = common.apply_rope(common.rms_norm(k, mp["k_norm"], cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
+    kc = common.write_kv(kc, layer, k, slots, start)
+    vc = common.write_kv(vc, layer, v, slots, start)
+    o = common.attention(q, common.gather_span(kc, layer, slots, span), common.gather_span(vc, layer, slots, span),
+                         positions, cfg.attn_scale)
+    o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+    return common.linear(o, mp["wo"]), kc, vc
+
+
+# ---- FFN -------------------------------------------------------------------------------------------
+def _swiglu(h: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Array:
+    return common.linear(jax.nn.silu(common.linear(h, wg)) * common.linear(h, wu), wd)
+
+
+def _ffn(h: jax.Array, lp: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
+    """Dense SwiGLU (qwen35) or routed experts + sigmoid-gated shared expert (section 5.6)."""
+    if "router" not in lp:
+        return _swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+    scale = float(cfg.extra.get("expert_weights_scale", 0.0) or 0.0)
+    y = moe_kernels.moe_ffn(h, lp["router"], lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"], cfg.n_experts_used,
+                            scale=scale if scale not in (0.0, 1.0) else 1.0)
+    if "sh_gate" in lp:
+        s = jax.nn.sigmoid(jnp.einsum("...h,h->...", h.astype(jnp.float32), lp["sh_gate_inp"].astype(jnp.float32)))
+        y = y + (s[..., None] * _swiglu(h, lp["sh_gate"], lp["sh_up"], lp["sh_down"])).astype(y.dtype)
+    return y
+
+
+# ---- forward ---------------------------------------------------------------------------------------
+def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
+            start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
+            all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One step over B rows of T tokens each; the contract of llama.forward.
+
+    Row b feeds n_new[b] real tokens (then padding) into slot slots[b] at positions start[b]...;
+    the recurrent state kept is the one after the row's last real token, and start[b] == 0 starts
+    the row from a zero recurrent state. Returns logits [B, V] (or [B, T, V]) and the new state.
+    """
+    d = hybrid_dims(cfg)
+    B, T = tokens.shape
+    P, G = d.period, d.groups
+    pattern = d.recurrent[:P]
+    attn_per = P - sum(pattern)
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(T, dtype=jnp.int32)[None, :] < n_new[:, None]
+    cos, sin = common.rope_angles(positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale)
+    x = params["embed"][tokens].astype(jnp.float32)
+
+    keep = (start != 0).astype(jnp.float32)  # start 0 = a new sequence: forget the slot's old state
+    conv0 = state["conv"][:, slots] * keep[None, :, None, None]
+    ssm0 = state["ssm"][:, slots] * keep[None, :, None, None, None]
+    conv0 = conv0.reshape((G, d.n_lin // G) + conv0.shape[1:])
+    ssm0 = ssm0.reshape((G, d.n_lin // G) + ssm0.shape[1:])
+
+    def period(carry, xs):
+        x, kc, vc = carry
+        lyr, lin, attn, conv_g, ssm_g, g = xs
+        convs, ssms = [], []
+        for p in range(P):
+            lp = {k: a[p] for k, a in lyr.items()}
+            h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+            if pattern[p]:
+                j = len(convs)
+                y, c, s = _delta_mixer(h, {k: a[j] for k, a in lin.items()}, conv_g[j], ssm_g[j], valid, n_new,
+                                       d, cfg.rms_eps)
+                convs.append(c)
+                ssms.append(s)
+            else:
+                j = p - len(convs)
+                y, kc, vc = _attn_mixer(h, {k: a[j] for k, a in attn.items()}, kc, vc, g * attn_per + j, slots,
+                                        start, positions, cos, sin, span, cfg)
+            x = x + y
+            x = x + _ffn(common.rms_norm(x, lp["post_norm"], cfg.rms_eps), lp, cfg)
+        stack = lambda xs_, like: jnp.stack(xs_) if xs_ else like  # noqa: E731 (period without DeltaNet)
+        return (x, kc, vc), (stack(convs, conv_g), stack(ssms, ssm_g))
+
+    xs = (params["layer"], params["lin"], params["attn"], conv0, ssm0, jnp.arange(G, dtype=jnp.int32))
+    (x, kc, vc), (conv1, ssm1) = jax.lax.scan(period, (x, state["k"], state["v"]), xs)
+    new_state = {
+        "k": kc, "v": vc,
+        "conv": state["conv"].at[:, slots].set(conv1.reshape((d.n_lin,) + conv1.shape[2:])),
+        "ssm": state["ssm"].at[:, slots].set(ssm1.reshape((d.n_lin,) + ssm1.shape[2:])),
+    }
+    if not all_logits:
+        x = common.last_valid(x, n_new)
+    x = common.rms_norm(x, params["norm"], cfg.rms_eps)
+    head = params["embed"] if params["head"] is None else params["head"]
+    return common.linear(x, head).astype(jnp.float32), new_state
+
+
+__all__ = ["ARCHS", "HybridDims", "hybrid_dims", "load_params", "init_state", "state_bytes_per_token",
+           "state_bytes_per_sequence", "snapshot_slot", "restore_slot", "reset_slot", "forward",
+           "delta_recurrent", "delta_chunked"]

@@ -1,0 +1,188 @@
+"""End to end on real catalog models: smollm2-135m at startup, qwen-0.5b loaded at runtime for tools.
+
+Real models generate slowly enough on a CPU to test what the tiny ones finish too fast for: a load
+(tens of seconds) running while another model streams and the cheap routes keep answering, a
+duplicate load refused while the first is in progress, and unload meeting a request in flight
+(409 with a timeout, or waiting for it) without the request losing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import openai
+import pytest
+import requests
+
+from server_util import assert_error, sse_events, start_server
+
+pytestmark = pytest.mark.real
+
+ADMIN = "real-admin"
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = start_server(["smol=smollm2-135m"], timeout=400,
+                     env={"QWEN35_BATCH_SLOTS": "0", "QWEN35_MAX_SEQ": "512", "PANTHEON_ADMIN_KEY": ADMIN,
+                          "PANTHEON_DIE_BUDGET_MB": "3500"})
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def admin(srv, path, body):
+    return srv.post("/admin" + path, body, key=ADMIN, timeout=600)
+
+
+def stream_text(events) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if isinstance(e, dict) and e.get("choices"))
+
+
+def test_startup_answered_loading_first(srv):
+    assert (503, {"service": "pantheon", "status": "loading"}) in srv.seen_statuses
+    assert srv.seen_statuses[-1][0] == 200
+
+
+def test_real_nonstreaming_and_streaming(srv, client):
+    out = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=24, temperature=0)
+    text = out.choices[0].message.content
+    assert isinstance(text, str) and text.strip()
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert 0 < out.usage.completion_tokens <= 24
+    chunks = list(client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_load_while_streaming_duplicate_409_and_tool_call(srv, client):
+    stream_result = {}
+
+    def long_stream():
+        r = srv.post("/v1/chat/completions", {"model": "smol", "messages": QUESTION, "max_tokens": 40,
+                                              "stream": True, "temperature": 0}, stream=True, timeout=300)
+        stream_result["events"] = sse_events(r)
+
+    load_result = {}
+
+    def load_qwen():
+        load_result["r"] = admin(srv, "/models/load", {"model": "qwen-0.5b", "name": "qwen"})
+
+    streamer = threading.Thread(target=long_stream)
+    loader = threading.Thread(target=load_qwen)
+    streamer.start()
+    loader.start()
+    # wait until the load is in progress (the registry lists it as loading)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        models = [m for d in srv.get("/admin/dies", key=ADMIN).json()["data"] for m in d["models"]]
+        if any(m["name"] == "qwen" for m in models):
+            break
+        time.sleep(0.05)
+    assert loader.is_alive(), "the load finished before it could be observed"
+    err = assert_error(admin(srv, "/models/load", {"model": "qwen-0.5b", "name": "qwen"}), 409)
+    assert err["code"] == "model_busy"
+    # the server stays serviceable during the upload: cheap routes and the other model answer
+    for _ in range(5):
+        t0 = time.perf_counter()
+        assert srv.get("/").status_code == 200
+        assert [m["id"] for m in srv.get("/v1/models").json()["data"]] == ["smol"]
+        assert time.perf_counter() - t0 < 1.0
+    assert srv.post("/v1/chat/completions", {"model": "smol", "messages": QUESTION,
+                                             "max_tokens": 4}).status_code in (200, 429)
+    streamer.join(300)
+    loader.join(600)
+    events = stream_result["events"]
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    r = load_result["r"]
+    assert r.status_code == 200, r.text
+    assert sorted(m["id"] for m in srv.get("/v1/models").json()["data"]) == ["qwen", "smol"]
+
+    # a tool-call request end to end (the model may or may not decide to call the tool)
+    out = client.chat.completions.create(
+        model="qwen", max_tokens=48, temperature=0, tools=[WEATHER_TOOL], tool_choice="auto",
+        messages=[{"role": "user", "content": "What is the weather like in Paris right now?"}])
+    choice = out.choices[0]
+    assert choice.finish_reason in ("tool_calls", "stop", "length")
+    if choice.finish_reason == "tool_calls":
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        assert isinstance(json.loads(call.function.arguments), dict)
+    else:
+        assert isinstance(choice.message.content, str)
+    raw = srv.post("/v1/chat/completions", {"model": "qwen", "max_tokens": 8, "messages": QUESTION,
+                                            "tools": [WEATHER_TOOL], "stream": True}, stream=True)
+    assert sse_events(raw)[-1] == "[DONE]"
+
+    # a second copy does not fit the 3500 MiB budget next to the first: 507, nothing reserved
+    err = assert_error(admin(srv, "/models/load", {"model": "qwen-0.5b", "name": "qwen-b"}), 507)
+    assert err["code"] == "insufficient_memory"
+    assert admin(srv, "/models/unload", {"name": "qwen"}).status_code == 200
+    assert [m["id"] for m in srv.get("/v1/models").json()["data"]] == ["smol"]
+
+
+def test_unload_meets_a_request_in_flight(srv):
+    body = {"model": "smol", "messages": QUESTION, "max_tokens": 48, "temperature": 0}
+    reference = srv.post("/v1/chat/completions", body).json()
+    results = {}
+
+    def streamer(key):
+        r = srv.post("/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}},
+                     stream=True, timeout=300)
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        results[key + "-started"] = time.monotonic()
+        events = sse_events_from([first, *lines])
+        results[key] = (time.monotonic(), events)
+
+    # 1) with a timeout shorter than the generation: 409, nothing unloaded, the stream is complete
+    t = threading.Thread(target=streamer, args=("a",))
+    t.start()
+    while "a-started" not in results:
+        time.sleep(0.01)
+    err = assert_error(admin(srv, "/models/unload", {"name": "smol", "timeout_s": 0.2}), 409)
+    assert err["code"] == "unload_timeout"
+    t.join(300)
+    _, events = results["a"]
+    assert events[-1] == "[DONE]"
+    assert stream_text(events) == reference["choices"][0]["message"]["content"]
+    assert events[-2]["usage"] == reference["usage"]
+    assert srv.post("/v1/chat/completions", {**body, "max_tokens": 2}).status_code == 200  # still routable
+
+    # 2) without a timeout: the unload waits for the stream to finish, which loses nothing
+    t = threading.Thread(target=streamer, args=("b",))
+    t.start()
+    while "b-started" not in results:
+        time.sleep(0.01)
+    r = admin(srv, "/models/unload", {"name": "smol"})
+    unloaded_at = time.monotonic()
+    t.join(300)
+    assert r.status_code == 200, r.text
+    finished_at, events = results["b"]
+    assert finished_at <= unloaded_at + 0.5  # the stream was over before the unload returned
+    assert events[-1] == "[DONE]" and stream_text(events) == reference["choices"][0]["message"]["content"]
+    assert_error(srv.post("/v1/chat/completions", body), 503)
+
+
+def sse_events_from(lines) -> list:
+    out = []
+    for line in lines:
+        line = line.decode() if isinstance(line, bytes) else line
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out

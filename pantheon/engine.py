@@ -99,8 +99,10 @@ class Model:
         self.row_buckets = _pow2_buckets(1, max(1, self.n_slots))
         self.chunk_buckets = tuple(b for b in _pow2_buckets(16, max(16, self.chunk)) if b <= max(self.chunk, 16))
         self.span_buckets = _pow2_buckets(min(128, self.capacity), self.capacity)
-        self._step = jax.jit(self._step_impl, static_argnames=("span", "all_logits", "want_logits"),
-                             donate_argnums=(1,))
+        # Two programs per step: the forward (one per (rows, tokens, span) bucket) and the sampler
+        # (one per rows bucket). Keeping the sampler out of the forward compiles it 4 times, not 40.
+        self._forward = jax.jit(self._forward_impl, static_argnames=("span", "all_logits"), donate_argnums=(1,))
+        self._sample = jax.jit(sample)
         self._compiled_keys: set[tuple] = set()
         self._keys_lock = threading.Lock()  # guards _compiled_keys (steps may come from several threads)
 
@@ -117,16 +119,11 @@ class Model:
         return self.arch.state_bytes_per_token(self.config)
 
     # ---- the jitted step -----------------------------------------------------------------------
-    def _step_impl(self, params, state, tokens, slots, start, n_new, rows, recent, steps, *, span: int,
-                   all_logits: bool, want_logits: bool):
+    def _forward_impl(self, params, state, tokens, slots, start, n_new, *, span: int, all_logits: bool):
         logits, state = self.arch.forward(params, state, tokens, slots, start, n_new, cfg=self.config,
                                           span=span, all_logits=all_logits)
-        if all_logits:
-            last = common_last(logits, n_new)
-        else:
-            last = logits
-        ids = sample(last, rows, recent, steps)
-        return ids, (logits if want_logits or all_logits else None), state
+        last = common_last(logits, n_new) if all_logits else logits
+        return last, (logits if all_logits else None), state
 
     def step_begin(self, state: Any, tokens: Sequence[Sequence[int]], slots: Sequence[int],
                    starts: Sequence[int], params: Sequence[SamplingParams | None] | None = None,
@@ -167,9 +164,10 @@ class Model:
                 stp[b] = steps[b]
         plist = list(params) if params is not None else [None] * n
         rows = make_rows(plist + [None] * (B - n), B)
-        self._note_shape((B, T, span, all_logits, want_logits))
-        ids, logits, state = self._step(self.params, state, tok, sl, st, nn, rows, rec, stp, span=span,
-                                        all_logits=all_logits, want_logits=want_logits)
+        self._note_shape((B, T, span, all_logits))
+        last, every, state = self._forward(self.params, state, tok, sl, st, nn, span=span, all_logits=all_logits)
+        ids = self._sample(last, rows, rec, stp)
+        logits = every if all_logits else (last if want_logits else None)
         return StepHandle(ids=ids, logits=logits, n_rows=n), state
 
     @staticmethod
@@ -328,7 +326,12 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     else:
         devices = [all_devices[0]]
     p = Path(path).expanduser()
-    f: GGUFFile = open_gguf(p)
+    from . import hf_loader
+    f: GGUFFile | hf_loader.HFCheckpoint
+    if hf_loader.is_hf_checkpoint(p, opts.config_path):  # safetensors directory / file + config.json
+        f = hf_loader.open_hf(p, opts.config_path)
+    else:
+        f = open_gguf(p)
     cfg = f.config
     arch = _arch_module(cfg, p)
     dtype = _resolve_dtype(opts.dtype, devices[0])
@@ -357,6 +360,9 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
 def _tokenizer_and_template(path: Path, meta: dict[str, Any]):
     from .chat_template import ChatTemplate
     from .tokenizer import Tokenizer
+    if "hf.config" in meta:  # an HF checkpoint: tokenizer.json + tokenizer_config.json
+        from .hf_loader import tokenizer_and_template
+        return tokenizer_and_template(path, meta)
     if "tokenizer.ggml.tokens" not in meta:
         raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens missing)")
     tok = Tokenizer.from_gguf_metadata(meta, str(path))

@@ -37,6 +37,7 @@ IMPLS = ("auto", "dense", "capacity", "loop", "pallas", "pallas_interpret", "pal
 # On CPU the per-pair loop wins while a step carries at most this many (token, expert) pairs;
 # above it the capacity einsum does (measured: see the module's __main__ and the issue report).
 CPU_LOOP_MAX_PAIRS = 64
+TILE_ROWS = 16  # rows per tile of the XLA `tiles` path
 
 
 # ---- routing -------------------------------------------------------------------------------------
@@ -124,6 +125,29 @@ def _capacity(x, w, idx, wg, wu, wd):
 
     which = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), jnp.max(counts), side="left")
     return jax.lax.switch(which, [run(c) for c in buckets], None)
+
+
+def _tiles(x, w, idx, wg, wu, wd, *, tm: int):
+    """XLA twin of the grouped-matmul kernel: a while loop over the used row tiles only."""
+    n, k = idx.shape
+    E = wg.shape[0]
+    e_flat = idx.reshape(-1)
+    t_flat = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)
+    dest, te, n_tiles = tile_layout(e_flat, E, tm)
+    xs = jnp.zeros((n_tiles * tm, x.shape[1]), x.dtype).at[dest].set(x[t_flat])
+    used = jnp.sum(te >= 0)
+
+    def body(i, out):
+        e = te[i]
+        xt = jax.lax.dynamic_slice_in_dim(xs, i * tm, tm)
+        g = jnp.einsum("th,fh->tf", xt, wg[e], preferred_element_type=jnp.float32)
+        u = jnp.einsum("th,fh->tf", xt, wu[e], preferred_element_type=jnp.float32)
+        y = jnp.einsum("tf,hf->th", (jax.nn.silu(g) * u).astype(wd.dtype), wd[e],
+                       preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, i * tm, axis=0)
+
+    d = jax.lax.fori_loop(0, used, body, jnp.zeros((n_tiles * tm, wd.shape[1]), jnp.float32))
+    return jnp.einsum("nkh,nk->nh", d[dest].reshape(n, k, -1), w)
 
 
 # ---- Pallas grouped matmul -----------------------------------------------------------------------
@@ -269,6 +293,8 @@ def experts(x: jax.Array, w: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up:
         return _dense(x, w, idx, w_gate, w_up, w_down)
     if impl == "loop":
         return _loop(x, w, idx, w_gate, w_up, w_down)
+    if impl.startswith("tiles"):
+        return _tiles(x, w, idx, w_gate, w_up, w_down, tm=int(impl[5:] or TILE_ROWS))
     if impl == "capacity":
         return _capacity(x, w, idx, w_gate, w_up, w_down)
     if impl.startswith("pallas"):

@@ -1,0 +1,129 @@
+"""`pantheon bench engine`: in-process speed of one model (compile, prefill, batched decode, memory).
+
+Figures are medians of several timed repetitions after a warm-up call per shape, so compile time is
+reported separately and never pollutes a throughput figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def _rss_peak_mb() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _device_mem(model: Any) -> dict:
+    try:
+        stats = model.devices[0].memory_stats() or {}
+    except Exception:
+        stats = {}
+    return {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
+def bench_engine(model_name: str, batches: list[int], prompt_len: int, gen: int, reps: int,
+                 max_seq: int | None = None) -> dict:
+    from .catalog import resolve_model
+    from .compile_guard import compile_count
+    from .engine import LoadOptions, load
+    from .sampler import SamplingParams
+
+    path = resolve_model(model_name)
+    t0 = time.perf_counter()
+    n_slots = max(batches)
+    seq = max_seq or (prompt_len + gen + 16)
+    model = load(path, LoadOptions(name=model_name, n_slots=n_slots, max_seq=seq, prefill_chunk=128))
+    load_s = time.perf_counter() - t0
+    state = model.new_state()
+    greedy = SamplingParams(temperature=0.0, seed=0)
+    prompt = [(7 * i + 11) % (model.config.vocab - 1) + 1 for i in range(prompt_len)]
+    out: dict[str, Any] = {"model": model_name, "file": str(path), "arch": model.config.arch,
+                           "weights_mb": round(model.weight_bytes / 1e6, 1), "load_s": round(load_s, 2),
+                           "prompt_len": prompt_len, "gen": gen, "reps": reps, "dtype": str(model.dtype.__name__)}
+
+    # Prefill: the whole prompt in chunks, timed end to end (includes the first sampled token).
+    c0, t0 = compile_count(), time.perf_counter()
+    _, _, state = model.prefill(state, 0, prompt, params=greedy)
+    out["prefill_compile_s"] = round(time.perf_counter() - t0, 2)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _, _, state = model.prefill(state, 0, prompt, params=greedy)
+        times.append(time.perf_counter() - t0)
+    out["prefill_tok_s"] = round(prompt_len / statistics.median(times), 1)
+
+    decode: dict[str, Any] = {}
+    for b in batches:
+        slots = list(range(b))
+        for s in slots:
+            _, _, state = model.prefill(state, s, prompt, params=greedy)
+        toks = [[1] for _ in slots]
+        t0 = time.perf_counter()
+        h, state = model.step_begin(state, toks, slots, [prompt_len] * b, [greedy] * b, None, [0] * b)
+        model.step_wait(h)
+        compile_s = time.perf_counter() - t0
+        rates = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for i in range(gen):
+                h, state = model.step_begin(state, toks, slots, [prompt_len + i] * b, [greedy] * b, None, [i] * b)
+                ids = model.step_wait(h)
+                toks = [[int(x)] for x in ids]
+            rates.append(b * gen / (time.perf_counter() - t0))
+        decode[str(b)] = {"tok_s": round(statistics.median(rates), 1),
+                          "ms_per_step": round(1000 * b / statistics.median(rates), 1),
+                          "first_call_s": round(compile_s, 2)}
+    out["decode"] = decode
+    out["compiles"] = compile_count() - c0
+    out["peak_rss_mb"] = round(_rss_peak_mb(), 1)
+    out["device_memory"] = _device_mem(model)
+    return out
+
+
+def _print_table(r: dict) -> None:
+    print(f"model {r['model']} ({r['arch']}, {r['dtype']}, weights {r['weights_mb']} MB), load {r['load_s']} s")
+    print(f"prefill {r['prompt_len']} tokens: {r['prefill_tok_s']} tok/s (first call {r['prefill_compile_s']} s)")
+    print(f"{'batch':>6} {'tok/s':>9} {'ms/step':>9} {'first call s':>13}")
+    for b, d in r["decode"].items():
+        print(f"{b:>6} {d['tok_s']:>9} {d['ms_per_step']:>9} {d['first_call_s']:>13}")
+    base = r["decode"].get("1")
+    if base:
+        for b, d in r["decode"].items():
+            if b != "1":
+                print(f"aggregate decode at batch {b} = {d['tok_s'] / base['tok_s']:.2f}x batch 1")
+    print(f"peak RSS {r['peak_rss_mb']} MB; device memory {r['device_memory'] or 'n/a'}")
+
+
+def main(args: argparse.Namespace) -> int:
+    from .catalog import DEFAULT_MODEL
+    ap = argparse.ArgumentParser(prog="pantheon bench")
+    sub = ap.add_subparsers(dest="what", required=True)
+    e = sub.add_parser("engine", help="in-process engine benchmark")
+    e.add_argument("--model", default=DEFAULT_MODEL)
+    e.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    e.add_argument("--prompt-len", type=int, default=512)
+    e.add_argument("--gen", type=int, default=64)
+    e.add_argument("--reps", type=int, default=3)
+    e.add_argument("--json", action="store_true")
+    s = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    a = ap.parse_args(args.bench_args)
+    if a.what == "engine":
+        r = bench_engine(a.model, [int(x) for x in a.batch.split(",")], a.prompt_len, a.gen, a.reps)
+        if a.json:
+            print(json.dumps(r))
+        else:
+            _print_table(r)
+        return 0
+    try:
+        from .bench_serve import main as serve_main
+    except ImportError:
+        print("pantheon bench serve is not available in this build", file=sys.stderr)
+        return 2
+    return serve_main(a.rest)

@@ -1,0 +1,113 @@
+"""Phi-3 / Phi-3.5 / Phi-4(-mini): a llama with fused weights, so it *is* llama.forward after a split.
+
+The GGUF keeps HF's fused tensors: ``attn_qkv`` (rows Q, then K, then V) and ``ffn_up`` (first half the
+gate, second half the up projection). Splitting them at load time gives exactly llama.py's params, and
+everything else (NEOX RoPE with partial rotary ``n_rot``, no biases, untied or tied head) is already
+what llama.forward does. Only LongRoPE needs two more facts:
+
+* the per-pair frequency divisors: ``rope_factors_long`` when the context this state was built for
+  exceeds ``rope.scaling.original_context_length`` (llama.cpp's choice, fixed per context so cached keys
+  and new queries always agree), else ``rope_factors_short``;
+* the cos/sin multiplier ``attn_factor``. RoPE is linear, so multiplying the rotated rows of W_q and
+  W_k by it at load time is the same thing and leaves llama.forward untouched.
+
+llama.cpp disables sliding-window attention for phi3, and so do we.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import ModelLoadError
+from ..gguf_loader import ModelConfig, TensorSource
+from . import llama
+
+ARCHS = ("phi3",)
+
+
+class _SplitFused:
+    """A TensorSource view that serves llama's separate names by slicing phi3's fused tensors."""
+
+    def __init__(self, src: TensorSource, cfg: ModelConfig):
+        self._src = src
+        self.path = src.path
+        nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self._parts = {  # llama suffix -> (fused suffix, row range)
+            "attn_q.weight": ("attn_qkv.weight", 0, nq),
+            "attn_k.weight": ("attn_qkv.weight", nq, nq + nkv),
+            "attn_v.weight": ("attn_qkv.weight", nq + nkv, nq + 2 * nkv),
+            "ffn_gate.weight": ("ffn_up.weight", 0, cfg.ffn),
+            "ffn_up.weight": ("ffn_up.weight", cfg.ffn, 2 * cfg.ffn),
+        }
+        self._last: tuple[str, np.ndarray] | None = None  # the fused tensor is sliced 2-3 times in a row
+
+    def _fused(self, name: str) -> str | None:
+        """The fused tensor that holds llama-name `name`, when the file is fused for that layer."""
+        blk, _, suffix = name.partition(".")
+        layer, _, suffix = suffix.partition(".")
+        if blk != "blk" or suffix not in self._parts:
+            return None
+        fused = f"blk.{layer}.{self._parts[suffix][0]}"
+        if suffix == "ffn_up.weight" and not self._src.has(f"blk.{layer}.ffn_gate.weight"):
+            return fused  # fused gate/up: "ffn_up" itself is the fused tensor
+        if suffix != "ffn_up.weight" and self._src.has(fused) and not self._src.has(name):
+            return fused
+        return None
+
+    def has(self, name: str) -> bool:
+        return self._fused(name) is not None or self._src.has(name)
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        fused = self._fused(name)
+        if fused is None:
+            return self._src.get(name, shape)
+        if self._last is None or self._last[0] != fused:
+            self._last = (fused, self._src.get(fused))
+        _, lo, hi = self._parts[name.split(".", 2)[2]]
+        part = self._last[1][lo:hi]
+        if shape is not None and part.shape != tuple(shape):
+            raise ModelLoadError(self.path, f"fused tensor {fused!r} gives {name!r} shape {part.shape}, "
+                                            f"expected {tuple(shape)}")
+        return part
+
+
+def _scale_rotated_rows(w: np.ndarray, n_heads: int, head_dim: int, n_rot: int, factor: float) -> np.ndarray:
+    """Multiply the first n_rot output rows of every head (the dims RoPE rotates) by `factor`."""
+    w = w.reshape(w.shape[0], n_heads, head_dim, -1).copy()
+    w[:, :, :n_rot] *= factor
+    return w.reshape(w.shape[0], n_heads * head_dim, -1)
+
+
+def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[str, Any]:
+    params = llama.load_params(_SplitFused(src, cfg), cfg, dtype)
+    if src.has("rope_factors_long.weight"):
+        params["rope_factors_long"] = src.get("rope_factors_long.weight", (cfg.n_rot // 2,))
+        params["rope_factors_short"] = src.get("rope_factors_short.weight", (cfg.n_rot // 2,))
+    if cfg.rope_attn_factor != 1.0:
+        lay = params["layers"]
+        lay["wq"] = _scale_rotated_rows(lay["wq"], cfg.n_heads, cfg.head_dim, cfg.n_rot, cfg.rope_attn_factor)
+        lay["wk"] = _scale_rotated_rows(lay["wk"], cfg.n_kv_heads, cfg.head_dim, cfg.n_rot, cfg.rope_attn_factor)
+    return params
+
+
+def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+    return llama.init_state(cfg, n_slots, capacity, dtype)
+
+
+def state_bytes_per_token(cfg: ModelConfig) -> int:
+    return llama.state_bytes_per_token(cfg)
+
+
+def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
+            start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
+            all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """llama.forward, with LongRoPE's divisors chosen by the cache capacity (a static shape)."""
+    if "rope_factors_long" in params:
+        capacity = state["k"].shape[3]
+        use_long = cfg.rope_orig_context > 0 and capacity > cfg.rope_orig_context
+        params = {**params, "rope_freqs": params["rope_factors_long" if use_long else "rope_factors_short"]}
+    return llama.forward(params, state, tokens, slots, start, n_new, cfg=cfg, span=span, all_logits=all_logits)

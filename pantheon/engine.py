@@ -7,8 +7,8 @@ forward over B rows and returns at once (JAX async dispatch); `step_poll` / `ste
 sampled token ids. Only ids (and logits when asked for) cross back to the host.
 
 Shapes are bucketed so the number of compiled programs is small and known at load: rows B in
-(1, 2, 4, 8, ...), tokens per row T in (1, 16, 32, ... prefill_chunk), attention span in powers of
-two up to the cache capacity. The cache has one extra "scratch" slot that padding rows write to.
+(1, 2, 4, 8), tokens per row T in (1, 32, prefill_chunk), attention span in powers of four from 256
+up to the cache capacity. The cache has one extra "scratch" slot that padding rows write to.
 """
 
 from __future__ import annotations
@@ -54,6 +54,15 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _geometric_buckets(lo: int, hi: int, factor: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    out.append(hi)
+    return tuple(out)
+
+
 def _bucket(n: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if n <= b:
@@ -96,9 +105,11 @@ class Model:
         self.chunk = max(1, min(opts.prefill_chunk, self.max_seq))
         self.capacity = self.max_seq + self.chunk  # a padded chunk never writes past the end
         self.scratch_slot = self.n_slots
+        # Few buckets = few programs to compile at load (each costs seconds on CPU). Rows double,
+        # prefill chunks are short (32) or full, attention spans grow 4x up to the capacity.
         self.row_buckets = _pow2_buckets(1, max(1, self.n_slots))
-        self.chunk_buckets = tuple(b for b in _pow2_buckets(16, max(16, self.chunk)) if b <= max(self.chunk, 16))
-        self.span_buckets = _pow2_buckets(min(128, self.capacity), self.capacity)
+        self.chunk_buckets = tuple(sorted({min(32, self.chunk), self.chunk}))
+        self.span_buckets = _geometric_buckets(min(256, self.capacity), self.capacity, 4)
         # Two programs per step: the forward (one per (rows, tokens, span) bucket) and the sampler
         # (one per rows bucket). Keeping the sampler out of the forward compiles it 4 times, not 40.
         self._forward = jax.jit(self._forward_impl, static_argnames=("span", "all_logits"), donate_argnums=(1,))

@@ -33,6 +33,12 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
+    def is_control(self, tid: int) -> bool:
+        return tid < 32 and chr(tid) not in "\n\t"
+
+    def token_text(self, tid: int) -> str:
+        return chr(tid)
+
     def stream(self, skip_special: bool = False):
         class Dec:
             def push(self, tid: int) -> str:
@@ -199,6 +205,11 @@ def test_eos_is_stop_and_not_shown(client, app_and_reg):
     body = chat(client).get_json()
     assert body["choices"][0]["message"]["content"] == "ok"
     assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_control_tokens_are_not_shown(client, app_and_reg):
+    backend(app_and_reg[1]).script = ("a\x01b\nc", "length")
+    assert chat(client).get_json()["choices"][0]["message"]["content"] == "ab\nc"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -51,12 +51,45 @@ def stream_text(events) -> str:
                    if isinstance(e, dict) and e.get("choices"))
 
 
+@pytest.fixture(scope="module")
+def qwen_load(srv):
+    """Start loading qwen-0.5b (tens of seconds) at once; the smollm2 tests below run during the upload."""
+    result: dict = {}
+
+    def run():
+        result["r"] = admin(srv, "/models/load", {"model": "qwen-0.5b", "name": "qwen"})
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the registry lists it
+        if any(m["name"] == "qwen" for d in srv.get("/admin/dies", key=ADMIN).json()["data"] for m in d["models"]):
+            break
+        time.sleep(0.05)
+    yield t, result
+    t.join(600)
+
+
 def test_startup_answered_loading_first(srv):
     assert (503, {"service": "pantheon", "status": "loading"}) in srv.seen_statuses
     assert srv.seen_statuses[-1][0] == 200
 
 
-def test_real_nonstreaming_and_streaming(srv, client):
+def test_duplicate_load_is_409_while_loading(srv, qwen_load):
+    thread, _ = qwen_load
+    assert thread.is_alive(), "the load finished before it could be observed"
+    err = assert_error(admin(srv, "/models/load", {"model": "qwen-0.5b", "name": "qwen"}), 409)
+    assert err["code"] == "model_busy"
+    # serviceable during the upload: cheap routes answer at once and list only what is ready
+    for _ in range(5):
+        t0 = time.perf_counter()
+        assert srv.get("/").status_code == 200
+        assert [m["id"] for m in srv.get("/v1/models").json()["data"]] == ["smol"]
+        assert time.perf_counter() - t0 < 1.0
+
+
+def test_real_chat_while_another_model_loads(srv, client, qwen_load):
+    loading = qwen_load[0].is_alive()
     out = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=24, temperature=0)
     text = out.choices[0].message.content
     assert isinstance(text, str) and text.strip()
@@ -67,54 +100,20 @@ def test_real_nonstreaming_and_streaming(srv, client):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    if not loading:
+        pytest.skip("qwen finished loading before the smollm2 requests (the load/stream overlap was not tested)")
 
 
-def test_load_while_streaming_duplicate_409_and_tool_call(srv, client):
-    stream_result = {}
-
-    def long_stream():
-        r = srv.post("/v1/chat/completions", {"model": "smol", "messages": QUESTION, "max_tokens": 40,
-                                              "stream": True, "temperature": 0}, stream=True, timeout=300)
-        stream_result["events"] = sse_events(r)
-
-    load_result = {}
-
-    def load_qwen():
-        load_result["r"] = admin(srv, "/models/load", {"model": "qwen-0.5b", "name": "qwen"})
-
-    streamer = threading.Thread(target=long_stream)
-    loader = threading.Thread(target=load_qwen)
-    streamer.start()
-    loader.start()
-    # wait until the load is in progress (the registry lists it as loading)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        models = [m for d in srv.get("/admin/dies", key=ADMIN).json()["data"] for m in d["models"]]
-        if any(m["name"] == "qwen" for m in models):
-            break
-        time.sleep(0.05)
-    assert loader.is_alive(), "the load finished before it could be observed"
-    err = assert_error(admin(srv, "/models/load", {"model": "qwen-0.5b", "name": "qwen"}), 409)
-    assert err["code"] == "model_busy"
-    # the server stays serviceable during the upload: cheap routes and the other model answer
-    for _ in range(5):
-        t0 = time.perf_counter()
-        assert srv.get("/").status_code == 200
-        assert [m["id"] for m in srv.get("/v1/models").json()["data"]] == ["smol"]
-        assert time.perf_counter() - t0 < 1.0
-    assert srv.post("/v1/chat/completions", {"model": "smol", "messages": QUESTION,
-                                             "max_tokens": 4}).status_code in (200, 429)
-    streamer.join(300)
-    loader.join(600)
-    events = stream_result["events"]
-    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
-    r = load_result["r"]
+def test_tool_call_on_the_runtime_loaded_model(srv, client, qwen_load):
+    thread, result = qwen_load
+    thread.join(600)
+    r = result["r"]
     assert r.status_code == 200, r.text
+    assert r.json()["name"] == "qwen" and r.json()["instance_id"].startswith("inst-")
     assert sorted(m["id"] for m in srv.get("/v1/models").json()["data"]) == ["qwen", "smol"]
-
-    # a tool-call request end to end (the model may or may not decide to call the tool)
+    # the model may or may not decide to call the tool; either way the response must be well formed
     out = client.chat.completions.create(
-        model="qwen", max_tokens=48, temperature=0, tools=[WEATHER_TOOL], tool_choice="auto",
+        model="qwen", max_tokens=24, temperature=0, tools=[WEATHER_TOOL], tool_choice="auto",
         messages=[{"role": "user", "content": "What is the weather like in Paris right now?"}])
     choice = out.choices[0]
     assert choice.finish_reason in ("tool_calls", "stop", "length")
@@ -124,10 +123,6 @@ def test_load_while_streaming_duplicate_409_and_tool_call(srv, client):
         assert isinstance(json.loads(call.function.arguments), dict)
     else:
         assert isinstance(choice.message.content, str)
-    raw = srv.post("/v1/chat/completions", {"model": "qwen", "max_tokens": 8, "messages": QUESTION,
-                                            "tools": [WEATHER_TOOL], "stream": True}, stream=True)
-    assert sse_events(raw)[-1] == "[DONE]"
-
     # a second copy does not fit the 3500 MiB budget next to the first: 507, nothing reserved
     err = assert_error(admin(srv, "/models/load", {"model": "qwen-0.5b", "name": "qwen-b"}), 507)
     assert err["code"] == "insufficient_memory"
@@ -136,7 +131,7 @@ def test_load_while_streaming_duplicate_409_and_tool_call(srv, client):
 
 
 def test_unload_meets_a_request_in_flight(srv):
-    body = {"model": "smol", "messages": QUESTION, "max_tokens": 48, "temperature": 0}
+    body = {"model": "smol", "messages": QUESTION, "max_tokens": 32, "temperature": 0}
     reference = srv.post("/v1/chat/completions", body).json()
     results = {}
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..emitter import Delta, Emitter, merge_deltas
+from ..emitter import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, Delta, Emitter, merge_deltas
 from ..errors import PantheonError, RequestError
 from . import bridge
 from .errors import from_exception
@@ -35,6 +35,8 @@ from .errors import from_exception
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
+# Control tokens the emitter must see although they are "special" in some GGUFs (Qwen's <tool_call>).
+MARKERS = frozenset({THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE})
 MAX_STOP = 4
 MAX_STOP_CHARS = 512
 MAX_ID_CHARS = 256
@@ -414,6 +416,7 @@ class Generation:
         self.emitter: Emitter | None = None
         self._stop_ids: frozenset[int] = frozenset()
         self._decoder: Any = None
+        self._tok: Any = None
         self._eos = False
         self._last_check = time.monotonic()
         self._replay: list[Any] = []  # events taken out early by start(), delivered before the channel's
@@ -443,7 +446,8 @@ class Generation:
         max_tokens = room if want is None else min(want, room)
         self.prompt_tokens = len(ids)
         self._stop_ids = frozenset(tok.eot_ids)
-        self._decoder = tok.stream(skip_special=True)
+        self._tok = tok
+        self._decoder = tok.stream(skip_special=False)
         ends_in_think = getattr(model.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
         self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled)
@@ -491,6 +495,8 @@ class Generation:
                     if tid in self._stop_ids:
                         self._eos = True
                         break
+                    if self._tok.is_control(tid) and self._tok.token_text(tid) not in MARKERS:
+                        continue  # turn markers, padding...: never shown; the emitter's markers pass
                     out += em.feed(self._decoder.push(tid))
                     if em.stopped:
                         self.handle.cancel()

@@ -1,0 +1,132 @@
+"""HF safetensors checkpoints load into the same model as their GGUF conversions.
+
+The tiny-hf directories are the sources the tiny GGUFs were converted from, so loading one must give the
+GGUF's oracle logits and greedy ids. That proves the name tables, the fused phi3 tensors, and the
+rotate-half RoPE of an HF llama (the GGUF converter permutes Q/K instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from conftest import FIXTURES, centered, tiny_fixture
+from pantheon import engine
+from pantheon.errors import ModelLoadError
+from pantheon.hf_loader import _llama3_divisors, open_hf
+from pantheon.sampler import SamplingParams
+
+HF = FIXTURES / "tiny-hf"
+ARCHS = ["llama", "qwen2", "qwen3", "phi3"]
+TOL = 1e-3
+OPTS = engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16)
+_models: dict[str, engine.Model] = {}
+
+
+def hf_model(name: str) -> engine.Model:
+    if name not in _models:
+        _models[name] = engine.load(HF / name, OPTS)
+    return _models[name]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_hf_checkpoint_matches_gguf_oracle(name):
+    _, j, ref = tiny_fixture(name)
+    m = hf_model(name)
+    assert np.abs(centered(m.logits(j["prompt_ids"])) - centered(ref)).max() < TOL
+    out = list(m.generate(j["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=16, stop_ids=[]))
+    assert out == j["greedy_ids"]
+
+
+def test_hf_tokenizer_and_chat_template_come_from_the_directory():
+    m = hf_model("llama")
+    text = m.template.render([{"role": "user", "content": "hello there"}])
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    ids = m.tokenizer.encode(text)
+    assert m.tokenizer.decode(ids) == text
+    assert m.tokenizer.eos_id in m.tokenizer.eot_ids
+
+
+def test_single_file_with_config_path(tmp_path):
+    """A lone .safetensors file plus LoadOptions.config_path loads the same weights."""
+    _, j, ref = tiny_fixture("qwen2")
+    weights = tmp_path / "weights.safetensors"
+    shutil.copy(HF / "qwen2" / "model.safetensors", weights)
+    m = engine.load(weights, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16,
+                                                config_path=str(HF / "qwen2" / "config.json")))
+    assert np.abs(centered(m.logits(j["prompt_ids"])) - centered(ref)).max() < TOL
+
+
+def _write_sharded(src_dir, dst_dir, dtype=None) -> dict[str, np.ndarray]:
+    """Re-save a checkpoint as two shards with an index (optionally cast); returns the tensors written."""
+    from safetensors import safe_open
+    with safe_open(str(src_dir / "model.safetensors"), framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for fname, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(dst_dir / fname))
+    index = {"weight_map": {k: fname for fname, keys in halves.items() for k in keys}}
+    (dst_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    for extra in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src_dir / extra, dst_dir / extra)
+    return tensors
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    _write_sharded(HF / "phi3", tmp_path)
+    f = open_hf(tmp_path)
+    ref = open_hf(HF / "phi3")
+    assert f.config == dataclasses.replace(ref.config, name=f.config.name)
+    for name in ("blk.2.attn_qkv.weight", "blk.3.ffn_up.weight", "output.weight", "token_embd.weight"):
+        np.testing.assert_array_equal(f.tensors.get(name), ref.tensors.get(name))
+
+
+def test_bf16_tensors_widen_exactly(tmp_path):
+    """numpy has no bfloat16: the loader widens raw bits, which must equal the bf16 values."""
+    written = _write_sharded(HF / "qwen3", tmp_path, dtype=ml_dtypes.bfloat16)
+    src = open_hf(tmp_path).tensors
+    for name, hf in (("blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj.weight"),
+                     ("blk.0.attn_k_norm.weight", "model.layers.0.self_attn.k_norm.weight")):
+        got = src.get(name)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, written[hf].astype(np.float32))
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    with pytest.raises(ModelLoadError, match="no HF config"):
+        engine.load(tmp_path, OPTS)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ModelLoadError, match="unsupported HF model_type 'bert'"):
+        engine.load(tmp_path, OPTS)
+    cfg = json.loads((HF / "llama" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="no .safetensors"):
+        engine.load(tmp_path, OPTS)
+    save_file({"model.embed_tokens.weight": np.zeros((512, 64), np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="missing tensor"):
+        engine.load(tmp_path, OPTS)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        engine.load(tmp_path, OPTS)
+
+
+def test_llama3_rope_divisors_follow_the_converter():
+    """High frequencies untouched, low ones divided by `factor`, a smooth ramp between (Llama 3.1 values)."""
+    rp = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    d = _llama3_divisors(rp, 500000.0, 128)
+    assert d.shape == (64,)
+    assert d[0] == 1.0 and d[-1] == 8.0
+    assert np.all(np.diff(d) >= 0)
+    wavelen = 2 * np.pi * 500000.0 ** (np.arange(0, 128, 2) / 128)
+    mid = (wavelen >= 8192 / 4) & (wavelen <= 8192)
+    smooth = (8192 / wavelen[mid] - 1) / 3
+    np.testing.assert_allclose(d[mid], 1 / ((1 - smooth) / 8 + smooth), rtol=1e-6)

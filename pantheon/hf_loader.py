@@ -15,6 +15,11 @@ Where the GGUF converter transforms a tensor we do the equivalent here instead:
   order, so an HF llama simply gets ``rope_type = neox`` (every HF model is rotate-half).
 * Llama 3.x ``rope_scaling`` (``llama3``) becomes the ``rope_freqs`` divisors the converter would
   write; Phi-3 LongRoPE becomes ``rope_factors_long/short`` plus ``rope_attn_factor``.
+* Qwen3.5 (dense / MoE): ``+1`` on the (1 + w) norms, ``ssm_a = -exp(A_log)``, the grouped→tiled V-head
+  reordering of every V-head-indexed tensor, the conv kernel squeezed, per-expert tensors stacked,
+  and the ``ssm.*`` metadata qwen35.py reads from ``cfg.extra``.
+
+The test that keeps this honest compares every tensor with the converter's own GGUF of the same model.
 
 Tensors are memory-mapped with ``safetensors.safe_open(framework="numpy")`` and converted to float32
 one at a time (BF16, which numpy lacks, is widened from its raw bits). Every failure is a
@@ -28,12 +33,14 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from .errors import ModelLoadError
 from .gguf_loader import ROPE_NEOX, ModelConfig
+
+Transform = Callable[[np.ndarray], np.ndarray]
 
 # HF model_type -> GGUF arch string (the registry key of the arch file that runs it).
 _ARCHS = {
@@ -42,38 +49,124 @@ _ARCHS = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "qwen3_5_text": "qwen35",
+    "qwen3_5_moe_text": "qwen35moe",
 }
 
-# Per-arch name tables: GGUF per-layer stem -> HF stem under ``model.layers.{i}.``. A GGUF name
-# ``blk.{i}.{stem}.{weight|bias}`` maps to ``model.layers.{i}.{hf stem}.{weight|bias}``.
-_LLAMA_LAYER = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+
+@dataclass(frozen=True)
+class _From:
+    """Where one GGUF tensor comes from: an HF name under the layer (or model) prefix, a transform
+    standing in for the converter's, and whether `{e}` in the name stacks experts on a new axis 0.
+    A leading "/" means a top-level name (``lm_head.weight``), not one under the model prefix."""
+
+    hf: str
+    fn: Transform | None = None
+    experts: bool = False
+
+
+def _plus_one(a: np.ndarray) -> np.ndarray:
+    """HF (1 + w) norms: the converter stores w + 1, which the arch files use directly."""
+    return a + 1.0
+
+
+def _grouped_to_tiled(a: np.ndarray, n_k: int, r: int, axis: int = 0) -> np.ndarray:
+    """Reorder n_k*r V-head blocks along `axis` from HF's grouped order (head g*r + s belongs to
+    k-head g) to the qwen35 GGUF's tiled order (head s*n_k + g): the converter's permutation."""
+    a = np.moveaxis(a, axis, 0)
+    out = a.reshape((n_k, r, -1) + a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    return np.moveaxis(out, 0, axis)
+
+
+def _llama_layer(hf: dict[str, Any]) -> dict[str, tuple[_From, ...]]:
+    table: dict[str, tuple[_From, ...]] = {
+        "attn_norm.weight": (_From("input_layernorm.weight"),),
+        "attn_q_norm.weight": (_From("self_attn.q_norm.weight"),),
+        "attn_k_norm.weight": (_From("self_attn.k_norm.weight"),),
+        "ffn_norm.weight": (_From("post_attention_layernorm.weight"),),
+    }
+    for gguf, ours in (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                       ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                       ("ffn_down", "mlp.down_proj")):
+        table[gguf + ".weight"] = (_From(ours + ".weight"),)
+        table[gguf + ".bias"] = (_From(ours + ".bias"),)
+    return table
+
+
+def _phi3_layer(hf: dict[str, Any]) -> dict[str, tuple[_From, ...]]:
+    return {
+        "attn_norm.weight": (_From("input_layernorm.weight"),),
+        "attn_qkv.weight": (_From("self_attn.qkv_proj.weight"),),  # rows Q, K, V as in the GGUF
+        "attn_output.weight": (_From("self_attn.o_proj.weight"),),
+        "ffn_norm.weight": (_From("post_attention_layernorm.weight"),),
+        "ffn_up.weight": (_From("mlp.gate_up_proj.weight"),),  # first half gate, second half up
+        "ffn_down.weight": (_From("mlp.down_proj.weight"),),
+    }
+
+
+def _qwen35_layer(hf: dict[str, Any]) -> dict[str, tuple[_From, ...]]:
+    """Qwen3.5 (dense and MoE): the converter's +1 norms, -exp(A_log) and V-head reordering."""
+    n_k, n_v = int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"])
+    r, key_dim = n_v // n_k, n_k * int(hf["linear_key_head_dim"])
+    F = int(hf.get("moe_intermediate_size") or 0)
+
+    def tiled(axis: int = 0) -> Transform:
+        return lambda a: _grouped_to_tiled(a, n_k, r, axis)
+
+    def qkv(a: np.ndarray) -> np.ndarray:  # [q | k | v] rows or channels: only v is per V-head
+        return np.concatenate([a[:2 * key_dim], _grouped_to_tiled(a[2 * key_dim:], n_k, r)], axis=0)
+
+    table = {
+        "attn_norm.weight": (_From("input_layernorm.weight", _plus_one),),
+        "post_attention_norm.weight": (_From("post_attention_layernorm.weight", _plus_one),),
+        "attn_qkv.weight": (_From("linear_attn.in_proj_qkv.weight", qkv),),
+        "attn_gate.weight": (_From("linear_attn.in_proj_z.weight", tiled()),),
+        "ssm_beta.weight": (_From("linear_attn.in_proj_b.weight", tiled()),),
+        "ssm_alpha.weight": (_From("linear_attn.in_proj_a.weight", tiled()),),
+        "ssm_a": (_From("linear_attn.A_log", lambda a: -np.exp(_grouped_to_tiled(a, n_k, r))),),
+        "ssm_dt.bias": (_From("linear_attn.dt_bias", tiled()),),
+        "ssm_conv1d.weight": (_From("linear_attn.conv1d.weight", lambda a: qkv(a.reshape(a.shape[0], -1))),),
+        "ssm_norm.weight": (_From("linear_attn.norm.weight"),),  # the gated norm has no +1
+        "ssm_out.weight": (_From("linear_attn.out_proj.weight", tiled(axis=1)),),
+        "attn_q.weight": (_From("self_attn.q_proj.weight"),),
+        "attn_k.weight": (_From("self_attn.k_proj.weight"),),
+        "attn_v.weight": (_From("self_attn.v_proj.weight"),),
+        "attn_output.weight": (_From("self_attn.o_proj.weight"),),
+        "attn_q_norm.weight": (_From("self_attn.q_norm.weight", _plus_one),),
+        "attn_k_norm.weight": (_From("self_attn.k_norm.weight", _plus_one),),
+        "ffn_gate.weight": (_From("mlp.gate_proj.weight"),),
+        "ffn_up.weight": (_From("mlp.up_proj.weight"),),
+        "ffn_down.weight": (_From("mlp.down_proj.weight"),),
+        "ffn_gate_inp.weight": (_From("mlp.gate.weight"),),
+        # On disk experts are usually per expert; transformers 5 in-memory dumps are fused.
+        "ffn_gate_exps.weight": (_From("mlp.experts.{e}.gate_proj.weight", experts=True),
+                                 _From("mlp.experts.gate_up_proj", lambda a: a[:, :F])),
+        "ffn_up_exps.weight": (_From("mlp.experts.{e}.up_proj.weight", experts=True),
+                               _From("mlp.experts.gate_up_proj", lambda a: a[:, F:])),
+        "ffn_down_exps.weight": (_From("mlp.experts.{e}.down_proj.weight", experts=True),
+                                 _From("mlp.experts.down_proj")),
+        "ffn_gate_shexp.weight": (_From("mlp.shared_expert.gate_proj.weight"),),
+        "ffn_up_shexp.weight": (_From("mlp.shared_expert.up_proj.weight"),),
+        "ffn_down_shexp.weight": (_From("mlp.shared_expert.down_proj.weight"),),
+        "ffn_gate_inp_shexp.weight": (_From("mlp.shared_expert_gate.weight"),),
+    }
+    return table
+
+
+_LAYER_TABLES: dict[str, Callable[[dict[str, Any]], dict[str, tuple[_From, ...]]]] = {
+    "llama": _llama_layer, "qwen2": _llama_layer, "qwen3": _llama_layer, "phi3": _phi3_layer,
+    "qwen35": _qwen35_layer, "qwen35moe": _qwen35_layer,
 }
-_PHI3_LAYER = {
-    "attn_norm": "input_layernorm",
-    "attn_qkv": "self_attn.qkv_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_up": "mlp.gate_up_proj",  # fused: first half gate, second half up (as in the GGUF)
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TABLES = {"llama": _LLAMA_LAYER, "qwen2": _LLAMA_LAYER, "qwen3": _LLAMA_LAYER, "phi3": _PHI3_LAYER}
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK = re.compile(r"blk\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def _global_table(arch: str) -> dict[str, tuple[_From, ...]]:
+    """Names under the model prefix (``model.`` or ``model.language_model.``); the head is top-level."""
+    norm = _From("norm.weight", _plus_one if arch in ("qwen35", "qwen35moe") else None)
+    return {"token_embd.weight": (_From("embed_tokens.weight"),), "output_norm.weight": (norm,),
+            "output.weight": (_From("/lm_head.weight"),)}
+
+
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def is_hf_checkpoint(path: Path, config_path: str | None = None) -> bool:
@@ -122,58 +215,79 @@ class _ShardFile:
 class SafetensorsSource:
     """The TensorSource interface (has / get / names / qtype) over HF tensors, by GGUF name."""
 
-    def __init__(self, path: Path, files: list[Path], arch: str, synthetic: dict[str, np.ndarray] | None = None):
+    def __init__(self, path: Path, files: list[Path], arch: str, hf: dict[str, Any]):
         self.path = path
-        self._layer_table = _LAYER_TABLES[arch]
         self._where: dict[str, _ShardFile] = {}
         for f in files:
             shard = _ShardFile(f)
             for k in shard.keys:
                 self._where[k] = shard
-        self._synthetic = dict(synthetic or {})
+        multimodal = "model.language_model.embed_tokens.weight" in self._where  # Qwen3.5 / Gemma 3 wrappers
+        self._prefix = "model.language_model." if multimodal else "model."
+        self._global = _global_table(arch)
+        try:
+            self._layer = _LAYER_TABLES[arch](hf)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(path, f"config.json lacks {exc}") from exc
+        self._n_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        self._synthetic: dict[str, np.ndarray] = {}  # tensors the converter computes (rope factors)
+
+    def _candidates(self, name: str) -> list[tuple[str, _From]]:
+        """(HF key, rule) pairs that could produce GGUF tensor `name`, in order of preference."""
+        if name in self._global:
+            return [(f.hf[1:] if f.hf.startswith("/") else self._prefix + f.hf, f) for f in self._global[name]]
+        m = _BLOCK.fullmatch(name)
+        if m is None or m.group(2) not in self._layer:
+            return []
+        return [(f"{self._prefix}layers.{m.group(1)}.{f.hf}", f) for f in self._layer[m.group(2)]]
+
+    def _present(self, key: str, rule: _From) -> bool:
+        return (key.format(e=0) if rule.experts else key) in self._where
 
     def hf_name(self, name: str) -> str | None:
-        """The HF tensor behind GGUF name `name`, or None when the table has no entry for it."""
-        if name in _GLOBAL:
-            return _GLOBAL[name]
-        m = _BLOCK.fullmatch(name)
-        if m is None or m.group(2) not in self._layer_table:
-            return None
-        return f"model.layers.{m.group(1)}.{self._layer_table[m.group(2)]}.{m.group(3)}"
+        """The HF tensor behind GGUF name `name` (the first present candidate), else None."""
+        return next((k for k, rule in self._candidates(name) if self._present(k, rule)), None)
 
     def has(self, name: str) -> bool:
-        return name in self._synthetic or self.hf_name(name) in self._where
+        return name in self._synthetic or self.hf_name(name) is not None
 
     def names(self) -> list[str]:
-        hf_to_gguf = {}
-        for name in _GLOBAL:
-            hf_to_gguf[_GLOBAL[name]] = name
-        for key in self._where:
-            m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", key)
-            if m:
-                for stem, hf in self._layer_table.items():
-                    if hf == m.group(2):
-                        hf_to_gguf[key] = f"blk.{m.group(1)}.{stem}.{m.group(3)}"
-        return sorted({hf_to_gguf[k] for k in self._where if k in hf_to_gguf} | set(self._synthetic))
+        pattern = re.compile(re.escape(self._prefix) + r"layers\.(\d+)\.")
+        layers = {int(m.group(1)) for k in self._where if (m := pattern.match(k))}
+        cands = list(self._global) + [f"blk.{i}.{s}" for i in sorted(layers) for s in self._layer]
+        return [n for n in cands if self.has(n)] + sorted(self._synthetic)
 
     def qtype(self, name: str) -> str:
-        if name in self._synthetic:
-            return "F32"
         key = self.hf_name(name)
-        return self._where[key].dtype(key) if key in self._where else "?"
+        if key is None:
+            return "F32" if name in self._synthetic else "?"
+        return self._where[key.format(e=0)].dtype(key.format(e=0))
+
+    def _read(self, key: str) -> np.ndarray:
+        try:
+            return self._where[key].get(key)
+        except Exception as exc:
+            raise ModelLoadError(self.path, f"tensor {key!r} could not be read ({type(exc).__name__}: {exc})") from exc
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """float32 array in (out, in) order, the layout HF and GGUF-via-numpy share."""
         if name in self._synthetic:
             arr = self._synthetic[name]
         else:
-            key = self.hf_name(name)
-            if key is None or key not in self._where:
-                raise ModelLoadError(self.path, f"missing tensor {name!r}" + (f" (HF {key!r})" if key else ""))
-            try:
-                arr = self._where[key].get(key)
-            except Exception as exc:
-                raise ModelLoadError(self.path, f"tensor {key!r} could not be read ({type(exc).__name__}: {exc})") from exc
+            found = next(((k, rule) for k, rule in self._candidates(name) if self._present(k, rule)), None)
+            if found is None:
+                tried = [k for k, _ in self._candidates(name)]
+                raise ModelLoadError(self.path, f"missing tensor {name!r}" + (f" (HF {tried[0]!r})" if tried else ""))
+            key, rule = found
+            if rule.experts:
+                missing = [key.format(e=e) for e in range(self._n_experts) if key.format(e=e) not in self._where]
+                if missing:
+                    raise ModelLoadError(self.path, f"missing expert tensor {missing[0]!r}")
+                arr = np.stack([self._read(key.format(e=e)) for e in range(self._n_experts)])
+            else:
+                arr = self._read(key)
+            if rule.fn is not None:
+                arr = np.ascontiguousarray(rule.fn(arr), dtype=np.float32)
         if shape is not None and tuple(arr.shape) != tuple(shape):
             raise ModelLoadError(self.path, f"tensor {name!r} has shape {arr.shape}, expected {tuple(shape)}")
         return arr
@@ -183,7 +297,7 @@ class SafetensorsSource:
 
     def shape_of(self, name: str) -> tuple[int, ...] | None:
         key = self.hf_name(name)
-        return self._where[key].shape(key) if key in self._where else None
+        return self._where[key].shape(key) if key is not None and key in self._where else None
 
 
 # ---- config --------------------------------------------------------------------------------------
@@ -207,15 +321,21 @@ def _llama3_divisors(rp: dict[str, Any], base: float, n_rot: int) -> np.ndarray:
 
 def config_from_hf(path: Path, hf: dict[str, Any], src: SafetensorsSource) -> ModelConfig:
     """The ModelConfig the GGUF converter's metadata would give, plus synthetic rope tensors in `src`."""
-    model_type = hf.get("model_type")
-    arch = _ARCHS.get(model_type)
+    arch = _ARCHS.get(hf.get("model_type"))
     if arch is None:
-        raise ModelLoadError(path, f"unsupported HF model_type {model_type!r} (supported: {', '.join(sorted(_ARCHS))})")
+        raise ModelLoadError(path, f"unsupported HF model_type {hf.get('model_type')!r} "
+                                   f"(supported: {', '.join(sorted(_ARCHS))})")
+    emb = src.shape_of("token_embd.weight")
+    if emb is None:
+        raise ModelLoadError(path, "missing tensor 'model.embed_tokens.weight'")
     try:
-        hidden, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        n_layers = int(hf["num_hidden_layers"])
+        return _config(path, hf, src, arch, vocab=int(emb[0]))
     except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(path, f"config.json lacks {exc}") from exc
+        raise ModelLoadError(path, f"config.json lacks or garbles {type(exc).__name__}: {exc}") from exc
+
+
+def _config(path: Path, hf: dict[str, Any], src: SafetensorsSource, arch: str, vocab: int) -> ModelConfig:
+    hidden, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or hidden // n_heads)
     # transformers 5 puts every rope setting in rope_parameters; 4.x used rope_theta + rope_scaling.
     rp = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
@@ -229,7 +349,8 @@ def config_from_hf(path: Path, hf: dict[str, Any], src: SafetensorsSource) -> Mo
     elif rope_kind == "llama3":
         src._synthetic["rope_freqs.weight"] = _llama3_divisors(rp, base, n_rot)
     elif rope_kind == "longrope":
-        orig_ctx = int(rp.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or max_pos)
+        orig_ctx = int(rp.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                       or max_pos)
         src._synthetic["rope_factors_long.weight"] = np.asarray(rp["long_factor"], np.float32)
         src._synthetic["rope_factors_short.weight"] = np.asarray(rp["short_factor"], np.float32)
         scale = max_pos / orig_ctx
@@ -237,18 +358,15 @@ def config_from_hf(path: Path, hf: dict[str, Any], src: SafetensorsSource) -> Mo
                             (math.sqrt(1 + math.log(scale) / math.log(orig_ctx)) if scale > 1 else 1.0))
     elif rope_kind != "default":
         raise ModelLoadError(path, f"rope type {rope_kind!r} is not supported yet")
-    emb = src.shape_of("token_embd.weight")
-    if emb is None:
-        raise ModelLoadError(path, "missing tensor 'model.embed_tokens.weight'")
     return ModelConfig(
         arch=arch,
-        n_layers=n_layers,
+        n_layers=int(hf["num_hidden_layers"]),
         hidden=hidden,
         n_heads=n_heads,
         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
         head_dim=head_dim,
-        ffn=int(hf.get("intermediate_size", 0)),
-        vocab=int(emb[0]),
+        ffn=int(hf.get("intermediate_size") or 0),
+        vocab=vocab,
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_base=base,
         n_rot=n_rot,
@@ -257,12 +375,34 @@ def config_from_hf(path: Path, hf: dict[str, Any], src: SafetensorsSource) -> Mo
         attn_scale=head_dim ** -0.5,
         rope_scale=rope_scale,
         tied_output=not src.has("output.weight"),
-        qk_norm=src.has("blk.0.attn_q_norm.weight"),
+        qk_norm=src.has("blk.0.attn_q_norm.weight") or arch in ("qwen35", "qwen35moe"),
         qkv_bias=src.has("blk.0.attn_q.bias"),
+        n_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
+        n_experts_used=int(hf.get("num_experts_per_tok") or 0),
+        expert_ffn=int(hf.get("moe_intermediate_size") or 0),
         name=path.name,
         rope_orig_context=orig_ctx,
         rope_attn_factor=attn_factor,
+        extra=_hybrid_extra(hf) if arch in ("qwen35", "qwen35moe") else {},
     )
+
+
+def _hybrid_extra(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ``{arch}.*`` GGUF keys (prefix stripped) that qwen35.py reads from cfg.extra."""
+    n_v = int(hf["linear_num_value_heads"])
+    extra = {
+        "ssm.conv_kernel": int(hf["linear_conv_kernel_dim"]),
+        "ssm.state_size": int(hf["linear_key_head_dim"]),
+        "ssm.group_count": int(hf["linear_num_key_heads"]),
+        "ssm.time_step_rank": n_v,
+        "ssm.inner_size": n_v * int(hf["linear_value_head_dim"]),
+        "expert_shared_feed_forward_length": int(hf.get("shared_expert_intermediate_size") or 0),
+    }
+    if hf.get("layer_types"):
+        extra["attention.recurrent_layers"] = [t == "linear_attention" for t in hf["layer_types"]]
+    if hf.get("full_attention_interval"):
+        extra["full_attention_interval"] = int(hf["full_attention_interval"])
+    return extra
 
 
 # ---- opening a checkpoint ------------------------------------------------------------------------
@@ -290,7 +430,8 @@ def _weight_files(path: Path) -> list[Path]:
         if missing:
             raise ModelLoadError(path, f"missing shard(s) {missing}")
         return files
-    files = sorted(path.glob("*.safetensors"))
+    # Prefer HF's own file names: some repos also ship a differently named consolidated copy.
+    files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(path, "no .safetensors files in the directory")
     return files
@@ -309,11 +450,13 @@ def open_hf(path: str | Path, config_path: str | Path | None = None) -> HFCheckp
         raise ModelLoadError(p, f"no HF config at {cfg_file} (give LoadOptions.config_path)") from exc
     except Exception as exc:
         raise ModelLoadError(cfg_file, f"unreadable config.json ({type(exc).__name__}: {exc})") from exc
+    if isinstance(hf.get("text_config"), dict):  # multimodal wrapper: the text backbone's config
+        hf = hf["text_config"]
     arch = _ARCHS.get(hf.get("model_type"))
     if arch is None:
         raise ModelLoadError(p, f"unsupported HF model_type {hf.get('model_type')!r} "
                                 f"(supported: {', '.join(sorted(_ARCHS))})")
-    src = SafetensorsSource(p, _weight_files(p), arch)
+    src = SafetensorsSource(p, _weight_files(p), arch, hf)
     cfg = config_from_hf(p, hf, src)
     tok_dir = next((d for d in (cfg_file.parent, folder) if (d / "tokenizer.json").exists()), None)
     meta = {

@@ -128,20 +128,20 @@ def _status_error(message: str, status: int, code: str, param: str | None = None
 def device_table(settings: Settings) -> list[dict]:
     """Every JAX device with its memory budget in bytes. Imports JAX: call only after the worker forked.
 
-    Budget: PANTHEON_DIE_BUDGET_MB when set (an operator's cap wins), else the device's own
-    `bytes_limit`, else the host's total memory (CPU devices share it).
+    Budget: the device's own `bytes_limit` (memory_stats), else PANTHEON_DIE_BUDGET_MB, else the host's
+    total memory (CPU devices report none and share the host's RAM).
     """
     import jax
     import psutil
     out = []
     for i, d in enumerate(jax.devices()):
-        budget = settings.die_budget_mb * 1024 * 1024 if settings.die_budget_mb > 0 else 0
-        if not budget:
-            try:
-                stats = d.memory_stats() or {}
-            except Exception:  # some backends raise instead of returning None
-                stats = {}
-            budget = int(stats.get("bytes_limit") or 0)
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # some backends raise instead of returning None
+            stats = {}
+        budget = int(stats.get("bytes_limit") or 0)
+        if not budget and settings.die_budget_mb > 0:
+            budget = settings.die_budget_mb * 1024 * 1024
         if not budget:
             budget = int(psutil.virtual_memory().total)
         out.append({"die": i, "platform": d.platform, "kind": getattr(d, "device_kind", d.platform),
@@ -149,18 +149,80 @@ def device_table(settings: Settings) -> list[dict]:
     return out
 
 
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_element_count(path: Path) -> int:
+    """Total number of weight elements in a GGUF, read from its header only.
+
+    Why not `gguf.GGUFReader`: it decodes every metadata value, which takes ~25 s for a 150k-token
+    vocabulary; admission must answer in milliseconds. This walks the key/value section (skipping
+    values by their sizes) and sums the tensor-info shapes.
+    """
+    import struct
+
+    with open(path, "rb") as f:
+        def read(fmt: str) -> tuple:
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError("truncated GGUF header")
+            return struct.unpack(fmt, data)
+
+        def skip_string() -> None:
+            (n,) = read("<Q")
+            f.seek(n, 1)
+
+        def skip_value(vtype: int) -> None:
+            if vtype == _GGUF_STRING:
+                skip_string()
+            elif vtype == _GGUF_ARRAY:
+                itype, count = read("<IQ")
+                if itype in _GGUF_SCALAR_SIZES:
+                    f.seek(_GGUF_SCALAR_SIZES[itype] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip_value(itype)
+            elif vtype in _GGUF_SCALAR_SIZES:
+                f.seek(_GGUF_SCALAR_SIZES[vtype], 1)
+            else:
+                raise ValueError(f"unknown GGUF value type {vtype}")
+
+        magic, version = read("<4sI")
+        if magic != b"GGUF" or version < 2:
+            raise ValueError("not a GGUF v2+ file")
+        n_tensors, n_kv = read("<QQ")
+        for _ in range(n_kv):
+            skip_string()
+            (vtype,) = read("<I")
+            skip_value(vtype)
+        total = 0
+        for _ in range(n_tensors):
+            skip_string()
+            (n_dims,) = read("<I")
+            count = 1
+            for d in read(f"<{n_dims}Q"):
+                count *= d
+            total += count
+            f.seek(12, 1)  # ggml type (u32) + data offset (u64)
+        return total
+
+
 def estimate_weight_bytes(path: Path, settings: Settings, platform: str) -> int:
     """Bytes the weights will take on a die, from the file's tensor shapes (no weights are read).
 
     The engine dequantizes to f32 on CPU and to bf16 matrices elsewhere (PANTHEON_DTYPE overrides).
+    A file that cannot be scanned (not GGUF: a safetensors directory) is estimated from its size.
     """
-    from .gguf_meta import open_reader
-    reader = open_reader(path)
-    n = sum(int(t.n_elements) for t in reader.tensors)
     dtype = settings.dtype.lower()
-    if dtype in ("float32", "f32") or (dtype == "auto" and platform == "cpu"):
-        return 4 * n
-    return 2 * n
+    per = 4 if dtype in ("float32", "f32") or (dtype == "auto" and platform == "cpu") else 2
+    p = Path(path)
+    try:
+        return per * gguf_element_count(p)
+    except (OSError, ValueError):
+        files = [p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()] if p.is_dir() else []
+        return sum(q.stat().st_size for q in files) * per // 2
 
 
 def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings) -> Any:

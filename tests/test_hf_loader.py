@@ -1,8 +1,9 @@
 """HF safetensors checkpoints load into the same model as their GGUF conversions.
 
 The tiny-hf directories are the sources the tiny GGUFs were converted from, so loading one must give the
-GGUF's oracle logits and greedy ids. That proves the name tables, the fused phi3 tensors, and the
-rotate-half RoPE of an HF llama (the GGUF converter permutes Q/K instead).
+GGUF's oracle logits and greedy ids, and every tensor must equal the converter's output. That proves the
+name tables, the fused phi3 tensors, Qwen3.5's converter transforms (+1 norms, -exp(A_log), V-head
+reordering, expert stacking) and the rotate-half RoPE of an HF llama (the converter permutes Q/K instead).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pantheon.hf_loader import _llama3_divisors, open_hf
 from pantheon.sampler import SamplingParams
 
 HF = FIXTURES / "tiny-hf"
-ARCHS = ["llama", "qwen2", "qwen3", "phi3"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "qwen35moe"]
 TOL = 1e-3
 OPTS = engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16)
 _models: dict[str, engine.Model] = {}
@@ -42,6 +43,27 @@ def test_hf_checkpoint_matches_gguf_oracle(name):
     assert np.abs(centered(m.logits(j["prompt_ids"])) - centered(ref)).max() < TOL
     out = list(m.generate(j["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=16, stop_ids=[]))
     assert out == j["greedy_ids"]
+
+
+def _norm_rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's llama Q/K permutation: GGUF row 2i+j of a head = HF row j*d/2 + i."""
+    return w.reshape(n_heads, 2, -1, w.shape[-1]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_every_gguf_tensor_equals_the_converted_hf_tensor(name):
+    from pantheon.gguf_loader import open_gguf
+    path, _, _ = tiny_fixture(name)
+    gguf = open_gguf(path)
+    hf = open_hf(HF / name).tensors
+    assert sorted(hf.names()) == sorted(gguf.tensors.names())
+    cfg = gguf.config
+    for t in gguf.tensors.names():
+        want, got = gguf.tensors.get(t), hf.get(t)
+        if name == "llama" and t.endswith(("attn_q.weight", "attn_k.weight")):
+            got = _norm_rope_permute(got, cfg.n_heads if "attn_q" in t else cfg.n_kv_heads)
+        assert got.shape == want.shape, t
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=t)  # -exp(A_log): 1 ulp
 
 
 def test_hf_tokenizer_and_chat_template_come_from_the_directory():
@@ -117,6 +139,48 @@ def test_load_errors_name_the_problem(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match="safetensors"):
         engine.load(tmp_path, OPTS)
+
+
+def _phi3_with_rope(tmp_path, rope: dict, max_seq: int) -> engine.Model:
+    """The tiny phi3 checkpoint with its rope_parameters replaced (in a new directory under tmp_path)."""
+    tmp_path = tmp_path / rope["rope_type"] / str(max_seq)
+    tmp_path.mkdir(parents=True)
+    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(HF / "phi3" / f, tmp_path / f)
+    cfg = json.loads((HF / "phi3" / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_theta": 10000.0, "partial_rotary_factor": 1.0, **rope}
+    cfg["max_position_embeddings"] = 512  # twice original_max_position_embeddings (256)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return engine.load(tmp_path, engine.LoadOptions(n_slots=1, max_seq=max_seq, prefill_chunk=16))
+
+
+def test_phi3_longrope_picks_factors_by_context(tmp_path):
+    """Short factors (all 1) while the cache fits the original context: the plain model's logits.
+    Long factors (all 2) once it does not: the same as linear RoPE scaling by 2."""
+    _, j, ref = tiny_fixture("phi3")
+    ids = j["prompt_ids"]
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "attention_factor": 1.0,
+            "original_max_position_embeddings": 256}
+    short = _phi3_with_rope(tmp_path, rope, max_seq=64)
+    assert short.config.rope_orig_context == 256 and short.config.rope_attn_factor == 1.0
+    assert np.abs(centered(short.logits(ids)) - centered(ref)).max() < TOL
+    long = _phi3_with_rope(tmp_path, rope, max_seq=300)
+    linear = _phi3_with_rope(tmp_path, {"rope_type": "linear", "factor": 2.0}, max_seq=300)
+    got, want = long.logits(ids), linear.logits(ids)
+    assert np.abs(got - want).max() < 1e-4
+    assert np.abs(centered(got) - centered(ref)).max() > 1e-2  # the factors really changed the model
+
+
+def test_phi3_longrope_attention_factor_scales_cos_and_sin(tmp_path):
+    """cos/sin times m on q and k multiplies every score by m^2 (all dims rotate in the tiny phi3)."""
+    _, j, _ = tiny_fixture("phi3")
+    m = 1.5
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "attention_factor": m,
+            "original_max_position_embeddings": 256}
+    scaled = _phi3_with_rope(tmp_path, rope, max_seq=64)
+    plain = engine.load(HF / "phi3", engine.LoadOptions(n_slots=1, max_seq=64, prefill_chunk=16))
+    plain.config = dataclasses.replace(plain.config, attn_scale=plain.config.attn_scale * m * m)  # before tracing
+    assert np.abs(scaled.logits(j["prompt_ids"]) - plain.logits(j["prompt_ids"])).max() < 1e-4
 
 
 def test_llama3_rope_divisors_follow_the_converter():

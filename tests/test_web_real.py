@@ -126,8 +126,28 @@ def test_tool_call_on_the_runtime_loaded_model(srv, client, qwen_load):
     # a second copy does not fit the 3500 MiB budget next to the first: 507, nothing reserved
     err = assert_error(admin(srv, "/models/load", {"model": "qwen-0.5b", "name": "qwen-b"}), 507)
     assert err["code"] == "insufficient_memory"
-    assert admin(srv, "/models/unload", {"name": "qwen"}).status_code == 200
+    # unloading qwen does not wait for (or disturb) a stream on smol
+    result: dict = {}
+
+    def smol_stream():
+        r = srv.post("/v1/chat/completions", {"model": "smol", "messages": QUESTION, "max_tokens": 32,
+                                              "stream": True}, stream=True, timeout=300)
+        lines = r.iter_lines()
+        result["first"] = next(line for line in lines if line)
+        result["events"] = sse_events_from([result["first"], *lines])
+
+    t = threading.Thread(target=smol_stream)
+    t.start()
+    while "first" not in result and t.is_alive():
+        time.sleep(0.01)
+    assert admin(srv, "/models/unload", {"name": "qwen", "timeout_s": 10}).status_code == 200
+    streaming_during_unload = t.is_alive()
+    t.join(300)
+    assert result["events"][-1] == "[DONE]"
+    assert result["events"][-2]["choices"][0]["finish_reason"] in ("stop", "length")
     assert [m["id"] for m in srv.get("/v1/models").json()["data"]] == ["smol"]
+    if not streaming_during_unload:
+        pytest.skip("the smol stream ended before the unload returned (overlap not observed)")
 
 
 def test_unload_meets_a_request_in_flight(srv):

@@ -17,8 +17,9 @@ What differs from llama.py, and why each is done the way it is:
 KV cache: every layer keeps full-capacity K/V in the same ``[L, S, K, C, D]`` slot cache as llama.py, so
 prefix reuse by the scheduler (rewinding a slot to any earlier length) stays valid. Local layers only
 *read* the last ``sliding_window + T - 1`` positions of each row, so their attention cost is bounded by the
-window, not the context. (A window-sized ring would also bound their memory, but a ring forgets positions
-the scheduler may rewind to; see the module's report.)
+window, not the context. A window-sized ring would also bound their memory, but it overwrites positions
+the batch scheduler's prefix reuse may rewind to (a slot reused at length P needs keys P-W..P-1 that a
+longer previous occupant has already overwritten), so it needs a scheduler-side cap first.
 
 The layer loop is unrolled in Python: local and global layers read different key lengths, so they
 cannot share one ``lax.scan`` body.

@@ -209,12 +209,13 @@ def gmm(x: jax.Array, w: jax.Array, te: jax.Array, *, tm: int, interpret: bool =
 
     te[i] = -1 marks an unused tile (zero output). M must be a multiple of tm.
     """
+    x = x.astype(w.dtype)  # Triton dots need equal operand types (activations f32, weights maybe bf16)
     M, K = x.shape
     E, N, K2 = w.shape
     assert K == K2 and M % tm == 0, (x.shape, w.shape, tm)
     n_tiles = M // tm
     tn = _pow2_divisor(N, 128)
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     out_shape = jax.ShapeDtypeStruct((M, N), out_dtype)
     if prefetch:
         from jax.experimental.pallas import tpu as pltpu
@@ -241,8 +242,7 @@ def gmm(x: jax.Array, w: jax.Array, te: jax.Array, *, tm: int, interpret: bool =
 
 
 def _pallas(x, w, idx, wg, wu, wd, *, interpret: bool, prefetch: bool):
-    # Triton dots need >= 16 rows; taller tiles once the groups are large enough to fill them.
-    tm = 16 if idx.size <= 4 * wg.shape[0] else 64
+    tm = _pallas_tm(idx.size, wg.shape[0])
     rows, dest, te = _sorted_rows(x, idx, wg.shape[0], tm)
     call = functools.partial(gmm, te=te, tm=tm, interpret=interpret, prefetch=prefetch)
     a = jax.nn.silu(call(rows, wg)) * call(rows, wu)
@@ -255,13 +255,43 @@ def _pallas_fits(wg: jax.Array, wd: jax.Array) -> bool:
     return min(_pow2_divisor(F, 128), _pow2_divisor(H, 128)) >= 16
 
 
+def _pallas_tm(n_pairs: int, n_experts: int) -> int:
+    """Row tile of the kernels: Triton dots need >= 16 rows; taller once groups fill them."""
+    return 16 if n_pairs <= 4 * n_experts else 64
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_compiles(impl: str, dtype: str, E: int, F: int, H: int, tm: int) -> bool:
+    """Whether the kernel compiles for these shapes on the default backend (probed once).
+
+    The GPU/TPU lowerings were written against Pallas' documented constraints but a backend can
+    still refuse a shape; a refusal makes `auto` fall back to the XLA `tiles` path with a warning
+    instead of failing the model load.
+    """
+    import warnings
+
+    te = jax.ShapeDtypeStruct((2,), jnp.int32)
+    prefetch = "prefetch" in impl
+    try:
+        for n_in, n_out in ((H, F), (F, H)):
+            jax.jit(functools.partial(gmm, tm=tm, prefetch=prefetch)).lower(
+                jax.ShapeDtypeStruct((2 * tm, n_in), jnp.float32), jax.ShapeDtypeStruct((E, n_out, n_in), dtype),
+                te).compile()
+        return True
+    except Exception as exc:  # any lowering/compile refusal
+        warnings.warn(f"MoE Pallas kernel {impl!r} does not compile here ({type(exc).__name__}: {exc}); "
+                      "using the XLA 'tiles' path", RuntimeWarning, stacklevel=2)
+        return False
+
+
 def pick_impl(n_pairs: int, wg: jax.Array, wd: jax.Array) -> str:
     """The implementation `auto` resolves to for this step's size on the default backend."""
     backend = jax.default_backend()
-    if backend == "gpu" and _pallas_fits(wg, wd):
-        return "pallas"
-    if backend == "tpu":
-        return "pallas_prefetch"
+    impl = {"gpu": "pallas", "tpu": "pallas_prefetch"}.get(backend)
+    if impl and _pallas_fits(wg, wd):
+        E, F, H = wg.shape
+        if pallas_compiles(impl, jnp.dtype(wg.dtype).name, E, F, H, _pallas_tm(n_pairs, E)):
+            return impl
     return "tiles"
 
 

@@ -265,25 +265,23 @@ def _set_slot(state: dict[str, jax.Array], slot: jax.Array | int,
     return out
 
 
-@jax.jit
-def _restore(state, slot, snap):
-    return _set_slot(state, slot, snap)
-
-
-@jax.jit
-def _reset(state, slot):
-    return _set_slot(state, slot, None)
+_restore = jax.jit(_set_slot, donate_argnums=0)  # donated like every engine step: use the result
+_reset = jax.jit(lambda state, slot: _set_slot(state, slot, None), donate_argnums=0)
 
 
 def restore_slot(state: dict[str, jax.Array], slot: jax.Array | int,
                  snap: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The state with one slot's conv/recurrent state replaced by `snap` (from snapshot_slot)."""
+    """The state with one slot's conv/recurrent state replaced by `snap` (from snapshot_slot).
+
+    `state` is donated (as in every engine step): only the returned state may be used after.
+    """
     return _restore(state, jnp.asarray(slot, jnp.int32), snap)
 
 
 def reset_slot(state: dict[str, jax.Array], slot: jax.Array | int) -> dict[str, jax.Array]:
     """The state with one slot's conv/recurrent state zeroed. forward already does this for any
-    row starting at position 0; this is for callers that recycle a slot outside a step."""
+    row starting at position 0; this is for callers that recycle a slot outside a step. `state`
+    is donated."""
     return _reset(state, jnp.asarray(slot, jnp.int32))
 
 

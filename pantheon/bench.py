@@ -102,6 +102,9 @@ def _print_table(r: dict) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from .catalog import DEFAULT_MODEL
+    if args.bench_args[:1] == ["serve"]:  # its options start with "--": hand them over untouched
+        from .bench_serve import main as serve_main
+        return serve_main(args.bench_args[1:])
     ap = argparse.ArgumentParser(prog="pantheon bench")
     sub = ap.add_subparsers(dest="what", required=True)
     e = sub.add_parser("engine", help="in-process engine benchmark")
@@ -111,8 +114,7 @@ def main(args: argparse.Namespace) -> int:
     e.add_argument("--gen", type=int, default=64)
     e.add_argument("--reps", type=int, default=3)
     e.add_argument("--json", action="store_true")
-    s = sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
-    s.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("serve", help="load generator against an OpenAI-compatible server (see --help)")
     a = ap.parse_args(args.bench_args)
     if a.what == "engine":
         r = bench_engine(a.model, [int(x) for x in a.batch.split(",")], a.prompt_len, a.gen, a.reps)
@@ -121,9 +123,4 @@ def main(args: argparse.Namespace) -> int:
         else:
             _print_table(r)
         return 0
-    try:
-        from .bench_serve import main as serve_main
-    except ImportError:
-        print("pantheon bench serve is not available in this build", file=sys.stderr)
-        return 2
-    return serve_main(a.rest)
+    return 2

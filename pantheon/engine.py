@@ -112,14 +112,28 @@ class Model:
         self.span_buckets = _geometric_buckets(min(256, self.capacity), self.capacity, 4)
         # Two programs per step: the forward (one per (rows, tokens, span) bucket) and the sampler
         # (one per rows bucket). Keeping the sampler out of the forward compiles it 4 times, not 40.
-        self._forward = jax.jit(self._forward_impl, static_argnames=("span", "all_logits"), donate_argnums=(1,))
+        # Several dies: one mesh over them, params and state split tensor-parallel (pantheon.sharding);
+        # the step pins the state it returns to the layout it took, so one program serves every step.
+        self.shard_plan = None
+        impl = self._forward_impl
+        if len(devices) > 1:
+            from .sharding import ShardPlan
+            self.shard_plan = ShardPlan(devices, cfg)
+            impl = self.shard_plan.wrap_forward(self._forward_impl)
+            self._sharded_init = self.shard_plan.state_initializer(
+                lambda: self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.dtype))
+        self._forward = jax.jit(impl, static_argnames=("span", "all_logits"), donate_argnums=(1,))
         self._sample = jax.jit(sample)
+        if self.shard_plan is not None:
+            self._sample = self.shard_plan.on_first_die(self._sample)
         self._compiled_keys: set[tuple] = set()
         self._keys_lock = threading.Lock()  # guards _compiled_keys (steps may come from several threads)
 
     # ---- state ---------------------------------------------------------------------------------
     def new_state(self) -> Any:
         """Fresh state for n_slots sequences plus the scratch slot, on the model's device."""
+        if self.shard_plan is not None:  # built straight into its shards over the model's dies
+            return self._sharded_init()
         with jax.default_device(self.devices[0]):
             state = self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.dtype)
         # Committed to the device like every step's output, so the first step and later ones share
@@ -361,7 +375,15 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
             a = jnp.asarray(a, dtype)
         return jax.device_put(a, devices[0])
 
-    params = jax.tree.map(put, host_params)
+    if len(devices) > 1:  # tensor-parallel over the dies: each leaf goes straight into its shards
+        from .sharding import ShardPlan
+
+        def convert(a: np.ndarray) -> np.ndarray:
+            return a.astype(dtype) if a.dtype == np.float32 and dtype != jnp.float32 and a.ndim >= 2 else a
+
+        params = ShardPlan(devices, cfg).put_params(host_params, convert)
+    else:
+        params = jax.tree.map(put, host_params)
     del host_params
     tokenizer, template = _tokenizer_and_template(p, f.meta)
     name = opts.name or p.stem

@@ -310,8 +310,8 @@ class Registry:
         with self._lock:
             for e in self._entries:
                 if e is not None and e.name == name and e.state in (LOADING, UNLOADING, CLOSING):
-                    raise _status_error(f"model {name!r} is already being {'loaded' if e.state == LOADING else 'unloaded'}",
-                                        409, "model_busy", "name")
+                    doing = "loaded" if e.state == LOADING else "unloaded"
+                    raise _status_error(f"model {name!r} is already being {doing}", 409, "model_busy", "name")
             free = [i for i, e in enumerate(self._entries) if e is None]
             if not free:
                 raise _status_error(f"the model table is full ({MAX_ENTRIES} entries); unload one first",

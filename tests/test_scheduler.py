@@ -249,3 +249,29 @@ def test_compile_after_warmup_is_an_error_under_the_guard():
         assert c.finished.reason == "error" and "compil" in str(c.finished.error)
     finally:
         s.close()
+
+
+def test_hybrid_model_batches_and_reuses_only_its_committed_state():
+    """qwen35moe (recurrent DeltaNet state): batched greedy equals alone; a follow-up extending the
+    slot's whole history reuses it, one that diverges inside it is prefilled cold; both exact."""
+    path, j, _ = tiny_fixture("qwen35moe")
+    m = engine.load(path, engine.LoadOptions(n_slots=4, max_seq=96, prefill_chunk=16))
+    base = j["prompt_ids"]
+    ps = [base[: 6 + 4 * i] for i in range(4)]
+    alone = [run_alone(m, p, GREEDY, 8) for p in ps]
+    s = BatchScheduler(m, settings(batch_slots=4), warmup=False)
+    try:
+        cs = [submit(s, p, n=8) for p in ps]
+        for c in cs:
+            assert c.done.wait(120)
+        assert [c.ids for c in cs] == alone
+        assert j["greedy_ids"][:8] == run_alone(m, base, GREEDY, 8)
+        hist = ps[3] + cs[3].ids[:7]  # what slot 3 committed: prompt + fed tokens
+        ext = submit(s, hist + [5, 6], n=5)
+        assert ext.done.wait(60) and ext.started.reused_tokens == len(hist)
+        assert ext.ids == run_alone(m, hist + [5, 6], GREEDY, 5)
+        div = submit(s, ps[3][:-2] + [9, 9, 9], n=5)
+        assert div.done.wait(60) and div.started.reused_tokens == 0
+        assert div.ids == run_alone(m, ps[3][:-2] + [9, 9, 9], GREEDY, 5)
+    finally:
+        s.close()

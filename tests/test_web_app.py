@@ -299,8 +299,9 @@ def test_tool_calls(client, app_and_reg):
     assert body["choices"][0]["message"]["content"] == CALL and body["choices"][0]["finish_reason"] == "stop"
 
 
-def test_prompt_too_long(client, app_and_reg):
-    r = chat(client, messages=[{"role": "user", "content": "x" * 64}])
+@pytest.mark.parametrize("size", [64, 40000])  # the large one is rendered and tokenized in an OS thread
+def test_prompt_too_long(client, app_and_reg, size):
+    r = chat(client, messages=[{"role": "user", "content": "x" * size}])
     assert r.status_code == 400 and r.get_json()["error"]["code"] == "context_length_exceeded"
     assert in_flight(app_and_reg[1]) == 0
 

@@ -362,20 +362,28 @@ def _raw_post(srv, body: dict) -> socket.socket:
     return s
 
 
+def _cancels(srv) -> int:
+    return srv.log_tail(1000).count("cancelling after")
+
+
 def test_stream_disconnect_frees_the_lock(srv):
+    before = _cancels(srv)
     s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100, "temperature": 0, "stream": True})
     got = b""
     while got.count(b"data: ") < 3:  # the stream is flowing
         got += s.recv(65536)
     s.close()  # hang up mid-stream
     assert _until_ok(srv, 2.0) < 2.0
+    assert _cancels(srv) == before + 1  # the generation was cancelled, not run to its end
 
 
 def test_nonstream_disconnect_frees_the_lock(srv):
+    before = _cancels(srv)
     s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100, "temperature": 0})
     time.sleep(0.05)
     s.close()
     assert _until_ok(srv, 2.0) < 2.0
+    assert _cancels(srv) == before + 1
     assert srv.get("/").status_code == 200
 
 

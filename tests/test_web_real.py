@@ -14,9 +14,8 @@ import time
 
 import openai
 import pytest
-import requests
 
-from server_util import assert_error, sse_events, start_server
+from server_util import assert_error, start_server
 
 pytestmark = pytest.mark.real
 
@@ -151,7 +150,7 @@ def test_tool_call_on_the_runtime_loaded_model(srv, client, qwen_load):
 
 
 def test_unload_meets_a_request_in_flight(srv):
-    body = {"model": "smol", "messages": QUESTION, "max_tokens": 32, "temperature": 0}
+    body = {"model": "smol", "messages": QUESTION, "max_tokens": 24, "temperature": 0}
     reference = srv.post("/v1/chat/completions", body).json()
     results = {}
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..gguf_loader import ModelConfig, TensorSource
-from . import common
+from . import common, moe_kernels
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
 
@@ -81,16 +81,8 @@ def state_bytes_per_token(cfg: ModelConfig) -> int:
 
 
 def moe(h: jax.Array, lp: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
-    """Softmax router -> top-k -> renormalise -> weighted SwiGLU experts (dense over experts on CPU)."""
-    logits = common.linear(h, lp["router"]).astype(jnp.float32)  # [B, T, E]
-    probs = jax.nn.softmax(logits, axis=-1)
-    topv, topi = jax.lax.top_k(probs, cfg.n_experts_used)
-    topv = topv / jnp.sum(topv, axis=-1, keepdims=True)
-    weights = jnp.sum(jax.nn.one_hot(topi, cfg.n_experts, dtype=jnp.float32) * topv[..., None], axis=-2)
-    g = jnp.einsum("bti,efi->btef", h, lp["w_gate_e"])
-    u = jnp.einsum("bti,efi->btef", h, lp["w_up_e"])
-    y = jnp.einsum("btef,eof->bteo", jax.nn.silu(g) * u, lp["w_down_e"])
-    return jnp.einsum("bteo,bte->bto", y, weights).astype(h.dtype)
+    """Softmax router -> top-k -> renormalise -> weighted SwiGLU experts (the shared MoE kernels)."""
+    return moe_kernels.moe_ffn(h, lp["router"], lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"], cfg.n_experts_used)
 
 
 def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,

@@ -249,7 +249,7 @@ def _pallas(x, w, idx, wg, wu, wd, *, interpret: bool, prefetch: bool):
     return _combine(call(a.astype(wd.dtype), wd), dest, w)
 
 
-def _pallas_fits(wg: jax.Array, wd: jax.Array) -> bool:
+def _pallas_fits(wg: jax.Array) -> bool:
     """Triton needs every loaded tile (rows x cols) to be >= 16 on each side and a power of two."""
     E, F, H = wg.shape
     return min(_pow2_divisor(F, 128), _pow2_divisor(H, 128)) >= 16
@@ -284,11 +284,11 @@ def pallas_compiles(impl: str, dtype: str, E: int, F: int, H: int, tm: int) -> b
         return False
 
 
-def pick_impl(n_pairs: int, wg: jax.Array, wd: jax.Array) -> str:
+def pick_impl(n_pairs: int, wg: jax.Array) -> str:
     """The implementation `auto` resolves to for this step's size on the default backend."""
     backend = jax.default_backend()
     impl = {"gpu": "pallas", "tpu": "pallas_prefetch"}.get(backend)
-    if impl and _pallas_fits(wg, wd):
+    if impl and _pallas_fits(wg):
         E, F, H = wg.shape
         if pallas_compiles(impl, jnp.dtype(wg.dtype).name, E, F, H, _pallas_tm(n_pairs, E)):
             return impl
@@ -312,7 +312,7 @@ def experts(x: jax.Array, w: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up:
     w_down [E, H, F] in the GGUF (out, in) layout.
     """
     if impl == "auto":
-        impl = pick_impl(idx.size, w_gate, w_down)
+        impl = pick_impl(idx.size, w_gate)
     w = w.astype(jnp.float32)
     if impl == "dense":
         return _dense(x, w, idx, w_gate, w_up, w_down)

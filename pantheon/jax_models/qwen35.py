@@ -481,8 +481,9 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
                                         start, positions, cos, sin, span, cfg)
             x = x + y
             x = x + _ffn(common.rms_norm(x, lp["post_norm"], cfg.rms_eps), lp, cfg)
-        stack = lambda xs_, like: jnp.stack(xs_) if xs_ else like  # noqa: E731 (period without DeltaNet)
-        return (x, kc, vc), (stack(convs, conv_g), stack(ssms, ssm_g))
+        if not convs:  # a period without DeltaNet layers passes its (empty) state through
+            return (x, kc, vc), (conv_g, ssm_g)
+        return (x, kc, vc), (jnp.stack(convs), jnp.stack(ssms))
 
     xs = (params["layer"], params["lin"], params["attn"], conv0, ssm0, jnp.arange(G, dtype=jnp.int32))
     (x, kc, vc), (conv1, ssm1) = jax.lax.scan(period, (x, state["k"], state["v"]), xs)
@@ -497,7 +498,3 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     head = params["embed"] if params["head"] is None else params["head"]
     return common.linear(x, head).astype(jnp.float32), new_state
 
-
-__all__ = ["ARCHS", "HybridDims", "hybrid_dims", "load_params", "init_state", "state_bytes_per_token",
-           "state_bytes_per_sequence", "snapshot_slot", "restore_slot", "reset_slot", "forward",
-           "delta_recurrent", "delta_chunked"]

@@ -104,6 +104,7 @@ class BatchScheduler:
         self.driver_sample = settings.driver_sample
         self.log_stats = settings.bs_stats
         self.forbid_compile = settings.forbid_compile
+        self.recurrent = hasattr(model.arch, "snapshot_slot")  # hybrid models keep recurrent state
         self.pressure = pressure or (lambda: 0)
         # _mu guards _slots' state/job fields, _queue, _closed and stats; held only for bookkeeping,
         # never across a device step. _work (on _mu) wakes the driver: new job, cancel or close.
@@ -218,6 +219,18 @@ class BatchScheduler:
             i += 1
         return i
 
+    def _reusable(self, hist: list[int], prompt: list[int], limit: int) -> int:
+        """How many leading prompt tokens this slot's cache already holds.
+
+        Attention-only models can reuse any common prefix (K/V rows are per position). A model with
+        recurrent state cannot roll it back: its state is only valid at the slot's committed
+        boundary (everything in `hist`), so it reuses all of `hist` or nothing.
+        """
+        n = min(self._common_prefix(hist, prompt), limit)
+        if self.recurrent and n != len(hist):
+            return 0
+        return n
+
     def _pick_slot(self, idle: list[_Slot], req: GenRequest) -> tuple[_Slot, int]:
         """Session slot first, else the longest common prefix, else the emptiest slot.
 
@@ -225,13 +238,14 @@ class BatchScheduler:
         """
         prompt = req.prompt_ids
         limit = max(0, len(prompt) - 1)
+        reuse = self._reusable
         if req.session_id:
             for sl in idle:
                 if sl.session_id == req.session_id:
-                    return sl, min(self._common_prefix(sl.hist, prompt), limit)
+                    return sl, reuse(sl.hist, prompt, limit)
         best, best_len = None, -1
         for sl in idle:
-            n = min(self._common_prefix(sl.hist, prompt), limit)
+            n = reuse(sl.hist, prompt, limit)
             if n > best_len or (n == best_len and best is not None and len(sl.hist) < len(best.hist)):
                 best, best_len = sl, n
         assert best is not None

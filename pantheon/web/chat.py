@@ -43,6 +43,7 @@ MAX_ID_CHARS = 256
 POLL_S = 0.1  # longest a waiting request goes without checking that its client is still there
 CHECK_GAP_S = 0.02  # while events flow, check the client at most this often (one poll() syscall)
 CANCEL_WAIT_S = 5.0  # how long close() waits for the backend to confirm a cancel
+BIG_PROMPT_CHARS = 16384  # larger requests are rendered and tokenized off the hub, in an OS thread
 
 TOP_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -76,6 +77,7 @@ class ChatRequest:
     tool_choice: Any  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     session_id: str | None
     enable_thinking: bool | None
+    size: int = 0  # bytes of the request body: decides whether tokenizing is moved off the hub
 
     @property
     def tools_enabled(self) -> bool:
@@ -428,13 +430,10 @@ class Generation:
 
         model = self.entry.model
         tok = model.tokenizer
-        kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
-        if self.creq.enable_thinking is not None:
-            kwargs["enable_thinking"] = self.creq.enable_thinking
-        rendered = model.template.render(self.creq.messages, **kwargs)
-        ids = tok.encode(rendered)
-        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids.insert(0, tok.bos_id)
+        if self.creq.size > BIG_PROMPT_CHARS:  # rendering + tokenizing would hold the hub for a while
+            rendered, ids = bridge.call_in_thread(self._prompt, model, name="pantheon-tokenize")
+        else:
+            rendered, ids = self._prompt(model)
         limit = int(model.max_seq)
         if len(ids) > limit - 1:
             raise RequestError(f"messages: the prompt has {len(ids)} tokens; this model's context holds {limit} "
@@ -462,8 +461,20 @@ class Generation:
         if not isinstance(first, Started):
             self._replay.append(first)  # no Started (a backend may skip it): pump() sees it first
 
+    def _prompt(self, model: Any) -> tuple[str, list[int]]:
+        """The rendered chat template and its token ids (BOS added when the model wants one)."""
+        kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
+        if self.creq.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.creq.enable_thinking
+        rendered = model.template.render(self.creq.messages, **kwargs)
+        tok = model.tokenizer
+        ids = tok.encode(rendered)
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids.insert(0, tok.bos_id)
+        return rendered, ids
+
     def _next_event(self) -> Any:
-        """Wait for the backend, checking every POLL_S that the client is still connected."""
+        """The next backend event; checks (at most every CHECK_GAP_S) that the client is still connected."""
         if self._replay:
             return self._replay.pop(0)
         while True:

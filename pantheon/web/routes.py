@@ -64,6 +64,7 @@ def list_models() -> Response:
 @bp.post("/v1/chat/completions")
 def chat_completions() -> Response:
     creq = parse_chat_request(read_json(), request.headers)
+    creq.size = request.content_length or 0
     registry = server().registry
     entry = registry.acquire(creq.model)
     try:

@@ -184,7 +184,7 @@ class _HeaderTensors:
         return name in self._tensors
 
 
-_ATTN_PARTS = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "attn_qkv.")
+_ATTN_PARTS = ("attn_q.", "attn_k.", "attn_v.", "attn_output.")
 _FFN_PARTS = ("ffn_gate.", "ffn_up.", "ffn_down.", "ffn_gate_exps.", "ffn_up_exps.", "ffn_down_exps.",
               "ffn_gate_up_exps.", "ffn_gate_shexp.", "ffn_up_shexp.", "ffn_down_shexp.")
 

@@ -41,7 +41,7 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 512
 MAX_ID_CHARS = 256
 POLL_S = 0.1  # longest a waiting request goes without checking that its client is still there
-CHECK_GAP_S = 0.02  # while events flow, check the client at most this often (one poll() syscall)
+CHECK_GAP_S = 0.005  # while events flow, check the client at most this often (one poll() syscall)
 CANCEL_WAIT_S = 5.0  # how long close() waits for the backend to confirm a cancel
 BIG_PROMPT_CHARS = 16384  # larger requests are rendered and tokenized off the hub, in an OS thread
 
@@ -420,7 +420,7 @@ class Generation:
         self._decoder: Any = None
         self._tok: Any = None
         self._eos = False
-        self._last_check = time.monotonic()
+        self._last_check = 0.0  # monotonic time of the last client check; 0: check at the first wait
         self._replay: list[Any] = []  # events taken out early by start(), delivered before the channel's
 
     # -- setup --------------------------------------------------------------------------------------------

@@ -370,7 +370,7 @@ def test_stream_disconnect_frees_the_lock(srv):
     before = _cancels(srv)
     s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100, "temperature": 0, "stream": True})
     got = b""
-    while got.count(b"data: ") < 3:  # the stream is flowing
+    while b"data: " not in got:  # the role chunk: the generation has started (tiny models finish in ~0.1 s)
         got += s.recv(65536)
     s.close()  # hang up mid-stream
     assert _until_ok(srv, 2.0) < 2.0

@@ -1,0 +1,247 @@
+"""Memory watch and request admission (pantheon.memory) on constructed snapshots: no model, no JAX."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from pantheon import memory
+from pantheon.errors import BusyError
+from pantheon.memory import (CAPPED, CRITICAL, DENIED, ELEVATED, FIT, HIGH, OK, Admission, MemSnapshot, MemWatch,
+                             PoolSample, admit, admit_messages, cap_messages, level_for)
+
+GiB = 1024 ** 3
+
+
+def host(used_frac: float, total: int = 100 * GiB) -> PoolSample:
+    return PoolSample("host", total, int(total * used_frac), "given")
+
+
+def snap(used_frac: float, total: int = 100 * GiB, dies: tuple[PoolSample, ...] = ()) -> MemSnapshot:
+    return MemSnapshot(host=host(used_frac, total), dies=dies, taken_at=time.monotonic())
+
+
+class FakeArch:
+    @staticmethod
+    def state_bytes_per_sequence(cfg) -> int:
+        return cfg.per_seq
+
+
+def fake_model(bpt: int = 1024 * 1024, max_seq: int = 4096, per_seq: int = 0, dies=(0,), platform: str = "cpu"):
+    """Just what admit reads: state bytes/token, max_seq, devices (+ arch/config for hybrids)."""
+    devices = [SimpleNamespace(id=d, platform=platform) for d in dies]
+    return SimpleNamespace(state_bytes_per_token=lambda: bpt, max_seq=max_seq, devices=devices,
+                           arch=FakeArch() if per_seq else None, config=SimpleNamespace(per_seq=per_seq))
+
+
+# ---- pressure levels -----------------------------------------------------------------------------
+def test_level_thresholds():
+    assert [level_for(f) for f in (0.0, 0.79, 0.80, 0.89, 0.90, 0.969, 0.97, 1.0)] == \
+        [OK, OK, ELEVATED, ELEVATED, HIGH, HIGH, CRITICAL, CRITICAL]
+
+
+def test_snapshot_pressure_is_the_tightest_measured_pool():
+    die_hot = PoolSample("die:1", 10 * GiB, int(9.8 * GiB), "memory_stats", True, 1)
+    die_ledger = PoolSample("die:2", 10 * GiB, 10 * GiB, "budget", False, 2)  # ledger: shown, not pressure
+    s = snap(0.5, dies=(die_hot, die_ledger))
+    assert s.pressure() == CRITICAL
+    assert s.pressure([2]) == OK  # the host (0.5) and a ledger-only die
+    assert s.pressure([0]) == OK
+    assert snap(0.91).pressure() == HIGH
+    d = s.as_dict()
+    assert d["pressure"] == "CRITICAL" and d["dies"][1]["measured"] is False
+
+
+# ---- admission outcomes ------------------------------------------------------------------------
+def test_fit_when_memory_and_window_allow():
+    a = admit(fake_model(), 1000, snap(0.5))
+    assert a == Admission(FIT, 1000, "fits", 4096, OK)
+    assert a.fit and not a.capped and not a.denied
+
+
+def test_capped_by_free_memory_gives_fit_tokens():
+    # 100 GiB host, 95 GiB used -> 5 GiB free - 3 GiB reserve (the slice above 0.97) ~ 2 GiB ~ 2048 tokens.
+    s = snap(0.95)
+    a = admit(fake_model(bpt=1024 * 1024, max_seq=100000), 3000, s)
+    expected = (s.host.free_bytes - s.host.reserve_bytes()) // (1024 * 1024)
+    assert 2040 <= expected <= 2048
+    assert a.outcome == CAPPED and a.fit_tokens == expected and "free memory on host" in a.reason
+    assert a.pressure == HIGH and a.window == 50000  # HIGH also halved the window (not the limit here)
+
+
+def test_capped_by_window_and_reserve_tokens():
+    a = admit(fake_model(bpt=16, max_seq=1024), 5000, snap(0.1), reserve_tokens=200)
+    assert a.outcome == CAPPED and a.fit_tokens == 1024 - 200
+    assert "context window" in a.reason
+
+
+def test_denied_when_almost_nothing_fits():
+    a = admit(fake_model(bpt=1024 * 1024), 3000, snap(0.968))  # 3.2 GiB free, 3 GiB reserve
+    assert a.outcome == DENIED
+    with pytest.raises(BusyError) as exc:
+        a.raise_if_denied()
+    assert exc.value.status == 503 and exc.value.retry_after == 5
+    admit(fake_model(), 10, snap(0.1)).raise_if_denied()  # FIT: no raise
+
+
+def test_denied_under_critical():
+    assert admit(fake_model(bpt=1), 10, snap(0.99)).outcome == DENIED
+
+
+def test_per_sequence_recurrent_bytes_are_charged():
+    free_after_reserve = 100 * GiB - int(0.5 * 100 * GiB) - -(-3 * 100 * GiB // 100)
+    m = fake_model(bpt=1024, per_seq=free_after_reserve)  # the recurrent state eats everything
+    assert admit(m, 10, snap(0.5)).outcome == DENIED
+    assert admit(fake_model(bpt=1024, per_seq=GiB), 10, snap(0.5)).outcome == FIT
+
+
+def test_measured_die_limits_a_device_model_and_sharding_splits_the_charge():
+    die = PoolSample("die:0", 16 * GiB, 15 * GiB, "memory_stats", True, 0)  # 1 GiB free, 0.48 GiB reserve
+    s = snap(0.99, dies=(die,))  # the host is full, but a GPU model's state is not in host RAM ...
+    gpu = fake_model(bpt=1024 * 1024, max_seq=100000, platform="gpu")
+    a = admit(gpu, 100000, s, min_tokens=1)
+    assert a.outcome == CAPPED  # ... though host CRITICAL still clamps the window (ladder)
+    one = (1 * GiB - -(-3 * 16 * GiB // 100)) // (1024 * 1024)
+    assert a.fit_tokens == min(one, 50000)
+    die1 = PoolSample("die:1", 16 * GiB, 15 * GiB, "memory_stats", True, 1)
+    s2 = snap(0.1, dies=(die, die1))
+    two = admit(fake_model(bpt=1024 * 1024, max_seq=100000, dies=(0, 1), platform="gpu"), 100000, s2, min_tokens=1)
+    assert two.fit_tokens == 2 * one  # half the bytes per token on each die
+
+
+def test_ladder_halves_the_window_under_high_pressure_and_logs(caplog):
+    memory._ladder_logged_at = 0.0
+    with caplog.at_level(logging.WARNING, logger="pantheon.memory"):
+        a = admit(fake_model(bpt=1, max_seq=16384), 10000, snap(0.92))
+    assert a.window == 8192 and a.outcome == CAPPED and a.fit_tokens == 8192
+    assert "[ladder] HIGH -> prefill window clamped 16384 -> 8192" in caplog.text
+    assert admit(fake_model(bpt=1, max_seq=16384), 10000, snap(0.85)).window == 16384  # ELEVATED: no clamp
+
+
+# ---- the watch ---------------------------------------------------------------------------------
+def test_fail_open_when_memwatch_not_running():
+    memory.stop_memwatch()
+    assert not memory.memwatch_running()
+    a = admit(fake_model(bpt=10 ** 12), 10 ** 6)
+    assert a.outcome == FIT and a.fit_tokens == 10 ** 6 and "fails open" in a.reason
+    w = MemWatch(host_reader=lambda: host(0.99))
+    assert w.snapshot() is None and w.pressure() == OK  # not started
+    assert admit(fake_model(bpt=10 ** 12), 100, watch=w).outcome == FIT
+
+
+def test_memwatch_thread_samples_and_swaps_snapshots():
+    readings = iter([0.5, 0.85, 0.93] + [0.99] * 1000)
+    w = MemWatch(host_reader=lambda: host(next(readings)), interval_s=0.02)
+    try:
+        w.start()
+        assert w.running and w.pressure() == OK  # the first sample is taken synchronously
+        first = w.snapshot()
+        deadline = time.monotonic() + 5
+        while w.pressure() != CRITICAL and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.pressure() == CRITICAL
+        assert w.snapshot() is not first and first.host.used_fraction == 0.5  # immutable, swapped whole
+        assert w.pressure_fn()() == CRITICAL
+        assert admit(fake_model(bpt=1), 10, watch=w).outcome == DENIED
+    finally:
+        w.stop()
+    assert not w.running and w.snapshot() is None and w.pressure() == OK
+
+
+def test_memwatch_reads_dies_from_the_ledger():
+    from pantheon.dies import Die, DieManager
+    dm = DieManager([Die(0, 1000), Die(1, 1000)])
+    dm.bind("a", "m", [1], 400)
+    w = MemWatch(dm, host_reader=lambda: host(0.1))
+    s = w.sample()
+    assert [(d.die, d.total_bytes, d.used_bytes, d.source, d.measured) for d in s.dies] == \
+        [(0, 1000, 0, "budget", False), (1, 1000, 400, "budget", False)]
+
+
+def test_global_start_stop():
+    w = memory.start_memwatch(interval_s=0.05)
+    try:
+        assert memory.memwatch() is w and memory.memwatch_running()
+        assert memory.start_memwatch() is w  # idempotent
+        assert 0 <= w.pressure() <= CRITICAL
+    finally:
+        memory.stop_memwatch()
+    assert memory.memwatch() is None
+
+
+# ---- capping a conversation ----------------------------------------------------------------------
+def words(messages: list[dict]) -> int:
+    """A stand-in tokenizer: 2 tokens of framing per message + one per word."""
+    return sum(2 + len(str(m.get("content") or "").split()) for m in messages)
+
+
+def conv(n_turns: int) -> list[dict]:
+    msgs = [{"role": "system", "content": "be brief and kind"}]  # 6 tokens
+    for i in range(n_turns):
+        msgs.append({"role": "user", "content": f"question {i} " + "x " * 8})  # 12
+        msgs.append({"role": "assistant", "content": f"answer {i} " + "y " * 8})  # 12
+    msgs.append({"role": "user", "content": "the last question please"})  # 6
+    return msgs
+
+
+def test_cap_messages_noop_when_it_fits():
+    msgs = conv(2)
+    out, capped = cap_messages(msgs, words, 1000)
+    assert out == msgs and capped is False
+
+
+def test_cap_messages_drops_oldest_turns_keeps_system_and_last_user():
+    msgs = conv(5)  # 6 + 5 * 24 + 6 = 132 tokens
+    out, capped = cap_messages(msgs, words, 60)
+    assert capped and words(out) <= 60
+    assert out[0] == msgs[0] and out[-1] == msgs[-1]
+    assert out[1]["role"] == "user"  # the kept history starts at a turn boundary
+    assert out[1:-1] == msgs[-1 - (len(out) - 2):-1]  # the most recent turns, contiguous
+    assert len(out) == 2 + 2 * 2  # 6 + 2 * 24 + 6 = 60: exactly two turns fit
+
+
+def test_cap_messages_never_orphans_tool_results():
+    msgs = [{"role": "system", "content": "s"},
+            {"role": "user", "content": "u " * 10},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
+            {"role": "tool", "content": "t " * 10, "tool_call_id": "1"},
+            {"role": "assistant", "content": "a " * 10},
+            {"role": "user", "content": "last"}]
+    out, capped = cap_messages(msgs, words, 20)
+    assert capped and all(m.get("role") != "tool" for m in out)
+    assert out[0]["role"] == "system" and out[-1]["content"] == "last"
+
+
+def test_cap_messages_shortens_system_then_user_only_when_unavoidable():
+    msgs = [{"role": "system", "content": " ".join(f"s{i}" for i in range(50))},
+            {"role": "user", "content": "old " * 20},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": " ".join(f"u{i}" for i in range(10))}]
+    out, capped = cap_messages(msgs, words, 30)  # history gone, system cut to fit, user whole
+    assert capped and words(out) <= 30 and len(out) == 2
+    assert out[1] == msgs[-1] and out[0]["content"].startswith("s0 s1")
+    out, capped = cap_messages(msgs, words, 8)  # not even the user message fits whole: keep its tail
+    assert capped and words(out) <= 8 and len(out) == 1
+    assert out[0]["role"] == "user" and out[0]["content"].endswith("u9")
+
+
+def test_cap_messages_accepts_id_lists():
+    msgs = conv(3)
+    out, capped = cap_messages(msgs, lambda m: [0] * words(m), 40)
+    assert capped and words(out) <= 40 and out[-1] == msgs[-1]
+
+
+def test_admit_messages_caps_the_conversation():
+    msgs = conv(5)  # 132 "tokens"
+    ids_of = lambda m: [1] * words(m)  # noqa: E731
+    m = fake_model(bpt=1, max_seq=80)
+    out, ids, a = admit_messages(m, msgs, ids_of, snapshot=snap(0.1), min_tokens=8)
+    assert a.outcome == CAPPED and a.fit_tokens == 80
+    assert len(ids) == words(out) <= 80 and out[0] == msgs[0] and out[-1] == msgs[-1]
+    out, ids, a = admit_messages(fake_model(bpt=1, max_seq=1000), msgs, ids_of, snapshot=snap(0.1))
+    assert a.outcome == FIT and out == msgs and len(ids) == 132
+    out, ids, a = admit_messages(fake_model(bpt=1, max_seq=1000), msgs, ids_of)  # fail open: no watch
+    assert a.outcome == FIT

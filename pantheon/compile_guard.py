@@ -12,12 +12,13 @@ from pathlib import Path
 
 import jax
 
+from . import osthread
 from .errors import CompileForbiddenError
 
 _EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # fires for every new lowering, cache hit or not
 
 # _lock guards _count, _forbid and _forbidden_threads; listeners run on whichever thread compiles.
-_lock = threading.Lock()
+_lock = osthread.Lock()
 _count = 0
 _installed = False
 _forbid = False

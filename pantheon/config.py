@@ -78,7 +78,7 @@ class Settings:
     bs_stats: bool = False
     kv_q4: bool = True
     die_budget_mb: int = 0
-    layer_loop: str = "auto"
+    warmup: bool = True
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -114,5 +114,5 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         bs_stats=_flag(env, "QWEN35_BS_STATS", False),
         kv_q4=_flag(env, "QWEN35_KV_Q4", True),
         die_budget_mb=_int(env, "PANTHEON_DIE_BUDGET_MB", 0),
-        layer_loop=env.get("PANTHEON_LAYER_LOOP", "auto"),
+        warmup=_flag(env, "PANTHEON_WARMUP", True),
     )

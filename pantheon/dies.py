@@ -436,7 +436,8 @@ class DieManager:
         out = []
         for d in self._dies:
             out.append({
-                "id": d.id, "platform": d.platform, "kind": d.kind,
+                "id": d.id, "die": d.id,  # "die": the key docs/http-api.md and the registry already use
+                "platform": d.platform, "kind": d.kind,
                 "budget_bytes": d.budget_bytes, "budget_source": d.budget_source,
                 "used_bytes": used[d.id], "free_bytes": max(0, d.budget_bytes - used[d.id]),
                 "models": [{"name": b.name, "instance_id": b.instance_id, "bytes": b.bytes_per_die}

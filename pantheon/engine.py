@@ -14,7 +14,6 @@ up to the cache capacity. The cache has one extra "scratch" slot that padding ro
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compile_guard
+from . import compile_guard, osthread
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
 from .sampler import SamplingParams, make_rows, sample
@@ -127,7 +126,7 @@ class Model:
         if self.shard_plan is not None:
             self._sample = self.shard_plan.on_first_die(self._sample)
         self._compiled_keys: set[tuple] = set()
-        self._keys_lock = threading.Lock()  # guards _compiled_keys (steps may come from several threads)
+        self._keys_lock = osthread.Lock()  # guards _compiled_keys (steps may come from several threads)
 
     # ---- state ---------------------------------------------------------------------------------
     def new_state(self) -> Any:
@@ -269,7 +268,7 @@ class Model:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, max_tokens: int = 128,
                  stop_ids: Sequence[int] | None = None, state: Any = None, slot: int = 0,
-                 cancel: threading.Event | None = None, chunk: int | None = None,
+                 cancel: Any = None, chunk: int | None = None,
                  decode_from: int | None = None) -> Iterator[int]:
         """Single-sequence generation (the single-user path): yields token ids as they are sampled.
 

@@ -463,6 +463,13 @@ class Registry:
         with self._lock:
             return [e.info() for e in self._entries if e is not None]
 
+    def load_infos(self) -> list[tuple[str, dict]]:
+        """(name, backend.load_info()) of every READY instance, for /metrics. load_info runs outside _lock."""
+        with self._lock:
+            ready = [(e.name, e.backend) for e in self._entries
+                     if e is not None and e.state == READY and e.backend is not None]
+        return [(name, backend.load_info()) for name, backend in ready]
+
     def ready_count(self) -> int:
         with self._lock:
             return sum(1 for e in self._entries if e is not None and e.state == READY)

@@ -109,7 +109,7 @@ def test_snapshot_format():
     snap = dm.snapshot()
     assert [d["id"] for d in snap] == [0, 1, 2, 3]
     d2 = snap[2]
-    assert set(d2) == {"id", "platform", "kind", "budget_bytes", "budget_source", "used_bytes", "free_bytes",
+    assert set(d2) == {"id", "die", "platform", "kind", "budget_bytes", "budget_source", "used_bytes", "free_bytes",
                        "models"}
     assert d2["budget_bytes"] == 3000 * MiB and d2["used_bytes"] == 300 * MiB and d2["free_bytes"] == 2700 * MiB
     assert d2["models"] == [{"name": "llama", "instance_id": "inst-1", "bytes": 300 * MiB}]

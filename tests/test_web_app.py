@@ -184,7 +184,8 @@ def test_plain_completion(client, app_and_reg):
     body = r.get_json()
     assert body["choices"][0]["message"]["content"] == "hello"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     req = backend(app_and_reg[1]).last_request
     assert req.prompt_ids == [ord("h"), ord("i")] and req.max_tokens == 62 and req.stop_ids == frozenset({0})
     assert in_flight(app_and_reg[1]) == 0

@@ -21,6 +21,11 @@ N_STREAMS = 8
 TOKENS = 60
 
 
+def counts(usage: dict) -> tuple[int, int, int]:
+    """Token counts of a usage object (cached_tokens legitimately differs when a prefix is reused)."""
+    return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]
+
+
 @pytest.fixture(scope="module")
 def srv():
     s = start_server([f"tiny={LLAMA}"], env={"QWEN35_BATCH_SLOTS": "8"})
@@ -80,7 +85,7 @@ def test_cheap_routes_stay_fast_while_8_streams_run(srv):
     expected = ref["choices"][0]["message"]["content"]
     for status, events in results:
         assert status == 200 and events[-1] == "[DONE]"
-        assert events[-2]["usage"] == ref["usage"]  # every token of every stream arrived
+        assert counts(events[-2]["usage"]) == counts(ref["usage"])  # every token of every stream arrived
         assert text_of(events[:-2]) == expected
 
 

@@ -27,6 +27,11 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
+def counts(usage: dict) -> tuple[int, int, int]:
+    """Token counts of a usage object (cached_tokens legitimately differs when a prefix is reused)."""
+    return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]
+
+
 @pytest.fixture(scope="module")
 def srv():
     s = start_server(["smol=smollm2-135m"], timeout=400,
@@ -174,7 +179,7 @@ def test_unload_meets_a_request_in_flight(srv):
     _, events = results["a"]
     assert events[-1] == "[DONE]"
     assert stream_text(events) == reference["choices"][0]["message"]["content"]
-    assert events[-2]["usage"] == reference["usage"]
+    assert counts(events[-2]["usage"]) == counts(reference["usage"])
     assert srv.post("/v1/chat/completions", {**body, "max_tokens": 2}).status_code == 200  # still routable
 
     # 2) without a timeout: the unload waits for the stream to finish, which loses nothing

@@ -95,7 +95,7 @@ class BatchScheduler:
     """One per loaded model when batching is on (the default)."""
 
     def __init__(self, model: Model, settings: Settings, pressure: Callable[[], int] | None = None,
-                 warmup: bool = True):
+                 warmup: bool | None = None):
         self.model = model
         self.n_slots = min(model.n_slots, settings.batch_slots) if settings.batch_slots > 0 else model.n_slots
         self.chunk = min(settings.prefill_chunk, model.chunk)
@@ -116,7 +116,7 @@ class BatchScheduler:
         self.stats = SchedulerStats()
         self._turn_prefill = True  # driver-only: whose turn it is when both kinds of work exist
         self._state = model.new_state()  # driver-only after start: the donated device state
-        if warmup:
+        if settings.warmup if warmup is None else warmup:
             self._state = model.warmup(self._state)
         self._thread = osthread.start_thread(self._drive, name=f"driver-{model.name}")
 

@@ -34,6 +34,7 @@ class ServerState:
     status: str = "loading"  # "loading" -> "ok" | "failed"; written once by the startup thread
     error: str | None = None
     startup: object | None = field(default=None, repr=False)  # the startup OSThread
+    metrics: object | None = field(default=None, repr=False)  # pantheon.metrics.Metrics
 
 
 def _configure_logging() -> None:
@@ -86,11 +87,23 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.json.sort_keys = False
     app.extensions["pantheon"] = state
 
+    from ..metrics import Metrics
+    metrics = state.metrics = Metrics()
+    metrics.set_backend_source(state.registry.load_infos)
+    # dies() imports JAX on its first call: only once the startup thread has loaded the models
+    metrics.set_die_source(lambda: state.registry.dies() if state.status == "ok" else [])
+
     from . import admin, errors, routes, security
     errors.init_app(app)
     security.init_app(app, settings)
     app.register_blueprint(routes.bp)
     app.register_blueprint(admin.bp)
+
+    @app.after_request
+    def _count_request(resp):  # also runs for error-handler responses and preflights
+        from flask import request
+        metrics.observe_request(request.url_rule.rule if request.url_rule is not None else None, resp.status_code)
+        return resp
 
     if exit_on_failure is None:
         exit_on_failure = "gunicorn.arbiter" in sys.modules

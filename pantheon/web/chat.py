@@ -49,7 +49,7 @@ TOP_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "stream_options",
     "tools", "tool_choice", "parallel_tool_calls", "session_id", "n", "user", "logprobs", "top_logprobs",
-    "response_format", "chat_template_kwargs",
+    "response_format", "chat_template_kwargs", "ignore_eos",
 })
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content",
                             "reasoning"})
@@ -77,6 +77,7 @@ class ChatRequest:
     tool_choice: Any  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     session_id: str | None
     enable_thinking: bool | None
+    ignore_eos: bool = False  # benchmark knob (vLLM / llama.cpp): generate the full budget past EOS
     size: int = 0  # bytes of the request body: decides whether tokenizing is moved off the hub
 
     @property
@@ -386,9 +387,10 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     except ValueError as exc:  # SamplingParams names the field first
         field = str(exc).split(" ", 1)[0]
         raise RequestError(str(exc), param=field) from None
+    ignore_eos = bool(_boolean(body, "ignore_eos"))
     return ChatRequest(model=model, messages=messages, params=params, max_tokens=max_tokens, stop=stop,
                        stream=stream, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
-                       session_id=session_id, enable_thinking=enable_thinking)
+                       session_id=session_id, enable_thinking=enable_thinking, ignore_eos=ignore_eos)
 
 
 # ---- running one completion --------------------------------------------------------------------------
@@ -399,7 +401,11 @@ def _json_line(obj: dict) -> bytes:
 class Generation:
     """One completion in flight. Greenlet only: every method runs in the request's greenlet."""
 
-    def __init__(self, registry: Any, entry: Any, creq: ChatRequest, environ: dict):
+    def __init__(self, registry: Any, entry: Any, creq: ChatRequest, environ: dict, metrics: Any = None,
+                 t0: float | None = None):
+        self.metrics = metrics  # pantheon.metrics.Metrics, or None (unit tests)
+        self.t0 = time.perf_counter() if t0 is None else t0  # request arrival
+        self._t_last: float | None = None  # when the previous Tokens event arrived
         self.registry = registry
         self.entry = entry
         self.creq = creq
@@ -412,6 +418,7 @@ class Generation:
         self.finished = False  # the backend's Finished event has been seen
         self.closed = False
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # prompt tokens served from a prefix already in the slot
         self.completion_tokens = 0
         self.capped = False
         self.finish_reason: str | None = None
@@ -436,15 +443,19 @@ class Generation:
             rendered, ids = self._prompt(model)
         limit = int(model.max_seq)
         if len(ids) > limit - 1:
+            if self.metrics is not None:
+                self.metrics.observe_admission("denied")
             raise RequestError(f"messages: the prompt has {len(ids)} tokens; this model's context holds {limit} "
                                "and at least one must be left to generate", param="messages",
                                code="context_length_exceeded")
         room = limit - len(ids)
         want = self.creq.max_tokens
         self.capped = want is not None and want > room
+        if self.metrics is not None:
+            self.metrics.observe_admission("capped" if self.capped else "fit")
         max_tokens = room if want is None else min(want, room)
         self.prompt_tokens = len(ids)
-        self._stop_ids = frozenset(tok.eot_ids)
+        self._stop_ids = frozenset() if self.creq.ignore_eos else frozenset(tok.eot_ids)
         self._tok = tok
         self._decoder = tok.stream(skip_special=False)
         ends_in_think = getattr(model.template, "prompt_ends_in_think", None)
@@ -452,8 +463,13 @@ class Generation:
         self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled)
         req = GenRequest(prompt_ids=ids, params=self.creq.params.resolved(), max_tokens=max_tokens,
                          stop_ids=self._stop_ids, session_id=self.creq.session_id, request_id=self.id)
+        t_submit = time.perf_counter()
         self.handle = self.entry.backend.submit(req, self.channel.put)
         first = self._next_event()
+        if isinstance(first, Started):
+            self.cached_tokens = first.reused_tokens
+            if self.metrics is not None:
+                self.metrics.observe_queue(self.model_name, time.perf_counter() - t_submit)
         if isinstance(first, Finished):
             self.finished = True
             if first.error is not None:
@@ -498,6 +514,13 @@ class Generation:
         while True:
             ev = self._next_event()
             if isinstance(ev, Tokens):
+                if self.metrics is not None:
+                    now = time.perf_counter()
+                    if self._t_last is None:
+                        self.metrics.observe_ttft(self.model_name, now - self.t0)
+                    else:
+                        self.metrics.observe_itl(self.model_name, now - self._t_last)
+                    self._t_last = now
                 out: list[Delta] = []
                 for tid in ev.ids:
                     if em.stopped or self._eos:
@@ -515,6 +538,8 @@ class Generation:
                     yield out
             elif isinstance(ev, Finished):
                 self.finished = True
+                if self.metrics is not None and ev.reason != "error":
+                    self.metrics.observe_e2e(self.model_name, time.perf_counter() - self.t0)
                 if ev.reason == "error" and not em.stopped:
                     raise ev.error if ev.error is not None else RuntimeError("generation failed")
                 out = []
@@ -533,13 +558,18 @@ class Generation:
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def close(self) -> None:
         """Cancel if still running, wait briefly for the backend to confirm, release the ref. Idempotent."""
         if self.closed:
             return
         self.closed = True
+        if self.metrics is not None and self.handle is not None:
+            if not self.finished:  # still running: the client went away (or the request was aborted)
+                self.metrics.disconnect(self.model_name)
+            self.metrics.add_tokens(self.model_name, self.prompt_tokens, self.completion_tokens)
         try:
             if self.handle is not None and not self.finished:
                 log.info("request %s on %s: cancelling after %d tokens (client gone or request aborted)", self.id,

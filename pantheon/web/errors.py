@@ -59,6 +59,11 @@ def init_app(app: Flask) -> None:
     @app.errorhandler(PantheonError)
     def _ours(exc: PantheonError) -> Response:
         status, body, headers = from_exception(exc)
+        if isinstance(exc, BusyError):
+            from flask import current_app
+            m = getattr(current_app.extensions.get("pantheon"), "metrics", None)
+            if m is not None:
+                m.observe_rejection(status)
         if status >= 500:
             log.error("request failed: %s", exc)
         return _json(status, body, headers)

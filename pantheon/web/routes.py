@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
@@ -61,14 +62,21 @@ def list_models() -> Response:
     return jsonify(object="list", data=server().registry.models())
 
 
+@bp.get("/metrics")
+def metrics() -> Response:
+    body, ctype = server().metrics.render()
+    return Response(body, content_type=ctype)
+
+
 @bp.post("/v1/chat/completions")
 def chat_completions() -> Response:
+    t0 = time.perf_counter()
     creq = parse_chat_request(read_json(), request.headers)
     creq.size = request.content_length or 0
     registry = server().registry
     entry = registry.acquire(creq.model)
     try:
-        gen = Generation(registry, entry, creq, request.environ)
+        gen = Generation(registry, entry, creq, request.environ, metrics=server().metrics, t0=t0)
     except BaseException:
         registry.release(entry)
         raise

@@ -14,7 +14,7 @@ up to the cache capacity. The cache has one extra "scratch" slot that padding ro
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,15 +42,6 @@ class LoadOptions:
     prefill_chunk: int = 128
     config_path: str | None = None  # HF config.json for a safetensors checkpoint
     warmup: bool = False  # compile every bucket at load
-
-
-def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    out.append(hi)
-    return tuple(sorted(set(out)))
 
 
 def _geometric_buckets(lo: int, hi: int, factor: int) -> tuple[int, ...]:
@@ -106,7 +97,7 @@ class Model:
         self.scratch_slot = self.n_slots
         # Few buckets = few programs to compile at load (each costs seconds on CPU). Rows double,
         # prefill chunks are short (32) or full, attention spans grow 4x up to the capacity.
-        self.row_buckets = _pow2_buckets(1, max(1, self.n_slots))
+        self.row_buckets = _geometric_buckets(1, max(1, self.n_slots), 2)
         self.chunk_buckets = tuple(sorted({min(32, self.chunk), self.chunk}))
         self.span_buckets = _geometric_buckets(min(256, self.capacity), self.capacity, 4)
         # Two programs per step: the forward (one per (rows, tokens, span) bucket) and the sampler

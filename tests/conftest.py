@@ -9,7 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-FIXTURES = Path(os.environ.get("PANTHEON_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+def _find_fixtures() -> Path:
+    """$PANTHEON_FIXTURES, else ../shared/fixtures beside the checkout (where CI puts it), else /work/shared."""
+    if os.environ.get("PANTHEON_FIXTURES"):
+        return Path(os.environ["PANTHEON_FIXTURES"])
+    for cand in (Path(__file__).resolve().parents[2] / "shared" / "fixtures", Path("/work/shared/fixtures")):
+        if cand.is_dir():
+            return cand
+    raise RuntimeError("oracle fixtures not found: set PANTHEON_FIXTURES to the shared/fixtures directory")
+
+
+FIXTURES = _find_fixtures()
 TINY = FIXTURES / "tiny"
 REAL = FIXTURES / "real"
 
@@ -26,6 +36,19 @@ def tiny_fixture(name: str) -> tuple[Path, dict, np.ndarray]:
     """(gguf path, json, oracle logits [24, 512]) of a tiny random-weight fixture."""
     j = json.loads((TINY / f"{name}.json").read_text())
     return TINY / j["gguf_file"], j, np.load(TINY / j["logits_file"])
+
+
+_tiny_models: dict[str, object] = {}
+
+
+def tiny_model(name: str):
+    """A tiny fixture model loaded once per session with small caches (2 slots, 64 positions)."""
+    from pantheon import engine
+
+    if name not in _tiny_models:
+        path, _, _ = tiny_fixture(name)
+        _tiny_models[name] = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16))
+    return _tiny_models[name]
 
 
 def real_fixture(name: str) -> dict:

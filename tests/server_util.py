@@ -19,7 +19,9 @@ from pathlib import Path
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = Path(os.environ.get("PANTHEON_FIXTURES", ROOT.parent / "shared" / "fixtures")) / "tiny"
+from conftest import FIXTURES  # noqa: E402  (one place decides where the oracle fixtures live)
+
+TINY = FIXTURES / "tiny"
 LLAMA = str(TINY / "llama.gguf")
 QWEN2 = str(TINY / "qwen2.gguf")
 

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from conftest import FIXTURES
 from pantheon.chat_template import ChatTemplate
 from pantheon.errors import CatalogError, TemplateError
 from pantheon.gguf_meta import open_reader
 
-FIXTURES = Path(os.environ.get("PANTHEON_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 REAL_NAMES = ["smollm2-135m", "qwen-0.5b", "gemma3-270m"]
 
 

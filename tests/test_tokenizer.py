@@ -7,19 +7,17 @@ string where llama.cpp re-types the normal token `</s>` as control; HF's answer 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders
 
+from conftest import FIXTURES
 from pantheon.errors import CatalogError, ModelLoadError
 from pantheon.gguf_meta import open_reader, read_metadata
 from pantheon.tokenizer import StreamDecoder, Tokenizer
 
-FIXTURES = Path(os.environ.get("PANTHEON_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 REAL_NAMES = ["smollm2-135m", "qwen-0.5b", "gemma3-270m"]
 _cache: dict[str, Tokenizer] = {}
 

@@ -21,7 +21,9 @@ from pantheon import engine
 from pantheon.sampler import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = dict(hidden=64, n_layers=4, n_experts=8, n_used=2, expert_ffn=32, vocab=512, seed=3)
+# std 0.15 (the tiny fixture's scale) gives logits of std ~1.2, so the 1e-4 checks below are not
+# trivially met by near-zero logits (the tool's default 0.02 gives std ~0.16).
+SMALL = dict(hidden=64, n_layers=4, n_experts=8, n_used=2, expert_ffn=32, vocab=512, seed=3, std=0.15)
 PROMPT = [170, 109, 40, 199, 240, 234, 293, 416, 197, 106, 65, 354, 343, 135, 414, 50, 53, 254, 455, 256]
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -62,7 +64,7 @@ def test_logits_finite_and_chunked_prefill_equals_whole(small):
     _, m = small
     whole = m.logits(PROMPT, chunk=len(PROMPT))
     assert whole.shape == (len(PROMPT), 512)
-    assert np.isfinite(whole).all() and float(whole.std()) > 0
+    assert np.isfinite(whole).all() and float(whole.std()) > 0.5
     chunked = m.logits(PROMPT, chunk=3)
     assert float(np.abs(chunked - whole).max()) < 1e-4
 

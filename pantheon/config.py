@@ -79,6 +79,9 @@ class Settings:
     kv_q4: bool = True
     die_budget_mb: int = 0
     warmup: bool = True
+    # Test-only (PANTHEON_TEST_PRESSURE=0..3): the memory watch reports the host at this pressure level
+    # (OK, ELEVATED, HIGH, CRITICAL) instead of measuring it, so tests can force admission denials.
+    test_pressure: int | None = None
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -115,4 +118,15 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         kv_q4=_flag(env, "QWEN35_KV_Q4", True),
         die_budget_mb=_int(env, "PANTHEON_DIE_BUDGET_MB", 0),
         warmup=_flag(env, "PANTHEON_WARMUP", True),
+        test_pressure=_test_pressure(env),
     )
+
+
+def _test_pressure(env: dict[str, str]) -> int | None:
+    raw = env.get("PANTHEON_TEST_PRESSURE")
+    if raw is None or raw.strip() == "":
+        return None
+    level = _int(env, "PANTHEON_TEST_PRESSURE", 0)
+    if not 0 <= level <= 3:
+        raise ValueError(f"environment variable PANTHEON_TEST_PRESSURE={raw!r} must be 0..3")
+    return level

@@ -192,7 +192,7 @@ class Metrics:
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated.", ["model"],
                                          registry=reg)
         self.admissions = Counter(f"{PREFIX}_admissions",
-                                  "Context admission: fit, capped (max_tokens cut to the room left) or denied.",
+                                  "Context admission: fit, capped (prompt context or max_tokens cut to fit) or denied.",
                                   ["outcome"], registry=reg)
         self.rejections = Counter(f"{PREFIX}_rejections", "Requests refused as busy, by HTTP status (429/503).",
                                   ["status"], registry=reg)

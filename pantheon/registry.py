@@ -6,17 +6,20 @@ therefore goes through four phases and holds the table lock only for the bookkee
 
 1. reserve (under `_lock`): take a free slot with the entry in LOADING state, so the name is claimed
    (a second load of the same name in progress is refused with 409) but nothing can route to it;
-2. place (under `_lock`): pick the dies (given, or the one with most free budget) and admit the
-   estimated weight bytes against each die's budget (507 when they do not fit); the estimate is
-   recorded on the entry, so two concurrent loads cannot both take the last free bytes;
+2. place (the die manager's lock, pantheon.dies): estimate what the model will hold (weights, KV
+   cache, scratch: `estimate_load_bytes`, headers only) and reserve it on the given dies, or on the
+   emptiest one, atomically (507 when it does not fit); two concurrent loads cannot both take the last
+   free bytes, and a failed load gives its reservation back;
 3. upload (under `_upload_lock`, not `_lock`): read and place the weights; one upload at a time, so
    two multi-GB host transients never stack;
 4. publish (backend built outside any lock, then `_lock`): the entry becomes READY and routable.
 
-Requests `acquire` an entry (refs += 1) and must `release` it exactly once. `unload` marks the entries
-UNLOADING (no new acquires), waits until their refs drain (optionally with a timeout: then nothing is
-freed, the entries become READY again and the caller gets 409), then closes the backend and drops the
-model outside the lock.
+Requests `acquire` an entry (refs += 1) and must `release` it exactly once. Replicas sharing a name
+split the requests by fewest references; a request with a `session_id` sticks to the replica that
+served that session before (a bounded LRU map), so its prefix cache is reused. `unload` marks the
+entries UNLOADING (no new acquires), waits until their refs drain (optionally with a timeout: then
+nothing is freed, the entries become READY again and the caller gets 409), then closes the backend,
+drops the model and gives its dies' reservation back, outside the lock.
 
 Thread affinity: `acquire`, `release`, `snapshot`, `models`, `dies` are brief and non-blocking, safe
 from greenlets. `load` and `unload` block (upload, drain, backend close) and must run in a real OS
@@ -30,6 +33,7 @@ import logging
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +46,7 @@ from .errors import RequestError
 log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 16
+MAX_SESSIONS = 4096  # session_id -> instance affinity entries kept (least recently used dropped first)
 LOADING, READY, UNLOADING, CLOSING = "loading", "ready", "unloading", "closing"
 
 # A served model name: what clients put in "model". No "=", "@", ",", ";" (they delimit specs).
@@ -110,7 +115,8 @@ class Entry:
     instance_id: str
     state: str = LOADING
     dies: tuple[int, ...] = ()
-    bytes: int = 0  # the estimate while loading, the model's weight_bytes once READY
+    bytes: int = 0  # bytes reserved on each of `dies` (the load estimate: weights + cache + scratch)
+    weight_bytes: int = 0  # the model's weight bytes once READY
     refs: int = 0
     model: Any = None
     backend: Any = None
@@ -118,123 +124,37 @@ class Entry:
 
     def info(self) -> dict:
         return {"instance_id": self.instance_id, "name": self.name, "source": self.source, "state": self.state,
-                "dies": list(self.dies), "bytes": self.bytes, "in_flight": self.refs, "created": self.created}
+                "dies": list(self.dies), "bytes": self.bytes, "weight_bytes": self.weight_bytes,
+                "in_flight": self.refs, "created": self.created}
 
 
 def _status_error(message: str, status: int, code: str, param: str | None = None) -> RequestError:
     return RequestError(message, param=param, status=status, code=code)
 
 
-def device_table(settings: Settings) -> list[dict]:
-    """Every JAX device with its memory budget in bytes. Imports JAX: call only after the worker forked.
-
-    Budget: the device's own `bytes_limit` (memory_stats), else PANTHEON_DIE_BUDGET_MB, else the host's
-    total memory (CPU devices report none and share the host's RAM).
-    """
-    import jax
-    import psutil
-    out = []
-    for i, d in enumerate(jax.devices()):
-        try:
-            stats = d.memory_stats() or {}
-        except Exception:  # some backends raise instead of returning None
-            stats = {}
-        budget = int(stats.get("bytes_limit") or 0)
-        if not budget and settings.die_budget_mb > 0:
-            budget = settings.die_budget_mb * 1024 * 1024
-        if not budget:
-            budget = int(psutil.virtual_memory().total)
-        out.append({"die": i, "platform": d.platform, "kind": getattr(d, "device_kind", d.platform),
-                    "budget_bytes": budget})
-    return out
+def _load_options(name: str, settings: Settings) -> Any:
+    """The LoadOptions a model is loaded with: the estimate must see exactly what the load will do."""
+    from .engine import LoadOptions
+    return LoadOptions(name=name, dtype=settings.dtype, n_slots=max(1, settings.batch_slots),
+                       max_seq=settings.max_seq, prefill_chunk=settings.prefill_chunk)
 
 
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
+def estimate_load(path: Path, settings: Settings, platform: str) -> Any:
+    """What a model will hold on its dies (pantheon.dies.LoadEstimate), from the file's headers only."""
+    from .dies import estimate_load_bytes
+    return estimate_load_bytes(path, _load_options(Path(path).stem, settings), platform)
 
 
-def gguf_element_count(path: Path) -> int:
-    """Total number of weight elements in a GGUF, read from its header only.
-
-    Why not `gguf.GGUFReader`: it decodes every metadata value, which takes ~25 s for a 150k-token
-    vocabulary; admission must answer in milliseconds. This walks the key/value section (skipping
-    values by their sizes) and sums the tensor-info shapes.
-    """
-    import struct
-
-    with open(path, "rb") as f:
-        def read(fmt: str) -> tuple:
-            size = struct.calcsize(fmt)
-            data = f.read(size)
-            if len(data) != size:
-                raise ValueError("truncated GGUF header")
-            return struct.unpack(fmt, data)
-
-        def skip_string() -> None:
-            (n,) = read("<Q")
-            f.seek(n, 1)
-
-        def skip_value(vtype: int) -> None:
-            if vtype == _GGUF_STRING:
-                skip_string()
-            elif vtype == _GGUF_ARRAY:
-                itype, count = read("<IQ")
-                if itype in _GGUF_SCALAR_SIZES:
-                    f.seek(_GGUF_SCALAR_SIZES[itype] * count, 1)
-                else:
-                    for _ in range(count):
-                        skip_value(itype)
-            elif vtype in _GGUF_SCALAR_SIZES:
-                f.seek(_GGUF_SCALAR_SIZES[vtype], 1)
-            else:
-                raise ValueError(f"unknown GGUF value type {vtype}")
-
-        magic, version = read("<4sI")
-        if magic != b"GGUF" or version < 2:
-            raise ValueError("not a GGUF v2+ file")
-        n_tensors, n_kv = read("<QQ")
-        for _ in range(n_kv):
-            skip_string()
-            (vtype,) = read("<I")
-            skip_value(vtype)
-        total = 0
-        for _ in range(n_tensors):
-            skip_string()
-            (n_dims,) = read("<I")
-            count = 1
-            for d in read(f"<{n_dims}Q"):
-                count *= d
-            total += count
-            f.seek(12, 1)  # ggml type (u32) + data offset (u64)
-        return total
-
-
-def estimate_weight_bytes(path: Path, settings: Settings, platform: str) -> int:
-    """Bytes the weights will take on a die, from the file's tensor shapes (no weights are read).
-
-    The engine dequantizes to f32 on CPU and to bf16 matrices elsewhere (PANTHEON_DTYPE overrides).
-    A file that cannot be scanned (not GGUF: a safetensors directory) is estimated from its size.
-    """
-    dtype = settings.dtype.lower()
-    per = 4 if dtype in ("float32", "f32") or (dtype == "auto" and platform == "cpu") else 2
-    p = Path(path)
-    try:
-        return per * gguf_element_count(p)
-    except (OSError, ValueError):
-        files = [p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()] if p.is_dir() else []
-        return sum(q.stat().st_size for q in files) * per // 2
+def _manager_from_table(table: list[dict]) -> Any:
+    """A DieManager over a given device table (the `devices` test hook): budgets as given."""
+    from .dies import Die, DieManager
+    return DieManager([Die(id=int(t["die"]), budget_bytes=int(t["budget_bytes"]), platform=t.get("platform", "cpu"),
+                           kind=t.get("kind", "cpu"), budget_source="given") for t in table])
 
 
 def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings) -> Any:
-    from .engine import LoadOptions, load_on
-    opts = LoadOptions(name=name, dtype=settings.dtype, n_slots=max(1, settings.batch_slots),
-                       max_seq=settings.max_seq, prefill_chunk=settings.prefill_chunk)
-    return load_on(path, opts, list(dies) or None)
-
-
-def _make_backend(model: Any, settings: Settings) -> Any:
-    from .scheduler import make_backend
-    return make_backend(model, settings)
+    from .engine import load_on
+    return load_on(path, _load_options(name, settings), list(dies) or None)
 
 
 def _resolve(source: str) -> Path:
@@ -243,36 +163,72 @@ def _resolve(source: str) -> Path:
 
 
 class Registry:
-    """The model table. Hooks (`load_model`, `make_backend`, `devices`, `estimate`) default to the
-    real engine and exist so tests can drive the table with fakes."""
+    """The model table. Hooks (`load_model`, `make_backend`, `estimate`, and the die manager `dies` or
+    a `devices` table to build one from) default to the real engine and exist so tests can drive the
+    table with fakes. `estimate(path, settings, platform)` returns a pantheon.dies.LoadEstimate, or
+    plain bytes (then treated as one replicated block: the same bytes on every die)."""
 
     def __init__(self, settings: Settings,
                  load_model: Callable[[Path, str, Sequence[int], Settings], Any] = _load_model,
-                 make_backend: Callable[[Any, Settings], Any] = _make_backend,
-                 devices: Callable[[Settings], list[dict]] = device_table,
-                 estimate: Callable[[Path, Settings, str], int] = estimate_weight_bytes):
+                 make_backend: Callable[[Any, Settings], Any] | None = None,
+                 devices: Callable[[Settings], list[dict]] | None = None,
+                 estimate: Callable[[Path, Settings, str], Any] = estimate_load,
+                 dies: Any = None):
         self.settings = settings
         self._load_model = load_model
-        self._make_backend = make_backend
+        self._make_backend = make_backend if make_backend is not None else self._default_backend
         self._devices_fn = devices
         self._estimate = estimate
-        self._devices: list[dict] | None = None  # cached device_table(); set once under _lock
-        # _lock: guards _entries and every Entry's state/refs/dies/bytes. Held only for table
-        # bookkeeping (microseconds): never across a file read, an upload, a drain or a backend close.
+        # The die manager (pantheon.dies.DieManager): given, built from `devices`, or from JAX's devices
+        # on first use (`die_manager`). It has its own lock; set once under _lock.
+        self._dies: Any = dies
+        # The memory watch the schedulers' pressure callbacks read (attach_memwatch); None: the global one.
+        self.memwatch: Any = None
+        # _lock: guards _entries, every Entry's state/refs/dies/bytes, and _sessions/_session_counts.
+        # Held only for table bookkeeping (microseconds): never across a file read, an upload, a drain
+        # or a backend close. The die manager's lock is never taken while holding it.
         self._lock = osthread.Lock()
         # _drained (on _lock): notified by every release(); unload waits on it until its entries' refs == 0.
         self._drained = osthread.Condition(self._lock)
         # _upload_lock: held for phase 3 only; at most one weight upload in flight per process.
         self._upload_lock = osthread.Lock()
         self._entries: list[Entry | None] = [None] * MAX_ENTRIES
+        # Session affinity: session_id -> instance_id, least recently used first, at most MAX_SESSIONS;
+        # _session_counts: instance_id -> sessions mapped to it (spreads new sessions over replicas).
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._session_counts: dict[str, int] = {}
+
+    # ---- dies and memory ---------------------------------------------------------------------------
+    def die_manager(self) -> Any:
+        """The die manager, built on first use (from JAX's devices unless a table or manager was given).
+        Building it imports JAX: call only in the worker, after the fork."""
+        if self._dies is None:
+            if self._devices_fn is not None:
+                mgr = _manager_from_table(self._devices_fn(self.settings))
+            else:
+                from .dies import DieManager
+                mgr = DieManager.from_jax(self.settings)
+            with self._lock:
+                if self._dies is None:
+                    self._dies = mgr
+        return self._dies
+
+    def attach_memwatch(self, watch: Any) -> None:
+        """Backends built from now on take their memory-pressure callback from `watch`."""
+        self.memwatch = watch
+
+    def _default_backend(self, model: Any, settings: Settings) -> Any:
+        from .scheduler import make_backend
+        return make_backend(model, settings, watch=self.memwatch, dies=self._dies)
 
     # ---- loading (OS thread only) --------------------------------------------------------------------
     def load(self, source: str, name: str | None = None, dies: Sequence[int] | None = None,
              resolve: Callable[[str], Path] = _resolve) -> dict:
         """Load `source` (catalog name or path, turned into a file by `resolve`) as `name`; blocks.
 
-        Raises RequestError (400 bad dies/name, 409 same name loading/unloading, 507 table full or
-        does not fit), CatalogError (404) or ModelLoadError (500). On failure nothing stays reserved.
+        Raises RequestError (400 bad dies/name, 409 same name loading/unloading, 507 table full),
+        InsufficientMemoryError (507: does not fit the dies), CatalogError (404) or ModelLoadError
+        (500). On failure nothing stays reserved: neither the slot nor the dies' bytes.
         """
         name = name or default_name(source)
         if not valid_name(name):
@@ -294,15 +250,17 @@ class Registry:
                 raise
             with self._lock:
                 entry.model, entry.backend = model, backend
-                entry.bytes = int(getattr(model, "weight_bytes", entry.bytes) or entry.bytes)
+                entry.weight_bytes = int(getattr(model, "weight_bytes", 0) or 0)
                 entry.state = READY
                 info = entry.info()
         except BaseException:
+            if self._dies is not None:
+                self._dies.unbind(entry.instance_id)  # no-op when placement never bound it
             with self._lock:
                 self._entries[entry.slot] = None
             raise
-        log.info("loaded %s as %r (instance %s) on dies %s, %d weight bytes", source, name, entry.instance_id,
-                 list(entry.dies), entry.bytes)
+        log.info("loaded %s as %r (instance %s) on dies %s: %d weight bytes, %d bytes reserved per die", source,
+                 name, entry.instance_id, list(entry.dies), entry.weight_bytes, entry.bytes)
         return info
 
     def _reserve(self, source: str, name: str) -> Entry:
@@ -320,54 +278,28 @@ class Registry:
             self._entries[entry.slot] = entry
             return entry
 
-    def _device_table(self) -> list[dict]:
-        if self._devices is None:
-            table = self._devices_fn(self.settings)
-            with self._lock:
-                if self._devices is None:
-                    self._devices = table
-        return self._devices
-
-    def _used_locked(self) -> dict[int, int]:
-        """Bytes reserved on each die by every entry in the table (loading ones by their estimate)."""
-        used: dict[int, int] = {}
-        for e in self._entries:
-            if e is not None and e.dies:
-                share = e.bytes // len(e.dies)
-                for d in e.dies:
-                    used[d] = used.get(d, 0) + share
-        return used
-
     def _place(self, entry: Entry, path: Path, dies: tuple[int, ...]) -> None:
-        """Phase 2: choose dies and admit the estimated bytes against their budgets."""
-        table = self._device_table()
-        bad = [d for d in dies if d < 0 or d >= len(table)]
-        if bad:
-            raise _status_error(f"no such die(s) {bad}; this host has {len(table)} (0..{len(table) - 1})",
-                                400, "invalid_dies", "dies")
-        platform = table[dies[0] if dies else 0]["platform"]
-        need = int(self._estimate(path, self.settings, platform))
+        """Phase 2: estimate the model's bytes and reserve them on `dies` (or the emptiest die)."""
+        from .dies import LoadEstimate
+        mgr = self.die_manager()
+        known = {d.id: d for d in mgr.dies}
+        first = known.get(dies[0]) if dies else mgr.dies[0]
+        est = self._estimate(path, self.settings, first.platform if first is not None else mgr.dies[0].platform)
+        if not isinstance(est, LoadEstimate):
+            est = LoadEstimate(weights_bytes=int(est), replicated_weight_bytes=int(est))
+        placed = tuple(mgr.reserve(entry.instance_id, entry.name, est, dies=list(dies) or None))
         with self._lock:
-            used = self._used_locked()
-            if not dies:
-                best = max(table, key=lambda t: (t["budget_bytes"] - used.get(t["die"], 0), -t["die"]))
-                dies = (best["die"],)
-            share = need // len(dies)
-            for d in dies:
-                free = table[d]["budget_bytes"] - used.get(d, 0)
-                if share > free:
-                    raise _status_error(
-                        f"model needs about {share / 2**20:.1f} MiB on die {d}, which has {max(0, free) / 2**20:.1f} "
-                        f"MiB free of {table[d]['budget_bytes'] / 2**20:.1f} MiB", 507, "insufficient_memory", "dies")
-            entry.dies, entry.bytes = dies, need
+            entry.dies, entry.bytes = placed, est.per_die(len(placed))
 
     # ---- routing (any thread, non-blocking) -------------------------------------------------------
-    def acquire(self, name: str | None) -> Entry:
+    def acquire(self, name: str | None, session_id: str | None = None) -> Entry:
         """The entry a request for `name` runs on, with its refcount taken; pair with `release`.
 
         An exact name match wins. Otherwise: a name that is loading/unloading -> 503; one resident model
         name -> everything routes to it; an empty name -> the first resident entry; several resident and
-        an unknown name -> 404. Replicas sharing a name: the one with fewest in-flight refs. None -> 503.
+        an unknown name -> 404. None -> 503. Replicas sharing a name: a `session_id` seen before goes
+        to the replica that served it (while that replica is routable); otherwise the one with fewest
+        in-flight refs, then (for a new session) fewest sessions, then the lowest slot.
         """
         with self._lock:
             ready = [e for e in self._entries if e is not None and e.state == READY]
@@ -386,9 +318,47 @@ class Registry:
                 else:
                     raise _status_error(f"model {name!r} is not loaded; loaded models: {', '.join(sorted(names))}",
                                         404, "model_not_found", "model")
-            entry = min(candidates, key=lambda e: (e.refs, e.slot))
+            entry = None
+            if session_id is not None:
+                sticky = self._sessions.get(session_id)
+                entry = next((e for e in candidates if e.instance_id == sticky), None)
+            if entry is None:
+                if session_id is not None:
+                    entry = min(candidates, key=lambda e: (e.refs, self._session_counts.get(e.instance_id, 0), e.slot))
+                else:
+                    entry = min(candidates, key=lambda e: (e.refs, e.slot))
+            if session_id is not None:
+                self._remember_session_locked(session_id, entry.instance_id)
             entry.refs += 1
             return entry
+
+    def _remember_session_locked(self, session_id: str, instance_id: str) -> None:
+        prev = self._sessions.pop(session_id, None)
+        if prev is not None:
+            self._drop_count_locked(prev)
+        self._sessions[session_id] = instance_id
+        self._session_counts[instance_id] = self._session_counts.get(instance_id, 0) + 1
+        while len(self._sessions) > MAX_SESSIONS:
+            _, old = self._sessions.popitem(last=False)
+            self._drop_count_locked(old)
+
+    def _drop_count_locked(self, instance_id: str) -> None:
+        n = self._session_counts.get(instance_id, 0) - 1
+        if n > 0:
+            self._session_counts[instance_id] = n
+        else:
+            self._session_counts.pop(instance_id, None)
+
+    def _forget_instance_locked(self, instance_id: str) -> None:
+        """Drop the sessions of an instance that is gone (their next turn goes to another replica)."""
+        for sid in [k for k, v in self._sessions.items() if v == instance_id]:
+            del self._sessions[sid]
+        self._session_counts.pop(instance_id, None)
+
+    def session_instance(self, session_id: str) -> str | None:
+        """The instance a session sticks to, or None (for tests and debugging)."""
+        with self._lock:
+            return self._sessions.get(session_id)
 
     def release(self, entry: Entry) -> None:
         """Give back a reference taken by `acquire` (exactly once per acquire)."""
@@ -439,8 +409,10 @@ class Registry:
             except Exception:  # a failing close must not keep the slot forever
                 log.exception("closing the backend of %s failed", e.instance_id)
             e.backend = e.model = None
+            self.die_manager().unbind(e.instance_id)  # the weights and state are gone: give the bytes back
             with self._lock:
                 self._entries[e.slot] = None
+                self._forget_instance_locked(e.instance_id)
             log.info("unloaded %r (instance %s)", e.name, e.instance_id)
         for i in infos:
             i["state"] = "unloaded"
@@ -484,15 +456,12 @@ class Registry:
         return list(seen.values())
 
     def dies(self) -> list[dict]:
-        """Each die's budget, bytes reserved on it, and the instances placed there."""
-        table = self._device_table()
+        """Each die's budget, bytes reserved on it, and the instances placed there (the die manager's
+        snapshot, each model with its registry state)."""
+        table = self.die_manager().snapshot()
         with self._lock:
-            used = self._used_locked()
-            out = []
-            for t in table:
-                residents = [{"name": e.name, "instance_id": e.instance_id, "state": e.state,
-                              "bytes": e.bytes // len(e.dies)}
-                             for e in self._entries if e is not None and t["die"] in e.dies]
-                out.append({**t, "used_bytes": used.get(t["die"], 0),
-                            "free_bytes": t["budget_bytes"] - used.get(t["die"], 0), "models": residents})
-            return out
+            states = {e.instance_id: e.state for e in self._entries if e is not None}
+        for d in table:
+            for m in d["models"]:
+                m["state"] = states.get(m["instance_id"], CLOSING)
+        return table

@@ -1,4 +1,5 @@
-"""The model registry on fake models: phases of a load, routing rules, refcounts, replicas, unload drain."""
+"""The model registry on fake models: phases of a load, routing rules, refcounts, replicas, session
+affinity, unload drain, and the die manager's ledger agreeing with the loads (no drift)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from pantheon.config import Settings, split_model_specs
-from pantheon.errors import RequestError
-from pantheon.registry import MAX_ENTRIES, ModelSpec, Registry, default_name, parse_spec
+from pantheon.dies import LoadEstimate
+from pantheon.errors import PantheonError, RequestError
+from pantheon.registry import MAX_ENTRIES, MAX_SESSIONS, ModelSpec, Registry, default_name, parse_spec
 
 MB = 1 << 20
 
@@ -31,6 +33,13 @@ class FakeBackend:
 
 
 SIZES = {"big.gguf": 900 * MB, "mid.gguf": 400 * MB, "small.gguf": MB}
+STATE = 10 * MB  # cache + scratch every fake load also reserves (on every die it is placed on)
+
+
+def estimate(path: Path, settings, platform) -> LoadEstimate:
+    """Weights (split over dies, as an FFN is) plus per-die state: what pantheon.dies estimates."""
+    w = SIZES.get(path.name, MB)
+    return LoadEstimate(weights_bytes=w, ffn_weight_bytes=w, scratch_bytes=STATE)
 
 
 def make_registry(budget_mb=(1000, 1000), load_model=None, make_backend=None) -> Registry:
@@ -38,8 +47,7 @@ def make_registry(budget_mb=(1000, 1000), load_model=None, make_backend=None) ->
     return Registry(Settings(home=Path("/tmp")),
                     load_model=load_model or (lambda p, n, d, s: FakeModel(p, n, d)),
                     make_backend=make_backend or (lambda m, s: FakeBackend(m)),
-                    devices=lambda s: devices,
-                    estimate=lambda p, s, platform: SIZES.get(p.name, MB))
+                    devices=lambda s: devices, estimate=estimate)
 
 
 def load(reg: Registry, source="small.gguf", name=None, dies=None) -> dict:
@@ -85,7 +93,7 @@ def test_load_publishes_and_lists():
     reg = make_registry()
     info = load(reg, name="a")
     assert info["state"] == "ready" and info["name"] == "a" and info["instance_id"].startswith("inst-")
-    assert info["dies"] == [0] and info["bytes"] == MB
+    assert info["dies"] == [0] and info["bytes"] == MB + STATE and info["weight_bytes"] == MB
     assert [m["id"] for m in reg.models()] == ["a"]
 
 
@@ -143,29 +151,55 @@ def test_table_holds_16():
 def test_does_not_fit_is_507_and_frees_the_slot():
     reg = make_registry(budget_mb=(1000,))
     load(reg, "mid.gguf", "a")
-    with pytest.raises(RequestError) as e:
+    before = reg.dies()
+    with pytest.raises(PantheonError) as e:
         load(reg, "big.gguf", "b")
-    assert status_of(e) == 507 and "MiB" in str(e.value)
+    assert status_of(e) == 507 and e.value.code == "insufficient_memory" and "MiB" in str(e.value)
     assert [i["name"] for i in reg.snapshot()] == ["a"]
-    load(reg, "mid.gguf", "b")  # 800 of 1000 MiB: fits
+    assert reg.dies() == before  # nothing leaked into the ledger
+    load(reg, "mid.gguf", "b")  # 820 of 1000 MiB: fits
 
 
 def test_auto_placement_picks_the_emptiest_die():
     reg = make_registry(budget_mb=(1000, 1000))
     assert load(reg, "mid.gguf", "a")["dies"] == [0]
     assert load(reg, "mid.gguf", "b")["dies"] == [1]
-    assert load(reg, "small.gguf", "c")["dies"] == [0]
+    assert load(reg, "small.gguf", "c")["dies"] == [0]  # a tie: the lower id
+    assert load(reg, "small.gguf", "d")["dies"] == [1]  # die 0 now holds more
     dies = reg.dies()
-    assert dies[0]["used_bytes"] == 401 * MB and dies[1]["used_bytes"] == 400 * MB
+    assert dies[0]["used_bytes"] == dies[1]["used_bytes"] == 401 * MB + 2 * STATE
     assert {m["name"] for m in dies[0]["models"]} == {"a", "c"}
+    assert all(m["state"] == "ready" for m in dies[0]["models"])
     assert dies[0]["free_bytes"] == dies[0]["budget_bytes"] - dies[0]["used_bytes"]
+    assert set(dies[0]) >= {"die", "platform", "kind", "budget_bytes", "used_bytes", "free_bytes", "models"}
 
 
 def test_multi_die_load_splits_bytes():
     reg = make_registry(budget_mb=(500, 500))
-    info = load(reg, "big.gguf", "a", dies=[0, 1])  # 450 MiB per die
-    assert info["dies"] == [0, 1]
-    assert [d["used_bytes"] for d in reg.dies()] == [450 * MB, 450 * MB]
+    info = load(reg, "big.gguf", "a", dies=[0, 1])  # 450 MiB of weights + the state on each die
+    assert info["dies"] == [0, 1] and info["bytes"] == 450 * MB + STATE
+    assert [d["used_bytes"] for d in reg.dies()] == [450 * MB + STATE] * 2
+    with pytest.raises(PantheonError) as e:
+        load(reg, "mid.gguf", "b", dies=[0, 1])  # 200 + 10 more on each: over budget
+    assert status_of(e) == 507
+
+
+def test_ledger_agrees_with_the_loads_and_does_not_drift():
+    reg = make_registry(budget_mb=(1000, 1000, 1000))
+    base = load(reg, "mid.gguf", "base", dies=[0])
+    start = reg.dies()
+    for i in range(50):
+        infos = [load(reg, "small.gguf", f"s{i}"), load(reg, "mid.gguf", f"m{i}", dies=[1, 2])]
+        with pytest.raises(PantheonError):
+            load(reg, "big.gguf", f"x{i}", dies=[0])  # refused: reserves nothing
+        dies = reg.dies()
+        for d in dies:  # every die's used bytes are exactly what its residents reserved
+            assert d["used_bytes"] == sum(m["bytes"] for m in d["models"])
+            assert d["used_bytes"] == sum(x["bytes"] for x in [base] + infos if d["die"] in x["dies"])
+        reg.unload(instance_id=infos[i % 2]["instance_id"])
+        reg.unload(instance_id=infos[1 - i % 2]["instance_id"])
+        assert reg.dies() == start
+    assert [i["name"] for i in reg.snapshot()] == ["base"]
 
 
 @pytest.mark.parametrize("dies", [[5], [0, 0], [-1]])
@@ -253,7 +287,7 @@ def test_failed_load_frees_the_slot(stage):
     with pytest.raises(RuntimeError):
         load(reg, name="a")
     assert reg.snapshot() == []
-    assert reg.dies()[0]["used_bytes"] == 0
+    assert reg.dies()[0]["used_bytes"] == 0 and reg.dies()[0]["models"] == []
 
 
 # ---- unload ---------------------------------------------------------------------------------------------------
@@ -317,3 +351,52 @@ def test_unload_by_name_takes_every_replica():
     with pytest.raises(RequestError) as err:
         reg.unload("m")
     assert status_of(err) == 404
+
+
+# ---- session affinity over replicas -------------------------------------------------------------------------
+def test_sessions_stick_to_their_replica_and_spread():
+    reg = make_registry()
+    r1 = load(reg, name="m", dies=[0])["instance_id"]
+    r2 = load(reg, name="m", dies=[1])["instance_id"]
+    first = {}
+    for i in range(8):  # one at a time: new sessions still alternate (fewest sessions)
+        e = reg.acquire("m", f"s{i}")
+        first[f"s{i}"] = e.instance_id
+        reg.release(e)
+    assert sorted(first.values()) == sorted([r1] * 4 + [r2] * 4)
+    held = [reg.acquire("m", "s0") for _ in range(3)]  # a busy replica keeps its session
+    assert {e.instance_id for e in held} == {first["s0"]}
+    for sid, inst in first.items():
+        e = reg.acquire("m", sid)
+        assert e.instance_id == inst and reg.session_instance(sid) == inst
+        reg.release(e)
+    for e in held:
+        reg.release(e)
+    assert reg.acquire("m").instance_id == r1  # no session: fewest refs, then lowest slot
+
+
+def test_session_falls_back_when_its_replica_is_gone():
+    reg = make_registry()
+    r1 = load(reg, name="m", dies=[0])["instance_id"]
+    r2 = load(reg, name="m", dies=[1])["instance_id"]
+    e = reg.acquire("m", "s")
+    assert e.instance_id == r1
+    reg.release(e)
+    reg.unload(instance_id=r1)
+    assert reg.session_instance("s") is None
+    e = reg.acquire("m", "s")
+    assert e.instance_id == r2 and reg.session_instance("s") == r2
+    reg.release(e)
+    r3 = load(reg, name="m", dies=[0])["instance_id"]
+    e = reg.acquire("m", "s")  # still sticks to r2, although r3 is idle and in a lower slot
+    assert e.instance_id == r2 and r3 != r2
+    reg.release(e)
+
+
+def test_session_map_is_bounded():
+    reg = make_registry()
+    load(reg, name="m")
+    for i in range(MAX_SESSIONS + 10):
+        reg.release(reg.acquire("m", f"s{i}"))
+    assert reg.session_instance("s0") is None and reg.session_instance(f"s{MAX_SESSIONS + 9}") is not None
+    assert len(reg._sessions) == MAX_SESSIONS and sum(reg._session_counts.values()) == MAX_SESSIONS

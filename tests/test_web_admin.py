@@ -1,7 +1,8 @@
 """Admin API end to end: a server started with `pantheon serve` (the CLI path) on tiny models.
 
-Loads and unloads by path inside PANTHEON_MODEL_DIR, replicas under one name, /admin/dies accounting,
-a 507 from a 3 MiB die budget, and 503 once every model is unloaded.
+Loads and unloads by path inside PANTHEON_MODEL_DIR, replicas under one name, /admin/dies accounting
+(each load reserves its estimate: weights + KV cache + scratch), a 507 from a 220 MiB die budget, and
+503 once every model is unloaded.
 """
 
 from __future__ import annotations
@@ -10,18 +11,25 @@ import openai
 import pytest
 import requests
 
-from server_util import LLAMA, TINY, assert_error, start_server
+from pantheon.dies import estimate_load_bytes
+from pantheon.engine import LoadOptions
+from server_util import LLAMA, QWEN2, TINY, assert_error, start_server
 
 ADMIN = "adm-key"
 HELLO = [{"role": "user", "content": "Hi"}]
-LLAMA_BYTES, QWEN2_BYTES = 854272, 725248  # f32 weights of the tiny fixtures
+LLAMA_WEIGHTS, QWEN2_WEIGHTS = 854272, 725248  # f32 weights of the tiny fixtures
+# What a load reserves: the estimate for the server's options (1 slot with QWEN35_BATCH_SLOTS=0, QWEN35_MAX_SEQ
+# and QWEN35_BS_PREFILL_CHUNK from server_util.BASE_ENV), about 65 MiB each (64 MiB of it scratch).
+OPTS = LoadOptions(n_slots=1, max_seq=128, prefill_chunk=32)
+LLAMA_BYTES = estimate_load_bytes(LLAMA, OPTS).total_bytes
+QWEN2_BYTES = estimate_load_bytes(QWEN2, OPTS).total_bytes
 
 
 @pytest.fixture(scope="module")
 def srv():
     s = start_server([f"base={LLAMA}"], via_cli=True,
                      env={"QWEN35_BATCH_SLOTS": "0", "PANTHEON_ADMIN_KEY": ADMIN, "PANTHEON_MODEL_DIR": str(TINY),
-                          "PANTHEON_DIE_BUDGET_MB": "3"})
+                          "PANTHEON_DIE_BUDGET_MB": "220"})
     yield s
     s.stop()
 
@@ -45,7 +53,7 @@ def test_dies_table(srv):
     assert r.status_code == 200
     (die,) = r.json()["data"]
     assert die["die"] == 0 and die["platform"] == "cpu"
-    assert die["budget_bytes"] == 3 * 1024 * 1024
+    assert die["budget_bytes"] == 220 * 1024 * 1024
     assert die["used_bytes"] == LLAMA_BYTES and die["free_bytes"] == die["budget_bytes"] - LLAMA_BYTES
     (m,) = die["models"]
     assert m["name"] == "base" and m["instance_id"].startswith("inst-") and m["state"] == "ready"
@@ -78,7 +86,7 @@ def test_load_then_chat_then_unload(srv):
     assert r.status_code == 200, r.text
     info = r.json()
     assert info["status"] == "loaded" and info["name"] == "extra" and info["dies"] == [0]
-    assert info["bytes"] == QWEN2_BYTES
+    assert info["bytes"] == QWEN2_BYTES and info["weight_bytes"] == QWEN2_WEIGHTS
     assert model_ids(srv) == ["base", "extra"]
     out = chat(srv, "extra").json()
     assert out["model"] == "extra"
@@ -101,11 +109,13 @@ def test_replicas_and_507(srv):
     dies = admin(srv, "/dies").json()["data"][0]
     assert [m["name"] for m in dies["models"]] == ["base", "base"]
     assert chat(srv, "base").status_code == 200
-    # 2 x 0.85 MB resident + 0.73 MB fits in 3 MiB; one more 0.73 MB does not
+    # 2 x 65.4 MiB resident + 65.2 MiB fits in 220 MiB; one more 65.2 MiB does not
     r = admin(srv, "/models/load", {"path": "qwen2.gguf", "name": "q1"})
     assert r.status_code == 200, r.text
+    before = admin(srv, "/dies").json()["data"]
     err = assert_error(admin(srv, "/models/load", {"path": "qwen2.gguf", "name": "q2"}), 507)
-    assert "MiB" in err["message"]
+    assert "MiB" in err["message"] and err["code"] == "insufficient_memory"
+    assert admin(srv, "/dies").json()["data"] == before  # the refused load left nothing behind
     assert model_ids(srv) == ["base", "q1"]
     assert admin(srv, "/models/unload", {"name": "q1"}).status_code == 200
     assert admin(srv, "/models/unload", {"instance_id": replica}).status_code == 200

@@ -36,7 +36,7 @@ def counts(usage: dict) -> tuple[int, int, int]:
 def srv():
     s = start_server(["smol=smollm2-135m"], timeout=400,
                      env={"QWEN35_BATCH_SLOTS": "0", "QWEN35_MAX_SEQ": "512", "PANTHEON_ADMIN_KEY": ADMIN,
-                          "PANTHEON_DIE_BUDGET_MB": "3500"})
+                          "PANTHEON_DIE_BUDGET_MB": "4500"})
     yield s
     s.stop()
 

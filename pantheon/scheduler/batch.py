@@ -159,6 +159,12 @@ class BatchScheduler:
     def _drive(self) -> None:
         if self.forbid_compile:  # every bucket was compiled by warm-up; a new compile is a bug
             compile_guard.forbid_current_thread()
+        try:
+            self._drive_loop()
+        finally:  # thread idents are reused: a later thread must not inherit this one's guard
+            compile_guard.forbid_current_thread(False)
+
+    def _drive_loop(self) -> None:
         while True:
             with self._mu:
                 if self._closed:

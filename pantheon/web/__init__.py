@@ -3,16 +3,20 @@
 `create_app` does no JAX work itself: under gunicorn it runs in the worker after the fork, and it only
 starts one OS thread that loads the configured models (PANTHEON_MODELS) into the registry. Until that
 thread is done, `/` answers 503 `{"status": "loading"}`; chat requests get 503 until a model is ready.
+That thread also builds the die manager (every JAX device with its memory budget, pantheon.dies) and
+starts the memory watch (pantheon.memory) that chat admission and the schedulers' pressure read.
 If a configured model cannot be loaded, the worker exits with gunicorn's boot-error code so the whole
 server stops with the error in its log instead of serving without the model.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from flask import Flask
 
@@ -35,6 +39,8 @@ class ServerState:
     error: str | None = None
     startup: object | None = field(default=None, repr=False)  # the startup OSThread
     metrics: object | None = field(default=None, repr=False)  # pantheon.metrics.Metrics
+    dies: Any = field(default=None, repr=False)  # pantheon.dies.DieManager, set by the startup thread
+    memwatch: Any = field(default=None, repr=False)  # pantheon.memory.MemWatch, set by the startup thread
 
 
 def _configure_logging() -> None:
@@ -46,13 +52,50 @@ def _configure_logging() -> None:
     root.setLevel(logging.INFO)
 
 
+# Host used fractions that PANTHEON_TEST_PRESSURE=0..3 reports: inside OK, ELEVATED, HIGH, CRITICAL.
+_FORCED_HOST_FRACTION = (0.50, 0.85, 0.93, 0.99)
+_stop_registered = False  # atexit stops the process-wide watch; registered once per process
+
+
+def _forced_host_reader(level: int) -> Any:
+    """A MemWatch host reader that reports the host at pressure `level` (test-only)."""
+    import psutil
+
+    from ..memory import PoolSample
+    total = int(psutil.virtual_memory().total)
+    used = int(total * _FORCED_HOST_FRACTION[level])
+    return lambda: PoolSample("host", total, used, "given")
+
+
+def _start_memwatch(state: ServerState) -> None:
+    """Build the die manager and start the memory watch (after the fork: this may import JAX)."""
+    global _stop_registered
+    from .. import memory
+    state.dies = state.registry.die_manager()
+    level = state.settings.test_pressure
+    if level is None:
+        watch = memory.start_memwatch(state.dies)  # the process-wide watch (idempotent)
+        if not _stop_registered:
+            _stop_registered = True
+            atexit.register(memory.stop_memwatch)
+    else:  # test-only: a private watch that reports a fixed pressure level instead of measuring
+        watch = memory.MemWatch(state.dies, host_reader=_forced_host_reader(level)).start()
+        atexit.register(watch.stop)
+        log.warning("PANTHEON_TEST_PRESSURE=%d: memory pressure is forced to %s (test-only setting)", level,
+                    memory.LEVEL_NAMES[level])
+    state.memwatch = watch
+    state.registry.attach_memwatch(watch)
+
+
 def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
-    """Startup thread: load every configured model in order, then flip `/` to ok."""
+    """Startup thread: build the dies and the memory watch, load every configured model in order,
+    then flip `/` to ok."""
     settings = state.settings
     try:
         if settings.compile_cache:
             from .. import compile_guard
             compile_guard.enable_persistent_cache(settings.home)
+        _start_memwatch(state)
         for text in settings.models:
             spec = parse_spec(text)
             log.info("loading %s", text)

@@ -95,5 +95,8 @@ def unload() -> Response:
 
 @bp.get("/dies")
 def dies() -> Response:
-    table = bridge.call_in_thread(server().registry.dies, name="pantheon-admin-dies")  # first call imports JAX
-    return jsonify(object="list", data=table)
+    st = server()
+    table = bridge.call_in_thread(st.registry.dies, name="pantheon-admin-dies")  # may build the die manager
+    watch = st.memwatch
+    snap = watch.snapshot() if watch is not None else None
+    return jsonify(object="list", data=table, memory=snap.as_dict() if snap is not None else None)

@@ -4,8 +4,9 @@
 ignores a field it does not honour. `Generation` owns everything one completion holds while it runs:
 the registry ref, the backend handle, the detokenizer and the emitter. Its life:
 
-1. `start()` renders the prompt, submits it, and waits (cooperatively) for the backend's first event,
-   so a refusal (queue timeout, busy single-user model) is still a real HTTP status;
+1. `start()` renders the prompt, admits it (`admit_prompt`: memory and context window; FIT, CAPPED
+   with the oldest turns dropped, or refused), submits it, and waits (cooperatively) for the backend's
+   first event, so a refusal (queue timeout, busy single-user model) is still a real HTTP status;
 2. `pump()` yields text/tool-call deltas as tokens arrive, cancels the backend when a stop string is
    hit, and notices a client that went away;
 3. `close()` (always, exactly once) cancels what still runs, waits a moment for the backend to confirm,
@@ -23,10 +24,11 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import memory
 from ..emitter import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, Delta, Emitter, merge_deltas
 from ..errors import PantheonError, RequestError
 from . import bridge
@@ -44,6 +46,7 @@ POLL_S = 0.1  # longest a waiting request goes without checking that its client 
 CHECK_GAP_S = 0.005  # while events flow, check the client at most this often (one poll() syscall)
 CANCEL_WAIT_S = 5.0  # how long close() waits for the backend to confirm a cancel
 BIG_PROMPT_CHARS = 16384  # larger requests are rendered and tokenized off the hub, in an OS thread
+ANSWER_RESERVE_MAX = 256  # tokens admission keeps free for the answer (also at most window // 8 and max_tokens)
 
 TOP_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -393,6 +396,64 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
                        session_id=session_id, enable_thinking=enable_thinking, ignore_eos=ignore_eos)
 
 
+# ---- admission ----------------------------------------------------------------------------------------
+def _last_user_content(messages: Sequence[dict]) -> Any:
+    return next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), None)
+
+
+def answer_reserve(window: int, max_tokens: int | None) -> int:
+    """Tokens kept free for the answer when deciding whether a prompt must be capped."""
+    reserve = max(1, min(ANSWER_RESERVE_MAX, window // 8))
+    return min(reserve, max_tokens) if max_tokens else reserve
+
+
+def admit_prompt(model: Any, messages: Sequence[dict], render: Callable[[list[dict]], tuple[str, list[int]]],
+                 max_tokens: int | None = None, watch: Any = None) -> tuple[str, list[int], bool]:
+    """Admit a chat prompt on `model`: (rendered prompt, token ids, capped).
+
+    `render(messages)` is the chat template plus tokenizer. The prompt must fit the model's context
+    window (QWEN35_MAX_SEQ, halved under HIGH memory pressure) and the memory free now
+    (pantheon.memory.admit against the memory watch; a model admission cannot size, or no running
+    watch: the window only), leaving `answer_reserve` tokens for the answer. If it does not, the
+    oldest turns are dropped (then the system prompt's end), never the last user message:
+    capped=True, and the caller marks the response `context_capped` and skips prefix reuse. If even
+    that does not fit, the original prompt is still taken when it leaves room for one generated token;
+    otherwise 400 `context_length_exceeded` when the context window is the limit, 503 (retry later)
+    when memory is. Memory alone too tight for any useful prompt (CRITICAL pressure): 503.
+    """
+    window = int(model.max_seq)
+    reserve = answer_reserve(window, max_tokens)
+    msgs = [dict(m) for m in messages]
+    rendered, ids = render(msgs)
+    n = len(ids)
+    adm = None
+    if callable(getattr(model, "state_bytes_per_token", None)):
+        adm = memory.admit(model, n, watch=watch, reserve_tokens=reserve)
+        adm.raise_if_denied()
+    measured = adm is not None and adm.window > 0  # a live memory reading was applied
+    if measured:
+        assert adm is not None
+        fit = adm.fit_tokens
+    else:
+        fit = window - reserve
+    if n <= fit:
+        return rendered, ids, False
+    capped, _ = memory.cap_messages(msgs, lambda m: render(m)[1], fit)
+    c_rendered, c_ids = render(capped)
+    if len(c_ids) <= fit and _last_user_content(capped) == _last_user_content(msgs):
+        return c_rendered, c_ids, True
+    # Only cutting the last turn itself would make it fit: take it whole if one token still fits.
+    budget = fit + reserve
+    if n <= budget - 1:
+        return rendered, ids, False
+    if measured and adm is not None and (adm.window < window or budget < adm.window):
+        memory.Admission(memory.DENIED, max(0, budget - 1), f"the prompt has {n} tokens and only {budget - 1} fit "
+                         "in the memory free now", adm.window, adm.pressure).raise_if_denied()
+    raise RequestError(f"messages: the prompt has {n} tokens; this model's context holds {window} and at least one "
+                       "must be left to generate (dropping earlier turns is not enough: the last message alone "
+                       "is too long)", param="messages", code="context_length_exceeded")
+
+
 # ---- running one completion --------------------------------------------------------------------------
 def _json_line(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
@@ -402,8 +463,9 @@ class Generation:
     """One completion in flight. Greenlet only: every method runs in the request's greenlet."""
 
     def __init__(self, registry: Any, entry: Any, creq: ChatRequest, environ: dict, metrics: Any = None,
-                 t0: float | None = None):
+                 t0: float | None = None, watch: Any = None):
         self.metrics = metrics  # pantheon.metrics.Metrics, or None (unit tests)
+        self.watch = watch  # the server's pantheon.memory.MemWatch (None: the process-wide one)
         self.t0 = time.perf_counter() if t0 is None else t0  # request arrival
         self._t_last: float | None = None  # when the previous Tokens event arrived
         self.registry = registry
@@ -420,7 +482,8 @@ class Generation:
         self.prompt_tokens = 0
         self.cached_tokens = 0  # prompt tokens served from a prefix already in the slot
         self.completion_tokens = 0
-        self.capped = False
+        self.capped = False  # context_capped: the oldest turns were dropped, or max_tokens was clamped
+        self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
         self.finish_reason: str | None = None
         self.emitter: Emitter | None = None
         self._stop_ids: frozenset[int] = frozenset()
@@ -437,20 +500,20 @@ class Generation:
 
         model = self.entry.model
         tok = model.tokenizer
-        if self.creq.size > BIG_PROMPT_CHARS:  # rendering + tokenizing would hold the hub for a while
-            rendered, ids = bridge.call_in_thread(self._prompt, model, name="pantheon-tokenize")
-        else:
-            rendered, ids = self._prompt(model)
-        limit = int(model.max_seq)
-        if len(ids) > limit - 1:
+        admit = lambda: admit_prompt(model, self.creq.messages, lambda m: self._prompt(model, m),  # noqa: E731
+                                     self.creq.max_tokens, self.watch)
+        try:
+            if self.creq.size > BIG_PROMPT_CHARS:  # rendering + tokenizing would hold the hub for a while
+                rendered, ids, self.prompt_capped = bridge.call_in_thread(admit, name="pantheon-tokenize")
+            else:
+                rendered, ids, self.prompt_capped = admit()
+        except PantheonError:
             if self.metrics is not None:
                 self.metrics.observe_admission("denied")
-            raise RequestError(f"messages: the prompt has {len(ids)} tokens; this model's context holds {limit} "
-                               "and at least one must be left to generate", param="messages",
-                               code="context_length_exceeded")
-        room = limit - len(ids)
+            raise
+        room = int(model.max_seq) - len(ids)
         want = self.creq.max_tokens
-        self.capped = want is not None and want > room
+        self.capped = self.prompt_capped or (want is not None and want > room)
         if self.metrics is not None:
             self.metrics.observe_admission("capped" if self.capped else "fit")
         max_tokens = room if want is None else min(want, room)
@@ -461,8 +524,9 @@ class Generation:
         ends_in_think = getattr(model.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
         self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled)
+        session = None if self.prompt_capped else self.creq.session_id  # a capped turn starts over
         req = GenRequest(prompt_ids=ids, params=self.creq.params.resolved(), max_tokens=max_tokens,
-                         stop_ids=self._stop_ids, session_id=self.creq.session_id, request_id=self.id)
+                         stop_ids=self._stop_ids, session_id=session, request_id=self.id)
         t_submit = time.perf_counter()
         self.handle = self.entry.backend.submit(req, self.channel.put)
         first = self._next_event()
@@ -477,12 +541,13 @@ class Generation:
         if not isinstance(first, Started):
             self._replay.append(first)  # no Started (a backend may skip it): pump() sees it first
 
-    def _prompt(self, model: Any) -> tuple[str, list[int]]:
-        """The rendered chat template and its token ids (BOS added when the model wants one)."""
+    def _prompt(self, model: Any, messages: list[dict] | None = None) -> tuple[str, list[int]]:
+        """The rendered chat template of `messages` (default: the request's) and its token ids (BOS
+        added when the model wants one)."""
         kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
         if self.creq.enable_thinking is not None:
             kwargs["enable_thinking"] = self.creq.enable_thinking
-        rendered = model.template.render(self.creq.messages, **kwargs)
+        rendered = model.template.render(self.creq.messages if messages is None else messages, **kwargs)
         tok = model.tokenizer
         ids = tok.encode(rendered)
         if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):

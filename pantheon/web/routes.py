@@ -3,6 +3,7 @@
 `/` and `/v1/models` only read the registry table (a lock held for microseconds), so they answer at
 once however many generations are running. Chat handlers hold a registry ref for exactly as long as
 the generation runs; `Generation.close` gives it back on every path out (done, error, disconnect).
+A chat response names the instance (replica) that served it in `X-Pantheon-Instance`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from .chat import ClientGone, Generation, SSEStream, parse_chat_request
 log = logging.getLogger(__name__)
 
 bp = Blueprint("openai", __name__)
+
+INSTANCE_HEADER = "X-Pantheon-Instance"  # on chat responses: the model instance (replica) that served it
 
 
 def server() -> Any:
@@ -74,9 +77,10 @@ def chat_completions() -> Response:
     creq = parse_chat_request(read_json(), request.headers)
     creq.size = request.content_length or 0
     registry = server().registry
-    entry = registry.acquire(creq.model)
+    entry = registry.acquire(creq.model, creq.session_id)
     try:
-        gen = Generation(registry, entry, creq, request.environ, metrics=server().metrics, t0=t0)
+        gen = Generation(registry, entry, creq, request.environ, metrics=server().metrics, t0=t0,
+                         watch=server().memwatch)
     except BaseException:
         registry.release(entry)
         raise
@@ -90,9 +94,12 @@ def chat_completions() -> Response:
         raise
     if creq.stream:
         return Response(SSEStream(gen), mimetype="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                 INSTANCE_HEADER: entry.instance_id})
     try:
-        return jsonify(gen.complete())
+        resp = jsonify(gen.complete())
+        resp.headers[INSTANCE_HEADER] = entry.instance_id
+        return resp
     except ClientGone:
         return Response(status=499)
     finally:

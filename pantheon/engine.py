@@ -196,6 +196,10 @@ class Model:
     def step_wait(handle: StepHandle) -> np.ndarray:
         return np.asarray(handle.ids)[: handle.n_rows]
 
+    # The seed's names for the async seam (pn_forward_step_begin / pn_forward_step_poll).
+    forward_step_begin = step_begin
+    forward_step_poll = step_poll
+
     def _note_shape(self, key: tuple) -> None:
         with self._keys_lock:
             self._compiled_keys.add(key)

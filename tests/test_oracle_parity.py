@@ -55,3 +55,20 @@ def test_two_slots_do_not_disturb_each_other():  # hybrids: tests/test_qwen35.py
     out = list(m.generate(j["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=16, stop_ids=[],
                           state=state, slot=0))
     assert out == j["greedy_ids"]
+
+
+def test_async_seam_begin_then_poll():
+    """forward_step_begin returns at once; forward_step_poll answers None until the ids are ready."""
+    import time
+
+    _, j, _ = tiny_fixture("llama")
+    m = tiny_model("llama")
+    state = m.new_state()
+    _, _, state = m.prefill(state, 0, j["prompt_ids"][:-1])
+    handle, state = m.forward_step_begin(state, [[j["prompt_ids"][-1]]], [0], [len(j["prompt_ids"]) - 1],
+                                         [SamplingParams(temperature=0.0)])
+    ids = None
+    deadline = time.monotonic() + 60
+    while ids is None and time.monotonic() < deadline:
+        ids = m.forward_step_poll(handle)
+    assert ids is not None and int(ids[0]) == j["greedy_ids"][0]

@@ -76,8 +76,7 @@ def write_kv(cache: jax.Array, layer: jax.Array | int, new: jax.Array, slots: ja
 
 def gather_span(cache: jax.Array, layer: jax.Array | int, slots: jax.Array, span: int) -> jax.Array:
     """[B, K, span, D]: only the first `span` positions of each row's slot (a bucket ≥ the filled part)."""
-    lay = jax.lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)  # [S, K, C, D]
-    return lay[slots, :, :span, :]
+    return cache[layer, slots, :, :span, :]
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float,
@@ -85,22 +84,23 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale:
     """Causal grouped-query attention of q [B, T, N, D] over cached k/v [B, K, span, D].
 
     Key j is visible to a query at position p iff j <= p (and p - j < window for sliding layers).
-    Query heads sharing a kv head are folded into one dot so each matmul is as large as possible.
+    Scores are laid out [B, K, span, T, G]: the key axis is the long side of each small matmul,
+    which XLA:CPU runs ~1.8x faster at decode than [.., T, G, span] (measured, B=8, span 1024).
     """
     b, t, n, d = q.shape
     kh = k.shape[1]
     g = n // kh
     qg = q.reshape(b, t, kh, g, d).astype(jnp.float32)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(jnp.float32)) * scale
+    s = jnp.einsum("bksd,btkgd->bkstg", k.astype(jnp.float32), qg) * scale
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
     kpos = jnp.arange(k.shape[2], dtype=jnp.int32)
-    visible = kpos[None, None, :] <= q_pos[:, :, None]  # [B, T, span]
+    visible = kpos[None, :, None] <= q_pos[:, None, :]  # [B, span, T]
     if window:
-        visible = visible & (q_pos[:, :, None] - kpos[None, None, :] < window)
-    s = jnp.where(visible[:, None, None, :, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bksd->btkgd", p, v.astype(jnp.float32))
+        visible = visible & (q_pos[:, None, :] - kpos[None, :, None] < window)
+    s = jnp.where(visible[:, None, :, :, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=2)
+    o = jnp.einsum("bksd,bkstg->btkgd", v.astype(jnp.float32), p)
     return o.reshape(b, t, n * v.shape[-1]).astype(q.dtype)
 
 

@@ -76,7 +76,8 @@ def write_kv(cache: jax.Array, layer: jax.Array | int, new: jax.Array, slots: ja
 
 def gather_span(cache: jax.Array, layer: jax.Array | int, slots: jax.Array, span: int) -> jax.Array:
     """[B, K, span, D]: only the first `span` positions of each row's slot (a bucket ≥ the filled part)."""
-    return cache[layer, slots, :, :span, :]
+    lay = jax.lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)  # [S, K, C, D]
+    return lay[slots, :, :span, :]
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float,

@@ -398,3 +398,48 @@ def test_concurrent_requests_to_two_models(srv):
     for t in threads:
         t.join()
     assert results == {"llama": 200, "qwen2": 200}
+
+
+# ---- /metrics ----------------------------------------------------------------------------------------------
+def _scrape(srv) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = srv.get("/metrics", key=KEY)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
+    out: dict[tuple, float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _delta(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_move_when_requests_are_served_rejected_and_disconnected(srv):
+    assert srv.get("/metrics").status_code == 401  # guarded by the API key like the other routes
+    before = _scrape(srv)
+    served = greedy(srv, max_tokens=4)
+    r, lines = _open_stream(srv)
+    try:
+        busy = chat(srv, max_tokens=2)
+    finally:
+        list(lines)
+        r.close()
+    s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100, "temperature": 0, "stream": True})
+    got = b""
+    while b"data: " not in got:
+        got += s.recv(65536)
+    s.close()
+    _until_ok(srv, 5.0)
+    after = _scrape(srv)
+    route = "/v1/chat/completions"
+    assert _delta(before, after, "pantheon_http_requests_total", route=route, status="200") >= 2
+    assert _delta(before, after, "pantheon_generation_tokens_total", model="llama") >= \
+        served["usage"]["completion_tokens"]
+    assert _delta(before, after, "pantheon_client_disconnects_total", model="llama") >= 1
+    if busy.status_code == 429:
+        assert _delta(before, after, "pantheon_rejections_total", status="429") >= 1
+        assert _delta(before, after, "pantheon_http_requests_total", route=route, status="429") >= 1

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import FIXTURES
 from pantheon.chat_template import ChatTemplate
-from pantheon.errors import CatalogError, TemplateError
+from pantheon.errors import TemplateError
 from pantheon.gguf_meta import open_reader
 
 REAL_NAMES = ["smollm2-135m", "qwen-0.5b", "gemma3-270m"]
@@ -43,12 +43,7 @@ def real_template(real_model_path):
 
     def get(name: str) -> ChatTemplate:
         if name not in cache:
-            try:
-                path = real_model_path(name)
-            except CatalogError as exc:
-                if name == "gemma3-270m":
-                    pytest.skip(f"catalog cannot provide {name}: {exc}")
-                raise
+            path = real_model_path(name)  # a failed pull fails the test: real models never skip
             # The Gemma GGUF has no template; the fixture rendered with the official one, stored verbatim.
             cache[name] = _template_from_file(path, _fixture(name).get("chat_template_used"))
         return cache[name]

@@ -338,7 +338,7 @@ def _until_ok(srv, deadline_s: float) -> float:
 
 
 def test_429_when_single_user_model_is_busy(srv):
-    r, lines = _open_stream(srv)
+    r, lines = _open_stream(srv, max_tokens=200)  # long enough to still hold the lock when the next request lands
     try:
         busy = chat(srv, max_tokens=2)
         if busy.status_code == 200:

@@ -17,11 +17,10 @@ from .errors import CompileForbiddenError
 
 _EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # fires for every new lowering, cache hit or not
 
-# _lock guards _count, _forbid and _forbidden_threads; listeners run on whichever thread compiles.
+# _lock guards _count and _forbidden_threads; listeners run on whichever thread compiles.
 _lock = osthread.Lock()
 _count = 0
 _installed = False
-_forbid = False
 _forbidden_threads: set[int] = set()
 
 
@@ -31,7 +30,7 @@ def _listener(name: str, duration: float, **_: object) -> None:
         return
     with _lock:
         _count += 1
-        forbid = _forbid or threading.get_ident() in _forbidden_threads
+        forbid = threading.get_ident() in _forbidden_threads
     if forbid:
         raise CompileForbiddenError("a JAX compilation happened after warm-up (PANTHEON_FORBID_COMPILE=1)")
 
@@ -59,17 +58,6 @@ def install() -> None:
 def compile_count() -> int:
     with _lock:
         return _count
-
-
-def set_forbidden(flag: bool) -> None:
-    global _forbid
-    with _lock:
-        _forbid = flag
-
-
-def forbidden() -> bool:
-    with _lock:
-        return _forbid
 
 
 def enable_persistent_cache(home: Path) -> None:

@@ -80,7 +80,10 @@ def state_bytes_per_token(cfg: ModelConfig) -> int:
     return cfg.kv_bytes_per_token
 
 
-def moe(h: jax.Array, lp: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
+_EXPERT_KEYS = ("w_gate_e", "w_up_e", "w_down_e")
+
+
+def moe(h: jax.Array, lp: dict[str, Any], cfg: ModelConfig) -> jax.Array:
     """Softmax router -> top-k -> renormalise -> weighted SwiGLU experts (the shared MoE kernels)."""
     return moe_kernels.moe_ffn(h, lp["router"], lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"], cfg.n_experts_used)
 
@@ -132,8 +135,17 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
         for li, lp in enumerate(params["layers"]):
             carry, _ = layer(carry, (lp, li))
     else:
+        # Expert stacks stay out of the scan's inputs: the MoE tile loop reads (layer, expert) slices
+        # of them directly instead of copying every expert of the layer each step.
+        stacked = {k: a for k, a in params["layers"].items() if k in _EXPERT_KEYS}
+        per_layer = {k: a for k, a in params["layers"].items() if k not in _EXPERT_KEYS}
+
+        def scanned(carry, inputs):
+            lp, li = inputs
+            return layer(carry, ({**lp, **{k: (a, (li,)) for k, a in stacked.items()}}, li))
+
         layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(layer, carry, (params["layers"], layer_ids))
+        carry, _ = jax.lax.scan(scanned, carry, (per_layer, layer_ids))
     x, kc, vc = carry
     if not all_logits:
         x = common.last_valid(x, n_new)

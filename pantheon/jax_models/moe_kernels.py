@@ -28,6 +28,7 @@ Weights keep the GGUF/HF (out, in) layout: w_gate/w_up [E, F, H], w_down [E, H, 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -127,21 +128,51 @@ def _combine(out_rows: jax.Array, dest: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("nkh,nk->nh", out_rows[dest].reshape(n, k, -1), w)
 
 
+# Expert weights may arrive as one layer's [E, F, H] array or as (stack, lead): the model's whole
+# stacked weights plus the index of this layer in its leading axes. The second form lets the tile
+# loop read only the experts it uses; slicing a layer out first makes XLA copy every expert of it
+# per step (measured: 268 ms -> 13 ms for 8 qwen35moe layers at decode).
+Experts = jax.Array | tuple[jax.Array, tuple[Any, ...]]
+
+
+def layer_experts(w: Experts) -> jax.Array:
+    """The [E, ...] weights of this layer (a copy when given as (stack, lead))."""
+    if isinstance(w, tuple):
+        stack, lead = w
+        return stack[lead]
+    return w
+
+
+def _one_expert(w: Experts, e: jax.Array) -> jax.Array:
+    if isinstance(w, tuple):
+        stack, lead = w
+        return stack[lead + (e,)]
+    return w[e]
+
+
+def _n_experts(w: Experts) -> int:
+    if isinstance(w, tuple):
+        stack, lead = w
+        return stack.shape[len(lead)]
+    return w.shape[0]
+
+
 def _tiles(x, w, idx, wg, wu, wd, *, tm: int):
     """XLA twin of the grouped-matmul kernel: a while loop over the used row tiles only."""
-    rows, dest, te = _sorted_rows(x, idx, wg.shape[0], tm)
+    rows, dest, te = _sorted_rows(x, idx, _n_experts(wg), tm)
+    wd_dtype = (wd[0] if isinstance(wd, tuple) else wd).dtype
 
     def body(i, out):
         e = te[i]
         xt = jax.lax.dynamic_slice_in_dim(rows, i * tm, tm)
-        g = jnp.einsum("th,fh->tf", xt, wg[e], preferred_element_type=jnp.float32)
-        u = jnp.einsum("th,fh->tf", xt, wu[e], preferred_element_type=jnp.float32)
-        y = jnp.einsum("tf,hf->th", (jax.nn.silu(g) * u).astype(wd.dtype), wd[e],
+        g = jnp.einsum("th,fh->tf", xt, _one_expert(wg, e), preferred_element_type=jnp.float32)
+        u = jnp.einsum("th,fh->tf", xt, _one_expert(wu, e), preferred_element_type=jnp.float32)
+        y = jnp.einsum("tf,hf->th", (jax.nn.silu(g) * u).astype(wd_dtype), _one_expert(wd, e),
                        preferred_element_type=jnp.float32)
         return jax.lax.dynamic_update_slice_in_dim(out, y, i * tm, axis=0)
 
     used = jnp.sum(te >= 0)  # unused tiles are all at the end: a dynamic trip count skips them
-    out = jax.lax.fori_loop(0, used, body, jnp.zeros((rows.shape[0], wd.shape[1]), jnp.float32))
+    out = jax.lax.fori_loop(0, used, body, jnp.zeros((rows.shape[0], x.shape[1]), jnp.float32))
     return _combine(out, dest, w)
 
 
@@ -312,12 +343,14 @@ def experts(x: jax.Array, w: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up:
     w_down [E, H, F] in the GGUF (out, in) layout.
     """
     if impl == "auto":
-        impl = pick_impl(idx.size, w_gate)
+        impl = "tiles" if jax.default_backend() == "cpu" else pick_impl(idx.size, layer_experts(w_gate))
+    if not impl.startswith("tiles"):  # only the tile loop reads experts straight from the stack
+        w_gate, w_up, w_down = layer_experts(w_gate), layer_experts(w_up), layer_experts(w_down)
     w = w.astype(jnp.float32)
     if impl == "dense":
         return _dense(x, w, idx, w_gate, w_up, w_down)
     if impl.startswith("tiles"):
-        tm = int(impl[5:]) if impl[5:] else cpu_tile_rows(idx.size, w_gate.shape[0])
+        tm = int(impl[5:]) if impl[5:] else cpu_tile_rows(idx.size, _n_experts(w_gate))
         return _tiles(x, w, idx, w_gate, w_up, w_down, tm=tm)
     if impl == "capacity":
         return _capacity(x, w, idx, w_gate, w_up, w_down)

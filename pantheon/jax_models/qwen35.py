@@ -419,6 +419,8 @@ def _attn_mixer(h: jax.Array, mp: dict[str, jax.Array], kc: jax.Array, vc: jax.A
 
 
 # ---- FFN -------------------------------------------------------------------------------------------
+_EXPERT_KEYS = ("w_gate_e", "w_up_e", "w_down_e")
+
 def _swiglu(h: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Array:
     return common.linear(jax.nn.silu(common.linear(h, wg)) * common.linear(h, wu), wd)
 
@@ -462,12 +464,18 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     conv0 = conv0.reshape((G, d.n_lin // G) + conv0.shape[1:])
     ssm0 = ssm0.reshape((G, d.n_lin // G) + ssm0.shape[1:])
 
+    # Routed-expert stacks stay outside the scan's inputs: the tile loop indexes them by (period,
+    # layer, expert) so a step reads only the experts it routes to (see moe_kernels.Experts).
+    stacked = {k: a for k, a in params["layer"].items() if k in _EXPERT_KEYS}
+    per_layer = {k: a for k, a in params["layer"].items() if k not in _EXPERT_KEYS}
+
     def period(carry, xs):
         x, kc, vc = carry
         lyr, lin, attn, conv_g, ssm_g, g = xs
         convs, ssms = [], []
         for p in range(P):
             lp = {k: a[p] for k, a in lyr.items()}
+            lp.update({k: (a, (g, p)) for k, a in stacked.items()})
             h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
             if pattern[p]:
                 j = len(convs)
@@ -485,7 +493,7 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
             return (x, kc, vc), (conv_g, ssm_g)
         return (x, kc, vc), (jnp.stack(convs), jnp.stack(ssms))
 
-    xs = (params["layer"], params["lin"], params["attn"], conv0, ssm0, jnp.arange(G, dtype=jnp.int32))
+    xs = (per_layer, params["lin"], params["attn"], conv0, ssm0, jnp.arange(G, dtype=jnp.int32))
     (x, kc, vc), (conv1, ssm1) = jax.lax.scan(period, (x, state["k"], state["v"]), xs)
     new_state = {
         "k": kc, "v": vc,

@@ -26,6 +26,7 @@ import numpy as np
 from . import compile_guard, osthread
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
+from .jax_models.common import last_valid
 from .sampler import SamplingParams, make_rows, sample
 
 PENALTY_WINDOW = 64  # tokens of history each row hands the in-step sampler for penalties
@@ -137,7 +138,7 @@ class Model:
     def _forward_impl(self, params, state, tokens, slots, start, n_new, *, span: int, all_logits: bool):
         logits, state = self.arch.forward(params, state, tokens, slots, start, n_new, cfg=self.config,
                                           span=span, all_logits=all_logits)
-        last = common_last(logits, n_new) if all_logits else logits
+        last = last_valid(logits, n_new) if all_logits else logits
         return last, (logits if all_logits else None), state
 
     def step_begin(self, state: Any, tokens: Sequence[Sequence[int]], slots: Sequence[int],
@@ -302,11 +303,6 @@ class Model:
             return set(self._compiled_keys)
 
 
-def common_last(logits: jax.Array, n_new: jax.Array) -> jax.Array:
-    from .jax_models.common import last_valid
-    return last_valid(logits, n_new)
-
-
 # ---- loading -----------------------------------------------------------------------------------
 def _arch_module(cfg: ModelConfig, path: Path):
     from .jax_models import registry
@@ -354,9 +350,8 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     cfg = f.config
     arch = _arch_module(cfg, p)
     dtype = _resolve_dtype(opts.dtype, devices[0])
-    np_dtype = np.float32 if dtype == jnp.float32 else np.float32  # dequantize in f32; cast on device
     try:
-        host_params = arch.load_params(f.tensors, cfg, np_dtype)
+        host_params = arch.load_params(f.tensors, cfg, np.float32)  # dequantize in f32; cast on device
     except ModelLoadError:
         raise
     except Exception as exc:

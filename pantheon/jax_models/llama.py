@@ -130,22 +130,17 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
                                   lp["w_down"])
         return (x, kc, vc), None
 
-    carry = (x, state["k"], state["v"])
-    if isinstance(params["layers"], (list, tuple)):  # unrolled: per-layer weights, no slicing copies
-        for li, lp in enumerate(params["layers"]):
-            carry, _ = layer(carry, (lp, li))
-    else:
-        # Expert stacks stay out of the scan's inputs: the MoE tile loop reads (layer, expert) slices
-        # of them directly instead of copying every expert of the layer each step.
-        stacked = {k: a for k, a in params["layers"].items() if k in _EXPERT_KEYS}
-        per_layer = {k: a for k, a in params["layers"].items() if k not in _EXPERT_KEYS}
+    # Expert stacks stay out of the scan's inputs: the MoE tile loop reads (layer, expert) slices of
+    # them directly instead of copying every expert of the layer each step.
+    stacked = {k: a for k, a in params["layers"].items() if k in _EXPERT_KEYS}
+    per_layer = {k: a for k, a in params["layers"].items() if k not in _EXPERT_KEYS}
 
-        def scanned(carry, inputs):
-            lp, li = inputs
-            return layer(carry, ({**lp, **{k: (a, (li,)) for k, a in stacked.items()}}, li))
+    def scanned(carry, inputs):
+        lp, li = inputs
+        return layer(carry, ({**lp, **{k: (a, (li,)) for k, a in stacked.items()}}, li))
 
-        layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(scanned, carry, (per_layer, layer_ids))
+    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+    carry, _ = jax.lax.scan(scanned, (x, state["k"], state["v"]), (per_layer, layer_ids))
     x, kc, vc = carry
     if not all_logits:
         x = common.last_valid(x, n_new)

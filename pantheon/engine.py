@@ -356,6 +356,8 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
         raise
     except Exception as exc:
         raise ModelLoadError(p, f"failed to build parameters: {type(exc).__name__}: {exc}") from exc
+    if len(devices) == 1 and hasattr(arch, "fuse_projections"):  # sharding splits q/k/v by their own heads
+        host_params = arch.fuse_projections(host_params)
     weight_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(host_params)))
 
     def put(x):

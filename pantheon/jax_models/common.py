@@ -19,9 +19,24 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
+WEIGHT_MAJOR_ROWS = 8
+
+
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """y = x @ w.T with w stored (out, in): the layout XLA:CPU multiplies fastest (jax-cpu-tuning)."""
-    y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    """y = x @ w.T with w stored (out, in): the layout XLA:CPU multiplies fastest (jax-cpu-tuning).
+
+    From WEIGHT_MAJOR_ROWS rows on, the product is formed weight-major (w @ x.T, then transposed):
+    XLA:CPU's f32 GEMM runs 1.3-1.9x faster that way at 8 rows for the SmolLM2 FFN and fused QKV
+    shapes (measured), while one row stays a plain matrix-vector product.
+    """
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    if rows >= WEIGHT_MAJOR_ROWS:
+        y = jnp.moveaxis(jnp.einsum("oi,...i->o...", w, x.astype(w.dtype), preferred_element_type=jnp.float32),
+                         0, -1)
+    else:
+        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)

@@ -72,6 +72,23 @@ def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[s
     return params
 
 
+def fuse_projections(params: dict[str, Any]) -> dict[str, Any]:
+    """Concatenate q/k/v into "wqkv" and gate/up into "w_gu" (their biases likewise), along the output axis.
+
+    Why: matrices that read the same input become one larger matmul per layer, which XLA:CPU runs
+    faster than two or three small ones (about 1.4x at 8 rows). Only for a single die: the tensor-
+    parallel rules in pantheon.sharding split q, k and v by their own heads.
+    """
+    lay = dict(params["layers"])
+    if all(k in lay for k in ("wq", "wk", "wv")):
+        lay["wqkv"] = np.concatenate([lay.pop("wq"), lay.pop("wk"), lay.pop("wv")], axis=-2)
+        if all(k in lay for k in ("bq", "bk", "bv")):
+            lay["bqkv"] = np.concatenate([lay.pop("bq"), lay.pop("bk"), lay.pop("bv")], axis=-1)
+    if "w_gate" in lay and "w_up" in lay:
+        lay["w_gu"] = np.concatenate([lay.pop("w_gate"), lay.pop("w_up")], axis=-2)
+    return {**params, "layers": lay}
+
+
 def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
     return common.init_kv(cfg.n_layers, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim, dtype)
 
@@ -108,9 +125,13 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
         x, kc, vc = carry
         lp, li = inputs
         h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        q = common.linear(h, lp["wq"], lp.get("bq")).reshape(B, T, nh, hd)
-        k = common.linear(h, lp["wk"], lp.get("bk")).reshape(B, T, nkv, hd)
-        v = common.linear(h, lp["wv"], lp.get("bv")).reshape(B, T, nkv, hd)
+        if "wqkv" in lp:
+            q, k, v = jnp.split(common.linear(h, lp["wqkv"], lp.get("bqkv")), [nh * hd, (nh + nkv) * hd], axis=-1)
+        else:
+            q = common.linear(h, lp["wq"], lp.get("bq"))
+            k = common.linear(h, lp["wk"], lp.get("bk"))
+            v = common.linear(h, lp["wv"], lp.get("bv"))
+        q, k, v = q.reshape(B, T, nh, hd), k.reshape(B, T, nkv, hd), v.reshape(B, T, nkv, hd)
         if "q_norm" in lp:
             q = common.rms_norm(q, lp["q_norm"], cfg.rms_eps)
             k = common.rms_norm(k, lp["k_norm"], cfg.rms_eps)
@@ -126,8 +147,11 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
         if cfg.n_experts:
             x = x + moe(h, lp, cfg)
         else:
-            x = x + common.linear(jax.nn.silu(common.linear(h, lp["w_gate"])) * common.linear(h, lp["w_up"]),
-                                  lp["w_down"])
+            if "w_gu" in lp:
+                g, u = jnp.split(common.linear(h, lp["w_gu"]), 2, axis=-1)
+            else:
+                g, u = common.linear(h, lp["w_gate"]), common.linear(h, lp["w_up"])
+            x = x + common.linear(jax.nn.silu(g) * u, lp["w_down"])
         return (x, kc, vc), None
 
     # Expert stacks stay out of the scan's inputs: the MoE tile loop reads (layer, expert) slices of

@@ -26,6 +26,8 @@ from ..errors import ModelLoadError
 from ..gguf_loader import ModelConfig, TensorSource
 from . import llama
 
+fuse_projections = llama.fuse_projections  # the forward is llama.forward
+
 ARCHS = ("phi3",)
 
 

@@ -7,7 +7,7 @@ forward over B rows and returns at once (JAX async dispatch); `step_poll` / `ste
 sampled token ids. Only ids (and logits when asked for) cross back to the host.
 
 Shapes are bucketed so the number of compiled programs is small and known at load: rows B in
-(1, 2, 4, 8), tokens per row T in (1, 32, prefill_chunk), attention span in powers of four from 256
+(1, 2, 4, 8), tokens per row T in (1, 32 and quarters of prefill_chunk), attention span in powers of four from 256
 up to the cache capacity. The cache has one extra "scratch" slot that padding rows write to.
 """
 
@@ -54,6 +54,14 @@ def _geometric_buckets(lo: int, hi: int, factor: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _chunk_buckets(chunk: int) -> tuple[int, ...]:
+    """Prefill lengths: 32 and, from a 128-token chunk up, every quarter of it (128 -> 32, 64, 96, 128)."""
+    lengths = {min(32, chunk), chunk}
+    if chunk >= 128:
+        lengths |= {-(-chunk * i // 4) for i in range(1, 4)}
+    return tuple(sorted(lengths))
+
+
 def _bucket(n: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if n <= b:
@@ -97,10 +105,14 @@ class Model:
         self.capacity = self.max_seq + self.chunk  # a padded chunk never writes past the end
         self.scratch_slot = self.n_slots
         # Few buckets = few programs to compile at load (each costs seconds on CPU). Rows double,
-        # prefill chunks are short (32) or full, attention spans grow 4x up to the capacity.
+        # prefill chunks step by a quarter of the full chunk (prefill is compute-bound, so a 70-token
+        # prompt padded to 128 would cost almost twice what it needs), attention spans grow 4x.
         self.row_buckets = _geometric_buckets(1, max(1, self.n_slots), 2)
-        self.chunk_buckets = tuple(sorted({min(32, self.chunk), self.chunk}))
-        self.span_buckets = _geometric_buckets(min(256, self.capacity), self.capacity, 4)
+        self.chunk_buckets = _chunk_buckets(self.chunk)
+        # Spans: 128, then 256 growing 4x to the capacity. Batched decode is bound by reading the cache
+        # (jax-cpu-tuning), so short chats attend over 128 positions rather than 256.
+        self.span_buckets = tuple(sorted({min(128, self.capacity)} | set(
+            _geometric_buckets(min(256, self.capacity), self.capacity, 4))))
         # Two programs per step: the forward (one per (rows, tokens, span) bucket) and the sampler
         # (one per rows bucket). Keeping the sampler out of the forward compiles it 4 times, not 40.
         # Several dies: one mesh over them, params and state split tensor-parallel (pantheon.sharding);

@@ -243,11 +243,7 @@ class Registry:
             self._place(entry, path, dies)
             with self._upload_lock:
                 model = self._load_model(path, name, entry.dies, self.settings)
-            try:
-                backend = self._make_backend(model, self.settings)
-            except BaseException:
-                del model
-                raise
+            backend = self._make_backend(model, self.settings)
             with self._lock:
                 entry.model, entry.backend = model, backend
                 entry.weight_bytes = int(getattr(model, "weight_bytes", 0) or 0)

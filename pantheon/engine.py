@@ -7,8 +7,8 @@ forward over B rows and returns at once (JAX async dispatch); `step_poll` / `ste
 sampled token ids. Only ids (and logits when asked for) cross back to the host.
 
 Shapes are bucketed so the number of compiled programs is small and known at load: rows B in
-(1, 2, 4, 8), tokens per row T in (1, 32 and quarters of prefill_chunk), attention span in powers of four from 256
-up to the cache capacity. The cache has one extra "scratch" slot that padding rows write to.
+(1, 2, 4, 8), tokens per row T in (1, 32 and quarters of prefill_chunk), attention span doubling
+from 128 up to the cache capacity. The cache has one extra "scratch" slot that padding rows write to.
 """
 
 from __future__ import annotations
@@ -106,13 +106,12 @@ class Model:
         self.scratch_slot = self.n_slots
         # Few buckets = few programs to compile at load (each costs seconds on CPU). Rows double,
         # prefill chunks step by a quarter of the full chunk (prefill is compute-bound, so a 70-token
-        # prompt padded to 128 would cost almost twice what it needs), attention spans grow 4x.
+        # prompt padded to 128 would cost almost twice what it needs).
         self.row_buckets = _geometric_buckets(1, max(1, self.n_slots), 2)
         self.chunk_buckets = _chunk_buckets(self.chunk)
-        # Spans: 128, then 256 growing 4x to the capacity. Batched decode is bound by reading the cache
-        # (jax-cpu-tuning), so short chats attend over 128 positions rather than 256.
-        self.span_buckets = tuple(sorted({min(128, self.capacity)} | set(
-            _geometric_buckets(min(256, self.capacity), self.capacity, 4))))
+        # Spans double from 128 to the capacity: batched decode time grows with the span it attends
+        # over (span 1024 costs ~4x span 256 at 8 rows), so a bucket is at most twice the filled part.
+        self.span_buckets = _geometric_buckets(min(128, self.capacity), self.capacity, 2)
         # Two programs per step: the forward (one per (rows, tokens, span) bucket) and the sampler
         # (one per rows bucket). Keeping the sampler out of the forward compiles it 4 times, not 40.
         # Several dies: one mesh over them, params and state split tensor-parallel (pantheon.sharding);

@@ -114,18 +114,13 @@ class _ScrapeCollector:
         except Exception:
             self._failed("backend")
             return
-        for key, suffix, doc in _SCHED_GAUGES:
-            fam = GaugeMetricFamily(f"{PREFIX}_{suffix}", doc, labels=["model"])
-            for name, acc in sorted(per_model.items()):
-                if key in acc:
-                    fam.add_metric([name], acc[key])
-            yield fam
-        for key, suffix, doc in _SCHED_COUNTERS:
-            fam = CounterMetricFamily(f"{PREFIX}_{suffix}", doc, labels=["model"])
-            for name, acc in sorted(per_model.items()):
-                if key in acc:
-                    fam.add_metric([name], acc[key])
-            yield fam
+        for family, table in ((GaugeMetricFamily, _SCHED_GAUGES), (CounterMetricFamily, _SCHED_COUNTERS)):
+            for key, suffix, doc in table:
+                fam = family(f"{PREFIX}_{suffix}", doc, labels=["model"])
+                for name, acc in sorted(per_model.items()):
+                    if key in acc:
+                        fam.add_metric([name], acc[key])
+                yield fam
         fam = CounterMetricFamily(f"{PREFIX}_scheduler_rejections", "Requests the scheduler refused, by reason.",
                                   labels=["model", "reason"])
         for (name, reason), v in sorted(rejected.items()):

@@ -76,6 +76,7 @@ class Settings:
     queue_depth: int = 32
     queue_wait_s: float = 30.0
     bs_stats: bool = False
+    bs_mixed: bool = True
     kv_q4: bool = True
     die_budget_mb: int = 0
     warmup: bool = True
@@ -115,6 +116,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         queue_depth=max(0, _int(env, "BS_QUEUE_DEPTH", 32)),
         queue_wait_s=_float(env, "PANTHEON_QUEUE_WAIT_S", 30.0),
         bs_stats=_flag(env, "QWEN35_BS_STATS", False),
+        bs_mixed=_flag(env, "PANTHEON_BS_MIXED", True),
         kv_q4=_flag(env, "QWEN35_KV_Q4", True),
         die_budget_mb=_int(env, "PANTHEON_DIE_BUDGET_MB", 0),
         warmup=_flag(env, "PANTHEON_WARMUP", True),

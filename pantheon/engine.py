@@ -125,6 +125,14 @@ class Model:
             self._sharded_init = self.shard_plan.state_initializer(
                 lambda: self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.dtype))
         self._forward = jax.jit(impl, static_argnames=("span", "all_logits"), donate_argnums=(1,))
+        # Mixed steps: one prefill row of T tokens plus up to n_slots - 1 decode rows in one forward
+        # (the architecture's forward_groups), so a new request's prompt does not stall the decoders.
+        # The decode group is always padded to n_slots - 1 rows: one program per (T, span), not four.
+        self.mixed_rows = self.n_slots - 1
+        self.supports_mixed = hasattr(arch, "forward_groups") and self.mixed_rows >= 1
+        if self.supports_mixed:
+            mixed = self._mixed_impl if self.shard_plan is None else self.shard_plan.wrap_forward(self._mixed_impl)
+            self._forward_mixed = jax.jit(mixed, static_argnames=("span",), donate_argnums=(1,))
         self._sample = jax.jit(sample)
         if self.shard_plan is not None:
             self._sample = self.shard_plan.on_first_die(self._sample)
@@ -152,6 +160,10 @@ class Model:
         last = last_valid(logits, n_new) if all_logits else logits
         return last, (logits if all_logits else None), state
 
+    def _mixed_impl(self, params, state, prefill, decode, order, *, span: int):
+        logits, state = self.arch.forward_groups(params, state, (prefill, decode), cfg=self.config, span=span)
+        return logits[order], None, state
+
     def step_begin(self, state: Any, tokens: Sequence[Sequence[int]], slots: Sequence[int],
                    starts: Sequence[int], params: Sequence[SamplingParams | None] | None = None,
                    recent: Sequence[Sequence[int]] | None = None, steps: Sequence[int] | None = None,
@@ -167,35 +179,82 @@ class Model:
         lens = [len(t) for t in tokens]
         if min(lens) < 1:
             raise ValueError("every row needs at least one token")
+        long_rows = [b for b in range(n) if lens[b] > 1]
+        if self.supports_mixed and len(long_rows) == 1 and 1 < n <= self.mixed_rows + 1 and not all_logits:
+            return self._step_mixed(state, tokens, slots, starts, params, recent, steps, long_rows[0], want_logits)
         B = _bucket(n, self.row_buckets)
         T = 1 if max(lens) == 1 else _bucket(max(lens), self.chunk_buckets)
-        need = max(s + T for s in starts)
-        if need > self.capacity:
-            raise ValueError(f"sequence position {need} exceeds the cache capacity {self.capacity}")
-        span = _bucket(need, self.span_buckets)
+        span = self._span_for(max(s + T for s in starts))
         tok = np.zeros((B, T), np.int32)
         sl = np.full((B,), self.scratch_slot, np.int32)
         st = np.zeros((B,), np.int32)
         nn = np.ones((B,), np.int32)
-        rec = np.full((B, PENALTY_WINDOW), -1, np.int32)
-        stp = np.zeros((B,), np.int32)
         for b in range(n):
             tok[b, : lens[b]] = tokens[b]
             sl[b] = slots[b]
             st[b] = starts[b]
             nn[b] = lens[b]
+        rows, rec, stp = self._sampling_rows(B, params, recent, steps, n)
+        self._note_shape((B, T, span, all_logits))
+        last, every, state = self._forward(self.params, state, tok, sl, st, nn, span=span, all_logits=all_logits)
+        ids = self._sample(last, rows, rec, stp)
+        logits = every if all_logits else (last if want_logits else None)
+        return StepHandle(ids=ids, logits=logits, n_rows=n), state
+
+    def _step_mixed(self, state: Any, tokens: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
+                    params: Sequence[SamplingParams | None] | None, recent: Sequence[Sequence[int]] | None,
+                    steps: Sequence[int] | None, p: int, want_logits: bool) -> tuple[StepHandle, Any]:
+        """Row p ([1, T] prefill group) and every other row ([mixed_rows, 1] decode group) in one forward.
+
+        The forward returns its logits in the caller's row order (then the padding rows), so the
+        sampler and the handle see rows exactly as a plain step would.
+        """
+        n, D = len(tokens), self.mixed_rows
+        T = _bucket(len(tokens[p]), self.chunk_buckets)
+        span = self._span_for(max(starts[p] + T, *(starts[b] + 1 for b in range(n) if b != p)))
+        ptok = np.zeros((1, T), np.int32)
+        ptok[0, : len(tokens[p])] = tokens[p]
+        prefill = (ptok, np.array([slots[p]], np.int32), np.array([starts[p]], np.int32),
+                   np.array([len(tokens[p])], np.int32))
+        dtok = np.zeros((D, 1), np.int32)
+        dsl = np.full((D,), self.scratch_slot, np.int32)
+        dst = np.zeros((D,), np.int32)
+        order = np.zeros((D + 1,), np.int32)  # caller row b -> its row in the forward's output
+        d = 0
+        for b in range(n):
+            if b == p:
+                continue
+            dtok[d, 0], dsl[d], dst[d] = tokens[b][0], slots[b], starts[b]
+            order[b] = 1 + d
+            d += 1
+        order[n:] = np.arange(1 + d, D + 1)  # padding rows after the caller's
+        decode = (dtok, dsl, dst, np.ones((D,), np.int32))
+        rows, rec, stp = self._sampling_rows(D + 1, params, recent, steps, n)
+        self._note_shape(("mixed", T, span))
+        last, _, state = self._forward_mixed(self.params, state, prefill, decode, order, span=span)
+        ids = self._sample(last, rows, rec, stp)
+        return StepHandle(ids=ids, logits=last if want_logits else None, n_rows=n), state
+
+    def _span_for(self, need: int) -> int:
+        if need > self.capacity:
+            raise ValueError(f"sequence position {need} exceeds the cache capacity {self.capacity}")
+        return _bucket(need, self.span_buckets)
+
+    @staticmethod
+    def _sampling_rows(B: int, params: Sequence[SamplingParams | None] | None,
+                       recent: Sequence[Sequence[int]] | None, steps: Sequence[int] | None,
+                       n: int) -> tuple[Any, np.ndarray, np.ndarray]:
+        """Per-row sampler inputs for n caller rows padded to B: parameters, penalty window, step index."""
+        rec = np.full((B, PENALTY_WINDOW), -1, np.int32)
+        stp = np.zeros((B,), np.int32)
+        for b in range(n):
             if recent is not None and recent[b]:
                 r = list(recent[b])[-PENALTY_WINDOW:]
                 rec[b, PENALTY_WINDOW - len(r):] = r
             if steps is not None:
                 stp[b] = steps[b]
         plist = list(params) if params is not None else [None] * n
-        rows = make_rows(plist + [None] * (B - n), B)
-        self._note_shape((B, T, span, all_logits))
-        last, every, state = self._forward(self.params, state, tok, sl, st, nn, span=span, all_logits=all_logits)
-        ids = self._sample(last, rows, rec, stp)
-        logits = every if all_logits else (last if want_logits else None)
-        return StepHandle(ids=ids, logits=logits, n_rows=n), state
+        return make_rows(plist + [None] * (B - n), B), rec, stp
 
     @staticmethod
     def step_poll(handle: StepHandle) -> np.ndarray | None:
@@ -217,17 +276,23 @@ class Model:
             self._compiled_keys.add(key)
 
     # ---- warm-up -------------------------------------------------------------------------------
-    def warmup(self, state: Any, decode: bool = True, prefill: bool = True) -> Any:
-        """Compile every (rows, tokens, span) bucket the scheduler can ask for; returns the state."""
+    def warmup(self, state: Any, decode: bool = True, prefill: bool = True, mixed: bool = True) -> Any:
+        """Compile every step shape the scheduler can ask for; returns the state.
+
+        Shapes are (rows, tokens of the first row, tokens of the others, span): decode (b, 1, 1, sp),
+        prefill (1, t, -, sp), and mixed (2, t, 1, sp): one prefill row riding with a decode row.
+        """
         shapes = []
         if decode:
-            shapes += [(b, 1, sp) for b in self.row_buckets for sp in self.span_buckets]
+            shapes += [(b, 1, 1, sp) for b in self.row_buckets for sp in self.span_buckets]
         if prefill:
-            shapes += [(1, t, sp) for t in self.chunk_buckets for sp in self.span_buckets if sp >= t]
-        for b, t, sp in shapes:
+            shapes += [(1, t, 1, sp) for t in self.chunk_buckets for sp in self.span_buckets if sp >= t]
+        if mixed and self.supports_mixed:
+            shapes += [(2, t, 1, sp) for t in self.chunk_buckets if t > 1 for sp in self.span_buckets if sp >= t]
+        for b, t, t_rest, sp in shapes:
             start = max(0, sp - t) if sp != self.span_buckets[0] else 0
             start = min(start, self.capacity - t)
-            toks = [[0] * t for _ in range(b)]
+            toks = [[0] * t] + [[0] * t_rest for _ in range(b - 1)]
             h, state = self.step_begin(state, toks, [self.scratch_slot] * b, [start] * b)
             self.step_wait(h)
         return state

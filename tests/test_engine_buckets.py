@@ -1,11 +1,13 @@
-"""Shape buckets and load-time fusion: what the engine compiles, and that fusing changes no result."""
+"""Shape buckets, load-time fusion and mixed steps: what the engine compiles, and that none changes a result."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from conftest import tiny_fixture
 from pantheon import engine
+from pantheon.sampler import SamplingParams
 
 
 def test_prefill_chunks_come_in_quarters_so_short_prompts_pad_little():
@@ -40,3 +42,48 @@ def test_fused_projections_compute_what_the_separate_ones_do():
     model.params = {**model.params, "layers": sep}
     separate = model.logits(ids)
     assert np.abs(fused - separate).max() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe", "phi3"])
+def test_a_prefill_chunk_riding_with_decode_rows_computes_what_separate_steps_do(arch):
+    """Mixed step: one row of a prompt chunk and single-token rows of other slots in one forward.
+
+    Its logits and sampled ids equal a prefill step followed by a decode step, whatever position the
+    prefill row has in the caller's order, and it compiles as its own (tokens, span) program.
+    """
+    path, j, _ = tiny_fixture(arch)
+    model = engine.load(path, engine.LoadOptions(n_slots=4, max_seq=96, prefill_chunk=16))
+    assert model.supports_mixed and model.mixed_rows == 3
+    ids = j["prompt_ids"]
+    prompts = {1: ids[:9], 2: ids[3:14], 3: ids[5:10]}  # slots 1..3 decode, slot 0 prefills
+    chunk = ids[2:15]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=5, seed=3),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2)]
+
+    def run(mixed: bool, decoders: list[int]):
+        state = model.new_state()
+        nxt = {}
+        for s in decoders:
+            nxt[s], _, state = model.prefill(state, s, prompts[s])
+        rows = [(chunk, 0, 0, SamplingParams(temperature=0.0))] + [
+            ([nxt[s]], s, len(prompts[s]), params[s - 1]) for s in decoders]
+        rows = rows[1:2] + rows[:1] + rows[2:]  # the prefill row second in the caller's order
+        toks, slots, starts, prm = (list(x) for x in zip(*rows))
+        recent = [prompts.get(s, []) + t for t, s in zip(toks, slots)]
+        if mixed:
+            h, state = model.step_begin(state, toks, slots, starts, prm, recent, want_logits=True)
+            return np.asarray(h.logits)[: len(rows)], model.step_wait(h)
+        out_l, out_i = [], []
+        for b in range(len(rows)):  # one row at a time: plain prefill and decode programs
+            h, state = model.step_begin(state, [toks[b]], [slots[b]], [starts[b]], [prm[b]], [recent[b]],
+                                        want_logits=True)
+            out_l.append(np.asarray(h.logits)[0])
+            out_i.append(model.step_wait(h)[0])
+        return np.stack(out_l), np.array(out_i)
+
+    for decoders in ([1, 2, 3], [2]):  # a full decode group and a padded one
+        mixed_logits, mixed_ids = run(True, decoders)
+        sep_logits, sep_ids = run(False, decoders)
+        assert np.abs(mixed_logits - sep_logits).max() < 1e-4
+        assert list(mixed_ids) == list(sep_ids)
+    assert any(k[0] == "mixed" for k in model.compiled_shapes())

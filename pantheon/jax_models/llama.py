@@ -105,6 +105,9 @@ def moe(h: jax.Array, lp: dict[str, Any], cfg: ModelConfig) -> jax.Array:
     return moe_kernels.moe_ffn(h, lp["router"], lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"], cfg.n_experts_used)
 
 
+Group = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # tokens [B, T], slots [B], start [B], n_new [B]
+
+
 def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
             all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -115,11 +118,34 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     a bucket at least as large as every row's start + T. Returns logits [B, V] of each row's last
     real token (or [B, T, V] with all_logits) and the updated state.
     """
-    B, T = tokens.shape
-    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-    cos, sin = common.rope_angles(positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale, params.get("rope_freqs"))
-    x = params["embed"][tokens].astype(jnp.float32)  # [B, T, H]
+    logits, state = forward_groups(params, state, ((tokens, slots, start, n_new),), cfg=cfg, span=span,
+                                   all_logits=all_logits)
+    return logits, state
+
+
+def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: tuple[Group, ...], *,
+                   cfg: ModelConfig, span: int, all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One step over several groups of rows, each group with its own tokens-per-row.
+
+    Why groups: a prefill chunk ([1, T]) and the decode rows of every other slot ([B, 1]) can share
+    one step. Every matmul sees all the step's tokens as one [N, H] block (the weights are read once
+    for both), while RoPE, the cache writes and attention run per group in that group's own shape.
+    Returns logits [sum of B, V] of each row's last real token, groups in order (all_logits: one
+    group only, [B, T, V]).
+    """
+    if all_logits and len(groups) != 1:
+        raise ValueError("all_logits takes exactly one group")
+    nh, nkv, hd, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
+    shapes = [g[0].shape for g in groups]
+    sizes = [b * t for b, t in shapes]
+    cuts = list(np.cumsum(sizes)[:-1])
+    positions = [st[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :] for (_, _, st, _), (_, t) in zip(groups, shapes)]
+    ropes = [common.rope_angles(p, cfg.n_rot, cfg.rope_base, cfg.rope_scale, params.get("rope_freqs"))
+             for p in positions]
+    x = jnp.concatenate([params["embed"][g[0].reshape(-1)] for g in groups]).astype(jnp.float32)  # [N, H]
+
+    def per_group(a: jax.Array, heads: int) -> list[jax.Array]:
+        return [p.reshape(b, t, heads, hd) for p, (b, t) in zip(jnp.split(a, cuts), shapes)]
 
     def layer(carry, inputs):
         x, kc, vc = carry
@@ -131,17 +157,21 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
             q = common.linear(h, lp["wq"], lp.get("bq"))
             k = common.linear(h, lp["wk"], lp.get("bk"))
             v = common.linear(h, lp["wv"], lp.get("bv"))
-        q, k, v = q.reshape(B, T, nh, hd), k.reshape(B, T, nkv, hd), v.reshape(B, T, nkv, hd)
+        qs, ks, vs = per_group(q, nh), per_group(k, nkv), per_group(v, nkv)
         if "q_norm" in lp:
-            q = common.rms_norm(q, lp["q_norm"], cfg.rms_eps)
-            k = common.rms_norm(k, lp["k_norm"], cfg.rms_eps)
-        q = common.apply_rope(q, cos, sin, cfg.n_rot, cfg.rope_type)
-        k = common.apply_rope(k, cos, sin, cfg.n_rot, cfg.rope_type)
-        kc = common.write_kv(kc, li, k, slots, start)
-        vc = common.write_kv(vc, li, v, slots, start)
-        ks = common.gather_span(kc, li, slots, span)
-        vs = common.gather_span(vc, li, slots, span)
-        o = common.attention(q, ks, vs, positions, cfg.attn_scale)
+            qs = [common.rms_norm(a, lp["q_norm"], cfg.rms_eps) for a in qs]
+            ks = [common.rms_norm(a, lp["k_norm"], cfg.rms_eps) for a in ks]
+        qs = [common.apply_rope(a, c, s, cfg.n_rot, cfg.rope_type) for a, (c, s) in zip(qs, ropes)]
+        ks = [common.apply_rope(a, c, s, cfg.n_rot, cfg.rope_type) for a, (c, s) in zip(ks, ropes)]
+        for (_, slots, start, _), kg, vg in zip(groups, ks, vs):  # every write before any read of the layer
+            kc = common.write_kv(kc, li, kg, slots, start)
+            vc = common.write_kv(vc, li, vg, slots, start)
+        outs = []
+        for (_, slots, _, _), qg, pos in zip(groups, qs, positions):
+            kspan = common.gather_span(kc, li, slots, span)
+            vspan = common.gather_span(vc, li, slots, span)
+            outs.append(common.attention(qg, kspan, vspan, pos, cfg.attn_scale).reshape(-1, nh * hd))
+        o = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
         x = x + common.linear(o, lp["wo"], lp.get("bo"))
         h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
         if cfg.n_experts:
@@ -166,8 +196,11 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
     carry, _ = jax.lax.scan(scanned, (x, state["k"], state["v"]), (per_layer, layer_ids))
     x, kc, vc = carry
-    if not all_logits:
-        x = common.last_valid(x, n_new)
+    xs = [p.reshape(b, t, H) for p, (b, t) in zip(jnp.split(x, cuts), shapes)]
+    if all_logits:
+        x = xs[0]
+    else:
+        x = jnp.concatenate([common.last_valid(xg, g[3]) for xg, g in zip(xs, groups)])
     x = common.rms_norm(x, params["norm"], cfg.rms_eps)
     head = params["embed"] if params["head"] is None else params["head"]
     logits = common.linear(x, head, params.get("head_bias")).astype(jnp.float32)

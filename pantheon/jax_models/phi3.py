@@ -104,12 +104,25 @@ def state_bytes_per_token(cfg: ModelConfig) -> int:
     return llama.state_bytes_per_token(cfg)
 
 
-def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
-            start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """llama.forward, with LongRoPE's divisors chosen by the cache capacity (a static shape)."""
+def _long_or_short(params: dict[str, Any], state: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, Any]:
+    """LongRoPE's divisors, chosen by the cache capacity (a static shape)."""
     if "rope_factors_long" in params:
         capacity = state["k"].shape[3]
         use_long = cfg.rope_orig_context > 0 and capacity > cfg.rope_orig_context
         params = {**params, "rope_freqs": params["rope_factors_long" if use_long else "rope_factors_short"]}
-    return llama.forward(params, state, tokens, slots, start, n_new, cfg=cfg, span=span, all_logits=all_logits)
+    return params
+
+
+def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
+            start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
+            all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """llama.forward with LongRoPE's divisors."""
+    return llama.forward(_long_or_short(params, state, cfg), state, tokens, slots, start, n_new, cfg=cfg,
+                         span=span, all_logits=all_logits)
+
+
+def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: tuple[llama.Group, ...], *,
+                   cfg: ModelConfig, span: int, all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """llama.forward_groups with LongRoPE's divisors."""
+    return llama.forward_groups(_long_or_short(params, state, cfg), state, groups, cfg=cfg, span=span,
+                                all_logits=all_logits)

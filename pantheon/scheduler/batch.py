@@ -9,9 +9,12 @@ Lifecycle of a request:
    prompt (its KV is reused: only the new suffix is prefilled). A request waiting longer than
    `queue_wait_s` is refused with 429 Retry-After 2. A cancelled queued request leaves at once.
 3. Slot states: IDLE -> PREFILL (its prompt is fed in chunks of `prefill_chunk`) -> DECODE (one token
-   per step, batched with every other DECODE slot) -> IDLE. The driver alternates a prefill chunk and
-   a decode step while both kinds of work exist (FIFO among prefillers), so a long prompt stalls
-   decoders by at most one chunk and a waiting prefiller is never starved.
+   per step, batched with every other DECODE slot) -> IDLE. While both kinds of work exist, each
+   step carries the oldest prefiller's next chunk *and* every decoder's token in one mixed forward
+   (models with `forward_groups`; PANTHEON_BS_MIXED=0 turns it off), so a new prompt costs the
+   decoders almost nothing. Otherwise the driver alternates a prefill chunk and a decode step (FIFO
+   among prefillers): a long prompt stalls decoders by at most one chunk and a waiting prefiller is
+   never starved.
 4. Each step samples inside the jitted function with every row's own parameters; only ids come back.
    The driver hands ids to the owner through `sink` (a non-blocking hand-off), so a slow client never
    slows the batch. EOS, budget or cancel finishes the request and frees the slot within one step.
@@ -79,6 +82,7 @@ class SchedulerStats:
     steps: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
+    mixed_steps: int = 0  # steps that carried a prefill chunk and decode rows together
     decode_tokens: int = 0
     prefill_tokens: int = 0
     prefix_hits: int = 0
@@ -102,6 +106,7 @@ class BatchScheduler:
         self.queue_depth = settings.queue_depth
         self.queue_wait_s = settings.queue_wait_s
         self.driver_sample = settings.driver_sample
+        self.mixed = settings.bs_mixed and model.supports_mixed
         self.log_stats = settings.bs_stats
         self.forbid_compile = settings.forbid_compile
         self.recurrent = hasattr(model.arch, "snapshot_slot")  # hybrid models keep recurrent state
@@ -267,18 +272,23 @@ class BatchScheduler:
                                                       completion_tokens=sl.generated, reused_tokens=sl.reused))
             prefillers = [sl for sl in prefillers if sl.state == PREFILL]
             decoders = [sl for sl in decoders if sl.state == DECODE]
-        do_prefill = bool(prefillers) and (self._turn_prefill or not decoders)
         t0 = time.perf_counter()
-        if do_prefill:
-            sl = min(prefillers, key=lambda s: s.job.enqueued_at if s.job else 0.0)
-            n = self._prefill_chunk(sl)
-            kind, width, ntok = "prefill", 1, n
-        elif decoders:
-            self._decode(decoders)
-            kind, width, ntok = "decode", len(decoders), len(decoders)
-        else:
-            return
-        self._turn_prefill = not do_prefill
+        if prefillers and decoders and self.mixed:  # the chunk and every decode row in one forward
+            pre = min(prefillers, key=lambda s: s.job.enqueued_at if s.job else 0.0)
+            n = self._step(pre, decoders)
+            kind, width, ntok = "mixed", 1 + len(decoders), n + len(decoders)
+        else:  # alternate: a prefill chunk, then a decode step (FIFO among prefillers)
+            do_prefill = bool(prefillers) and (self._turn_prefill or not decoders)
+            if do_prefill:
+                pre = min(prefillers, key=lambda s: s.job.enqueued_at if s.job else 0.0)
+                n = self._step(pre, [])
+                kind, width, ntok = "prefill", 1, n
+            elif decoders:
+                self._step(None, decoders)
+                kind, width, ntok = "decode", len(decoders), len(decoders)
+            else:
+                return
+            self._turn_prefill = not do_prefill
         ms = (time.perf_counter() - t0) * 1000
         with self._mu:
             self.stats.steps += 1
@@ -289,46 +299,61 @@ class BatchScheduler:
     def _recent(self, sl: _Slot) -> list[int]:
         return sl.hist[-PENALTY_WINDOW:]
 
-    def _prefill_chunk(self, sl: _Slot) -> int:
-        job = sl.job
-        assert job is not None
-        part = sl.pending[: self.chunk]
-        final = len(part) == len(sl.pending)
-        start = len(sl.hist)
-        recent = (sl.hist + part)[-PENALTY_WINDOW:]
-        want = final and not self.driver_sample
-        handle, self._state = self.model.step_begin(self._state, [part], [sl.index], [start], [job.req.params],
-                                                    [recent], [0], want_logits=want)
-        ids = self.model.step_wait(handle)
-        sl.hist.extend(part)
-        sl.pending = sl.pending[len(part):]
-        with self._mu:
-            self.stats.prefill_chunks += 1
-            self.stats.prefill_tokens += len(part)
-        if final:
-            tok = int(ids[0]) if self.driver_sample else self._owner_sample(handle, 0, sl)
-            with self._mu:
-                sl.state = DECODE
-            self._emit(sl, tok)
-        return len(part)
+    def _step(self, pre: _Slot | None, decoders: list[_Slot]) -> int:
+        """One device step: the next prompt chunk of `pre` (if any), then one token of every decoder.
 
-    def _decode(self, decoders: list[_Slot]) -> None:
-        tokens = [[sl.next_token] for sl in decoders]
-        slots = [sl.index for sl in decoders]
-        starts = [len(sl.hist) for sl in decoders]
-        params = [sl.job.req.params if sl.job else None for sl in decoders]
-        recent = [(sl.hist + [sl.next_token])[-PENALTY_WINDOW:] for sl in decoders]
-        steps = [sl.generated for sl in decoders]
+        Returns how many prompt tokens it prefilled. Rows go to the engine in that order; the engine
+        packs a chunk and decode rows into one mixed forward when the model has one.
+        """
+        tokens, slots, starts, params, recent, steps = [], [], [], [], [], []
+        part: list[int] = []
+        final = False
+        if pre is not None:
+            assert pre.job is not None
+            part = pre.pending[: self.chunk]
+            final = len(part) == len(pre.pending)
+            tokens.append(part)
+            slots.append(pre.index)
+            starts.append(len(pre.hist))
+            params.append(pre.job.req.params)
+            recent.append((pre.hist + part)[-PENALTY_WINDOW:])
+            steps.append(0)
+        for sl in decoders:
+            tokens.append([sl.next_token])
+            slots.append(sl.index)
+            starts.append(len(sl.hist))
+            params.append(sl.job.req.params if sl.job else None)
+            recent.append((sl.hist + [sl.next_token])[-PENALTY_WINDOW:])
+            steps.append(sl.generated)
+        want = not self.driver_sample and (bool(decoders) or final)
         handle, self._state = self.model.step_begin(self._state, tokens, slots, starts, params, recent, steps,
-                                                    want_logits=not self.driver_sample)
+                                                    want_logits=want)
         ids = self.model.step_wait(handle)
         with self._mu:
-            self.stats.decode_steps += 1
-            self.stats.decode_tokens += len(decoders)
-        for row, sl in enumerate(decoders):
+            if pre is not None:
+                self.stats.prefill_chunks += 1
+                self.stats.prefill_tokens += len(part)
+            if decoders:
+                self.stats.decode_steps += 1
+                self.stats.decode_tokens += len(decoders)
+            if pre is not None and decoders:
+                self.stats.mixed_steps += 1
+        row = 0
+        if pre is not None:
+            pre.hist.extend(part)
+            pre.pending = pre.pending[len(part):]
+            if final:
+                tok = int(ids[0]) if self.driver_sample else self._owner_sample(handle, 0, pre)
+                with self._mu:
+                    pre.state = DECODE
+                self._emit(pre, tok)
+            row = 1
+        for sl in decoders:
             sl.hist.append(sl.next_token)
             tok = int(ids[row]) if self.driver_sample else self._owner_sample(handle, row, sl)
             self._emit(sl, tok)
+            row += 1
+        return len(part)
 
     def _owner_sample(self, handle: Any, row: int, sl: _Slot) -> int:
         """QWEN35_BS_DRIVER_SAMPLE=0: logits come back and the same sampler runs on the host."""

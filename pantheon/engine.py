@@ -434,6 +434,8 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
         raise ModelLoadError(p, f"failed to build parameters: {type(exc).__name__}: {exc}") from exc
     if len(devices) == 1 and hasattr(arch, "fuse_projections"):  # sharding splits q/k/v by their own heads
         host_params = arch.fuse_projections(host_params)
+    if len(devices) == 1 and hasattr(arch, "unstack_matrices"):  # sharding rules expect stacked layers
+        host_params = arch.unstack_matrices(host_params)
     weight_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(host_params)))
 
     def put(x):

@@ -89,6 +89,32 @@ def fuse_projections(params: dict[str, Any]) -> dict[str, Any]:
     return {**params, "layers": lay}
 
 
+_MATRICES = ("wqkv", "wq", "wk", "wv", "wo", "w_gu", "w_gate", "w_up", "w_down")
+
+
+def unstack_matrices(params: dict[str, Any]) -> dict[str, Any]:
+    """Each layer's projection matrices as their own arrays (a tuple over layers), not one [L, ...] stack.
+
+    Why: inside the layer scan a stacked weight is read through a dynamic slice, and XLA:CPU
+    materialises that slice: a copy of every weight matrix on every step (about half of a batch-1
+    step). With one array per layer the scan body picks the layer's matmul with `lax.switch`
+    (`matmul` below): no copy, and the program stays one loop body. Single die only, like fusion.
+    """
+    lay = dict(params["layers"])
+    for k in _MATRICES:
+        if k in lay:
+            lay[k] = tuple(lay[k][i] for i in range(lay[k].shape[0]))
+    return {**params, "layers": lay}
+
+
+def matmul(lp: dict[str, Any], name: str, h: jax.Array, li: jax.Array, bias: str | None = None) -> jax.Array:
+    """common.linear with layer li's weight `name`: stacked (already sliced by the scan) or per layer."""
+    w, b = lp[name], lp.get(bias) if bias else None
+    if isinstance(w, tuple):
+        return jax.lax.switch(li, [lambda x, wi=wi: common.linear(x, wi, b) for wi in w], h)
+    return common.linear(h, w, b)
+
+
 def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
     return common.init_kv(cfg.n_layers, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim, dtype)
 
@@ -152,11 +178,9 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
         lp, li = inputs
         h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         if "wqkv" in lp:
-            q, k, v = jnp.split(common.linear(h, lp["wqkv"], lp.get("bqkv")), [nh * hd, (nh + nkv) * hd], axis=-1)
+            q, k, v = jnp.split(matmul(lp, "wqkv", h, li, "bqkv"), [nh * hd, (nh + nkv) * hd], axis=-1)
         else:
-            q = common.linear(h, lp["wq"], lp.get("bq"))
-            k = common.linear(h, lp["wk"], lp.get("bk"))
-            v = common.linear(h, lp["wv"], lp.get("bv"))
+            q, k, v = (matmul(lp, w, h, li, "b" + w[1]) for w in ("wq", "wk", "wv"))
         qs, ks, vs = per_group(q, nh), per_group(k, nkv), per_group(v, nkv)
         if "q_norm" in lp:
             qs = [common.rms_norm(a, lp["q_norm"], cfg.rms_eps) for a in qs]
@@ -172,26 +196,28 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
             vspan = common.gather_span(vc, li, slots, span)
             outs.append(common.attention(qg, kspan, vspan, pos, cfg.attn_scale).reshape(-1, nh * hd))
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
-        x = x + common.linear(o, lp["wo"], lp.get("bo"))
+        x = x + matmul(lp, "wo", o, li, "bo")
         h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
         if cfg.n_experts:
             x = x + moe(h, lp, cfg)
         else:
             if "w_gu" in lp:
-                g, u = jnp.split(common.linear(h, lp["w_gu"]), 2, axis=-1)
+                g, u = jnp.split(matmul(lp, "w_gu", h, li), 2, axis=-1)
             else:
-                g, u = common.linear(h, lp["w_gate"]), common.linear(h, lp["w_up"])
-            x = x + common.linear(jax.nn.silu(g) * u, lp["w_down"])
+                g, u = matmul(lp, "w_gate", h, li), matmul(lp, "w_up", h, li)
+            x = x + matmul(lp, "w_down", jax.nn.silu(g) * u, li)
         return (x, kc, vc), None
 
     # Expert stacks stay out of the scan's inputs: the MoE tile loop reads (layer, expert) slices of
     # them directly instead of copying every expert of the layer each step.
+    # Per-layer matrix tuples (unstack_matrices) likewise: the body switches over them by layer.
     stacked = {k: a for k, a in params["layers"].items() if k in _EXPERT_KEYS}
-    per_layer = {k: a for k, a in params["layers"].items() if k not in _EXPERT_KEYS}
+    listed = {k: a for k, a in params["layers"].items() if isinstance(a, tuple)}
+    per_layer = {k: a for k, a in params["layers"].items() if k not in _EXPERT_KEYS and k not in listed}
 
     def scanned(carry, inputs):
         lp, li = inputs
-        return layer(carry, ({**lp, **{k: (a, (li,)) for k, a in stacked.items()}}, li))
+        return layer(carry, ({**lp, **listed, **{k: (a, (li,)) for k, a in stacked.items()}}, li))
 
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
     carry, _ = jax.lax.scan(scanned, (x, state["k"], state["v"]), (per_layer, layer_ids))

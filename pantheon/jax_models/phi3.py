@@ -27,6 +27,7 @@ from ..gguf_loader import ModelConfig, TensorSource
 from . import llama
 
 fuse_projections = llama.fuse_projections  # the forward is llama.forward
+unstack_matrices = llama.unstack_matrices
 
 ARCHS = ("phi3",)
 

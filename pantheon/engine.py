@@ -14,7 +14,9 @@ from 128 up to the cache capacity. The cache has one extra "scratch" slot that p
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,17 @@ class StepHandle:
         return self.ids.is_ready()
 
 
+@dataclass
+class _Plan:
+    """One step's compiled forward, its arguments after (params, state), and the sampler's row count."""
+
+    fn: Any
+    args: tuple
+    kwargs: dict[str, Any]
+    key: tuple  # the shape bucket, for compiled_shapes()
+    rows: int
+
+
 class Model:
     """A loaded model: config, tokenizer, chat template, device params and the compiled step."""
 
@@ -109,9 +122,11 @@ class Model:
         # prompt padded to 128 would cost almost twice what it needs).
         self.row_buckets = _geometric_buckets(1, max(1, self.n_slots), 2)
         self.chunk_buckets = _chunk_buckets(self.chunk)
-        # Spans double from 128 to the capacity: batched decode time grows with the span it attends
-        # over (span 1024 costs ~4x span 256 at 8 rows), so a bucket is at most twice the filled part.
-        self.span_buckets = _geometric_buckets(min(128, self.capacity), self.capacity, 2)
+        # Spans double from 128 to max_seq: batched decode time grows with the span it attends over
+        # (span 1024 costs ~4x span 256 at 8 rows), so a bucket is at most twice the filled part.
+        # The last one stretches to the capacity (the chunk's padding slack) instead of adding a
+        # bucket just above max_seq: one program fewer per (rows, tokens) bucket.
+        self.span_buckets = (*_geometric_buckets(min(128, self.max_seq), self.max_seq, 2)[:-1], self.capacity)
         # Two programs per step: the forward (one per (rows, tokens, span) bucket) and the sampler
         # (one per rows bucket). Keeping the sampler out of the forward compiles it 4 times, not 40.
         # Several dies: one mesh over them, params and state split tensor-parallel (pantheon.sharding);
@@ -173,6 +188,17 @@ class Model:
         Row b feeds tokens[b] at positions starts[b].. into cache slot slots[b]. The old state is
         donated: the caller must use only the returned one.
         """
+        plan = self._plan(tokens, slots, starts, all_logits)
+        rows, rec, stp = self._sampling_rows(plan.rows, params, recent, steps, len(tokens))
+        self._note_shape(plan.key)
+        last, every, state = plan.fn(self.params, state, *plan.args, **plan.kwargs)
+        ids = self._sample(last, rows, rec, stp)
+        logits = every if all_logits else (last if want_logits else None)
+        return StepHandle(ids=ids, logits=logits, n_rows=len(tokens)), state
+
+    def _plan(self, tokens: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
+              all_logits: bool) -> "_Plan":
+        """Which compiled forward a step runs and its padded host inputs (rows, tokens, span buckets)."""
         n = len(tokens)
         if n == 0:
             raise ValueError("step needs at least one row")
@@ -181,7 +207,7 @@ class Model:
             raise ValueError("every row needs at least one token")
         long_rows = [b for b in range(n) if lens[b] > 1]
         if self.supports_mixed and len(long_rows) == 1 and 1 < n <= self.mixed_rows + 1 and not all_logits:
-            return self._step_mixed(state, tokens, slots, starts, params, recent, steps, long_rows[0], want_logits)
+            return self._plan_mixed(tokens, slots, starts, long_rows[0])
         B = _bucket(n, self.row_buckets)
         T = 1 if max(lens) == 1 else _bucket(max(lens), self.chunk_buckets)
         span = self._span_for(max(s + T for s in starts))
@@ -194,16 +220,10 @@ class Model:
             sl[b] = slots[b]
             st[b] = starts[b]
             nn[b] = lens[b]
-        rows, rec, stp = self._sampling_rows(B, params, recent, steps, n)
-        self._note_shape((B, T, span, all_logits))
-        last, every, state = self._forward(self.params, state, tok, sl, st, nn, span=span, all_logits=all_logits)
-        ids = self._sample(last, rows, rec, stp)
-        logits = every if all_logits else (last if want_logits else None)
-        return StepHandle(ids=ids, logits=logits, n_rows=n), state
+        return _Plan(self._forward, (tok, sl, st, nn), dict(span=span, all_logits=all_logits), (B, T, span, all_logits), B)
 
-    def _step_mixed(self, state: Any, tokens: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
-                    params: Sequence[SamplingParams | None] | None, recent: Sequence[Sequence[int]] | None,
-                    steps: Sequence[int] | None, p: int, want_logits: bool) -> tuple[StepHandle, Any]:
+    def _plan_mixed(self, tokens: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
+                    p: int) -> "_Plan":
         """Row p ([1, T] prefill group) and every other row ([mixed_rows, 1] decode group) in one forward.
 
         The forward returns its logits in the caller's row order (then the padding rows), so the
@@ -229,11 +249,7 @@ class Model:
             d += 1
         order[n:] = np.arange(1 + d, D + 1)  # padding rows after the caller's
         decode = (dtok, dsl, dst, np.ones((D,), np.int32))
-        rows, rec, stp = self._sampling_rows(D + 1, params, recent, steps, n)
-        self._note_shape(("mixed", T, span))
-        last, _, state = self._forward_mixed(self.params, state, prefill, decode, order, span=span)
-        ids = self._sample(last, rows, rec, stp)
-        return StepHandle(ids=ids, logits=last if want_logits else None, n_rows=n), state
+        return _Plan(self._forward_mixed, (prefill, decode, order), dict(span=span), ("mixed", T, span), D + 1)
 
     def _span_for(self, need: int) -> int:
         if need > self.capacity:
@@ -289,11 +305,18 @@ class Model:
             shapes += [(1, t, 1, sp) for t in self.chunk_buckets for sp in self.span_buckets if sp >= t]
         if mixed and self.supports_mixed:
             shapes += [(2, t, 1, sp) for t in self.chunk_buckets if t > 1 for sp in self.span_buckets if sp >= t]
+        steps = []
         for b, t, t_rest, sp in shapes:
             start = max(0, sp - t) if sp != self.span_buckets[0] else 0
             start = min(start, self.capacity - t)
-            toks = [[0] * t] + [[0] * t_rest for _ in range(b - 1)]
-            h, state = self.step_begin(state, toks, [self.scratch_slot] * b, [start] * b)
+            steps.append(([[0] * t] + [[0] * t_rest for _ in range(b - 1)], [self.scratch_slot] * b, [start] * b))
+        # XLA compiles with the GIL released: compile ahead of time on every core, then run each shape
+        # once (the run reuses the compiled program; it only compiles the small sampler programs).
+        plans = [self._plan(toks, slots, starts, False) for toks, slots, starts in steps]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(plans), os.cpu_count() or 1))) as pool:
+            list(pool.map(lambda pl: pl.fn.lower(self.params, state, *pl.args, **pl.kwargs).compile(), plans))
+        for toks, slots, starts in steps:
+            h, state = self.step_begin(state, toks, slots, starts)
             self.step_wait(h)
         return state
 

@@ -21,8 +21,10 @@ def test_attention_spans_double_from_128_to_the_capacity():
     path, _, _ = tiny_fixture("llama")
     model = engine.load(path, engine.LoadOptions(n_slots=1, max_seq=1000, prefill_chunk=24))
     spans = model.span_buckets
-    assert spans[0] == 128 and spans[-1] == model.capacity
-    assert all(b <= 2 * a for a, b in zip(spans, spans[1:]))  # a bucket is never > 2x the filled part
+    assert spans[0] == 128 and spans[-1] == model.capacity == model.max_seq + model.chunk
+    assert model.max_seq not in spans  # the top bucket covers max_seq and the slack in one program
+    # a bucket is never more than twice the filled part, plus the chunk's padding slack at the top
+    assert all(b <= 2 * a + model.chunk for a, b in zip(spans, spans[1:]))
 
 
 def test_fused_projections_compute_what_the_separate_ones_do():

@@ -112,7 +112,7 @@ def test_admit_prompt_refusals():
 class BlockingModel:
     """Enough of a Model for BatchScheduler: one slot; a step blocks until released, then fails."""
 
-    n_slots, chunk, max_seq, name = 1, 16, 64, "blocking"
+    n_slots, chunk, max_seq, name, supports_mixed = 1, 16, 64, "blocking", False
     arch = object()
 
     def __init__(self, die: int):

@@ -101,17 +101,22 @@ def test_eight_concurrent_streams_equal_their_single_request_outputs(model, sche
     assert [c.ids for c in cs] == alone
 
 
-def test_request_joining_midway_is_unaffected(model, sched):
-    """The late prompt's chunk rides in one mixed step with the running stream's decode row."""
+def join_midway(model, sched, late_prompt) -> None:
+    """A 30-token stream runs; a second request joins after 5 tokens; both equal running alone."""
     ps = prompts()
-    mixed_before = sched.load_info()["mixed_steps"]
     first = submit(sched, ps[7], n=30)
     while len(first.ids) < 5:
         time.sleep(0.01)
-    late = submit(sched, ps[2], n=10)
+    late = submit(sched, late_prompt, n=10)
     assert first.done.wait(60) and late.done.wait(60)
     assert first.ids == run_alone(model, ps[7], GREEDY, 30)
-    assert late.ids == run_alone(model, ps[2], GREEDY, 10)
+    assert late.ids == run_alone(model, late_prompt, GREEDY, 10)
+
+
+def test_request_joining_midway_is_unaffected(model, sched):
+    """The late prompt's chunk rides in one mixed step with the running stream's decode row."""
+    mixed_before = sched.load_info()["mixed_steps"]
+    join_midway(model, sched, prompts()[2])
     assert sched.load_info()["mixed_steps"] > mixed_before
 
 
@@ -119,14 +124,7 @@ def test_without_mixed_steps_prefill_and_decode_alternate_with_the_same_outputs(
     """PANTHEON_BS_MIXED=0: a chunk step, then a decode step (the seed's yield windows); same tokens."""
     s = BatchScheduler(model, settings(bs_mixed=False), warmup=False)
     try:
-        ps = prompts()
-        first = submit(s, ps[7], n=30)
-        while len(first.ids) < 5:
-            time.sleep(0.01)
-        late = submit(s, ps[4], n=10)
-        assert first.done.wait(60) and late.done.wait(60)
-        assert first.ids == run_alone(model, ps[7], GREEDY, 30)
-        assert late.ids == run_alone(model, ps[4], GREEDY, 10)
+        join_midway(model, s, prompts()[4])
         info = s.load_info()
         assert info["mixed_steps"] == 0 and info["prefill_chunks"] >= 2
     finally:

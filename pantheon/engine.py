@@ -8,7 +8,10 @@ sampled token ids. Only ids (and logits when asked for) cross back to the host.
 
 Shapes are bucketed so the number of compiled programs is small and known at load: rows B in
 (1, 2, 4, 8), tokens per row T in (1, 32 and quarters of prefill_chunk), attention span doubling
-from 128 up to the cache capacity. The cache has one extra "scratch" slot that padding rows write to.
+from 128 up to max_seq (the top bucket also covers the chunk's padding slack). A step whose rows
+are one prompt chunk plus single decode tokens runs as a "mixed" program (one per T and span) when
+the architecture has `forward_groups`. The cache has one extra "scratch" slot that padding rows
+write to.
 """
 
 from __future__ import annotations

@@ -225,6 +225,18 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
             "kv_spec": list(state["k"].sharding.spec),
             "programs": many._forward._cache_size(), "shapes": len(many.compiled_shapes()),
         }
+    # A mixed step (one prompt chunk + one decode row) on two dies equals the same step on one die.
+    fx = json.load(open(os.path.join(tiny, "llama.json")))
+    path, ids = os.path.join(tiny, fx["gguf_file"]), fx["prompt_ids"]
+    mixed = []
+    for dies in ([0], [1, 2]):
+        m = load_on(path, LoadOptions(n_slots=2, max_seq=32, prefill_chunk=16), dies)
+        st = m.new_state()
+        nxt, _, st = m.prefill(st, 1, ids[:5])
+        h, st = m.step_begin(st, [ids[5:14], [nxt]], [0, 1], [0, 5], want_logits=True)
+        mixed.append((np.asarray(h.logits)[:2], m.supports_mixed, sorted(str(k[0]) for k in m.compiled_shapes())))
+    out["mixed_two_dies"] = {"max_diff": float(np.abs(mixed[0][0] - mixed[1][0]).max()),
+                             "supported": mixed[1][1], "shapes": mixed[1][2]}
     dm = DieManager.from_jax()
     est = estimate_load_bytes(os.path.join(tiny, "llama.gguf"), opts)
     out["auto_two"] = dm.place(est, n_dies=2)
@@ -245,6 +257,12 @@ def multi_die():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_a_mixed_step_on_two_dies_matches_one_die(multi_die):
+    r = multi_die["mixed_two_dies"]
+    assert r["supported"] and "mixed" in r["shapes"], r
+    assert r["max_diff"] < 1e-4, r
 
 
 def test_two_dies_match_one_die(multi_die):

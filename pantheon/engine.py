@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -316,8 +315,8 @@ class Model:
         # XLA compiles with the GIL released: compile ahead of time on every core, then run each shape
         # once (the run reuses the compiled program; it only compiles the small sampler programs).
         plans = [self._plan(toks, slots, starts, False) for toks, slots, starts in steps]
-        with ThreadPoolExecutor(max_workers=max(1, min(len(plans), os.cpu_count() or 1))) as pool:
-            list(pool.map(lambda pl: pl.fn.lower(self.params, state, *pl.args, **pl.kwargs).compile(), plans))
+        osthread.map_threads(lambda pl: pl.fn.lower(self.params, state, *pl.args, **pl.kwargs).compile(), plans,
+                             os.cpu_count() or 1, name=f"compile-{self.name}")
         for toks, slots, starts in steps:
             h, state = self.step_begin(state, toks, slots, starts)
             self.step_wait(h)

@@ -156,6 +156,35 @@ def start_thread(target: Callable[[], None], name: str) -> OSThread:
     return handle
 
 
+def map_threads(fn: Callable[[Any], Any], items: list[Any], workers: int, name: str) -> list[Any]:
+    """[fn(x) for x in items] over `workers` real OS threads (a stdlib pool would spawn greenlets
+    under gevent); results in order, and the first exception is raised after every thread ends."""
+    results: list[Any] = [None] * len(items)
+    errors: list[BaseException] = []
+    lock = Lock()  # guards `taken` and `errors`
+    taken = [0]
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = taken[0]
+                taken[0] += 1
+                if i >= len(items) or errors:
+                    return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller below
+                with lock:
+                    errors.append(exc)
+
+    threads = [start_thread(worker, f"{name}-{k}") for k in range(max(1, min(workers, len(items))))]
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def sleep(seconds: float) -> None:
     """time.sleep that really sleeps this OS thread (the patched one would switch greenlets)."""
     _original("time", "sleep")(seconds)

@@ -144,9 +144,7 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     a bucket at least as large as every row's start + T. Returns logits [B, V] of each row's last
     real token (or [B, T, V] with all_logits) and the updated state.
     """
-    logits, state = forward_groups(params, state, ((tokens, slots, start, n_new),), cfg=cfg, span=span,
-                                   all_logits=all_logits)
-    return logits, state
+    return forward_groups(params, state, ((tokens, slots, start, n_new),), cfg=cfg, span=span, all_logits=all_logits)
 
 
 def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: tuple[Group, ...], *,

@@ -122,7 +122,7 @@ class BatchScheduler:
         self._turn_prefill = True  # driver-only: whose turn it is when both kinds of work exist
         self._state = model.new_state()  # driver-only after start: the donated device state
         if settings.warmup if warmup is None else warmup:
-            self._state = model.warmup(self._state)
+            self._state = model.warmup(self._state, mixed=self.mixed)
         self._thread = osthread.start_thread(self._drive, name=f"driver-{model.name}")
 
     # ---- called from request greenlets --------------------------------------------------------
@@ -272,23 +272,21 @@ class BatchScheduler:
                                                       completion_tokens=sl.generated, reused_tokens=sl.reused))
             prefillers = [sl for sl in prefillers if sl.state == PREFILL]
             decoders = [sl for sl in decoders if sl.state == DECODE]
+        pre = min(prefillers, key=lambda s: s.job.enqueued_at if s.job else 0.0) if prefillers else None
         t0 = time.perf_counter()
-        if prefillers and decoders and self.mixed:  # the chunk and every decode row in one forward
-            pre = min(prefillers, key=lambda s: s.job.enqueued_at if s.job else 0.0)
+        if pre is not None and decoders and self.mixed:  # the chunk and every decode row in one forward
             n = self._step(pre, decoders)
             kind, width, ntok = "mixed", 1 + len(decoders), n + len(decoders)
-        else:  # alternate: a prefill chunk, then a decode step (FIFO among prefillers)
-            do_prefill = bool(prefillers) and (self._turn_prefill or not decoders)
-            if do_prefill:
-                pre = min(prefillers, key=lambda s: s.job.enqueued_at if s.job else 0.0)
-                n = self._step(pre, [])
-                kind, width, ntok = "prefill", 1, n
-            elif decoders:
-                self._step(None, decoders)
-                kind, width, ntok = "decode", len(decoders), len(decoders)
-            else:
-                return
-            self._turn_prefill = not do_prefill
+        elif pre is not None and (self._turn_prefill or not decoders):  # alternate: a chunk, then a decode
+            n = self._step(pre, [])
+            kind, width, ntok = "prefill", 1, n
+            self._turn_prefill = False
+        elif decoders:
+            self._step(None, decoders)
+            kind, width, ntok = "decode", len(decoders), len(decoders)
+            self._turn_prefill = True
+        else:
+            return
         ms = (time.perf_counter() - t0) * 1000
         with self._mu:
             self.stats.steps += 1

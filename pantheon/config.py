@@ -80,6 +80,7 @@ class Settings:
     kv_q4: bool = True
     die_budget_mb: int = 0
     warmup: bool = True
+    native_matmul: bool = True
     # Test-only (PANTHEON_TEST_PRESSURE=0..3): the memory watch reports the host at this pressure level
     # (OK, ELEVATED, HIGH, CRITICAL) instead of measuring it, so tests can force admission denials.
     test_pressure: int | None = None
@@ -120,6 +121,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         kv_q4=_flag(env, "QWEN35_KV_Q4", True),
         die_budget_mb=_int(env, "PANTHEON_DIE_BUDGET_MB", 0),
         warmup=_flag(env, "PANTHEON_WARMUP", True),
+        native_matmul=_flag(env, "PANTHEON_NATIVE_MATMUL", True),
         test_pressure=_test_pressure(env),
     )
 

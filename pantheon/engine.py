@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compile_guard, osthread
+from . import compile_guard, native, osthread
+from .config import load_settings
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
 from .jax_models.common import last_valid
@@ -47,6 +48,8 @@ class LoadOptions:
     prefill_chunk: int = 128
     config_path: str | None = None  # HF config.json for a safetensors checkpoint
     warmup: bool = False  # compile every bucket at load
+    native_matmul: bool | None = None  # on one CPU die, use pantheon.native's kernel (None: PANTHEON_NATIVE_MATMUL)
+    native_dir: str | None = None  # where the kernel's library is cached (default $PANTHEON_HOME/native)
 
 
 def _geometric_buckets(lo: int, hi: int, factor: int) -> tuple[int, ...]:
@@ -101,7 +104,7 @@ class Model:
 
     def __init__(self, path: Path, name: str, cfg: ModelConfig, meta: dict[str, Any], arch: Any,
                  params: Any, tokenizer: Any, template: Any, opts: LoadOptions, devices: list[Any],
-                 compute_dtype: Any, weight_bytes: int):
+                 compute_dtype: Any, weight_bytes: int, native_matmul: bool = False):
         self.path = path
         self.name = name
         self.config = cfg
@@ -114,6 +117,7 @@ class Model:
         self.devices = devices
         self.dtype = compute_dtype
         self.weight_bytes = weight_bytes
+        self.native_matmul = native_matmul  # trace the steps with pantheon.native's few-row kernel
         self.n_slots = opts.n_slots
         self.max_seq = min(opts.max_seq, cfg.context_length) if cfg.context_length else opts.max_seq
         self.chunk = max(1, min(opts.prefill_chunk, self.max_seq))
@@ -172,13 +176,15 @@ class Model:
 
     # ---- the jitted step -----------------------------------------------------------------------
     def _forward_impl(self, params, state, tokens, slots, start, n_new, *, span: int, all_logits: bool):
-        logits, state = self.arch.forward(params, state, tokens, slots, start, n_new, cfg=self.config,
-                                          span=span, all_logits=all_logits)
+        with native.used(self.native_matmul):
+            logits, state = self.arch.forward(params, state, tokens, slots, start, n_new, cfg=self.config,
+                                              span=span, all_logits=all_logits)
         last = last_valid(logits, n_new) if all_logits else logits
         return last, (logits if all_logits else None), state
 
     def _mixed_impl(self, params, state, prefill, decode, order, *, span: int):
-        logits, state = self.arch.forward_groups(params, state, (prefill, decode), cfg=self.config, span=span)
+        with native.used(self.native_matmul):
+            logits, state = self.arch.forward_groups(params, state, (prefill, decode), cfg=self.config, span=span)
         return logits[order], None, state
 
     def step_begin(self, state: Any, tokens: Sequence[Sequence[int]], slots: Sequence[int],
@@ -461,6 +467,11 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
         host_params = arch.fuse_projections(host_params)
     if len(devices) == 1 and hasattr(arch, "unstack_matrices"):  # sharding rules expect stacked layers
         host_params = arch.unstack_matrices(host_params)
+    use_native = False
+    if len(devices) == 1 and devices[0].platform == "cpu" and dtype == jnp.float32:
+        settings = load_settings()
+        if settings.native_matmul if opts.native_matmul is None else opts.native_matmul:
+            use_native = native.enable(Path(opts.native_dir) if opts.native_dir else settings.home / "native")
     weight_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(host_params)))
 
     def put(x):
@@ -481,7 +492,8 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     del host_params
     tokenizer, template = _tokenizer_and_template(p, f.meta)
     name = opts.name or p.stem
-    return Model(p, name, cfg, f.meta, arch, params, tokenizer, template, opts, devices, dtype, weight_bytes)
+    return Model(p, name, cfg, f.meta, arch, params, tokenizer, template, opts, devices, dtype, weight_bytes,
+                 native_matmul=use_native)
 
 
 def _tokenizer_and_template(path: Path, meta: dict[str, Any]):

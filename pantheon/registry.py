@@ -136,7 +136,8 @@ def _load_options(name: str, settings: Settings) -> Any:
     """The LoadOptions a model is loaded with: the estimate must see exactly what the load will do."""
     from .engine import LoadOptions
     return LoadOptions(name=name, dtype=settings.dtype, n_slots=max(1, settings.batch_slots),
-                       max_seq=settings.max_seq, prefill_chunk=settings.prefill_chunk)
+                       max_seq=settings.max_seq, prefill_chunk=settings.prefill_chunk,
+                       native_matmul=settings.native_matmul, native_dir=str(settings.home / "native"))
 
 
 def estimate_load(path: Path, settings: Settings, platform: str) -> Any:

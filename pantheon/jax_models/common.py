@@ -11,6 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .. import native as pantheon_native
 from ..gguf_loader import ROPE_NORM
 
 
@@ -24,14 +25,19 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 WEIGHT_MAJOR_ROWS = 8
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, native: bool = False) -> jax.Array:
     """y = x @ w.T with w stored (out, in): the layout XLA:CPU multiplies fastest (jax-cpu-tuning).
 
-    From WEIGHT_MAJOR_ROWS rows on, the product is formed weight-major (w @ x.T, then transposed):
-    XLA:CPU's f32 GEMM runs 1.3-1.9x faster that way at 8 rows for the SmolLM2 FFN and fused QKV
-    shapes (measured), while one row stays a plain matrix-vector product.
+    `native`: the caller's weight lives whole on one die, so the few-row kernel of pantheon.native
+    may take the product when it is built and the shape suits it (decode and small mixed steps).
+    Otherwise, from WEIGHT_MAJOR_ROWS rows on, the product is formed weight-major (w @ x.T, then
+    transposed): XLA:CPU's f32 GEMM runs 1.3-1.9x faster that way at 8 rows for the SmolLM2 FFN and
+    fused QKV shapes (measured), while one row stays a plain matrix-vector product.
     """
-    if math.prod(x.shape[:-1]) >= WEIGHT_MAJOR_ROWS:
+    rows = math.prod(x.shape[:-1])
+    if native and pantheon_native.applies(rows, w):
+        y = pantheon_native.matmul(x, w)
+    elif rows >= WEIGHT_MAJOR_ROWS:
         y = jnp.moveaxis(jnp.einsum("oi,...i->o...", w, x.astype(w.dtype), preferred_element_type=jnp.float32),
                          0, -1)
     else:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import native
 from ..gguf_loader import ModelConfig, TensorSource
 from . import common, moe_kernels
 
@@ -110,8 +111,8 @@ def unstack_matrices(params: dict[str, Any]) -> dict[str, Any]:
 def matmul(lp: dict[str, Any], name: str, h: jax.Array, li: jax.Array, bias: str | None = None) -> jax.Array:
     """common.linear with layer li's weight `name`: stacked (already sliced by the scan) or per layer."""
     w, b = lp[name], lp.get(bias) if bias else None
-    if isinstance(w, tuple):
-        return jax.lax.switch(li, [lambda x, wi=wi: common.linear(x, wi, b) for wi in w], h)
+    if isinstance(w, tuple):  # single die: the native few-row kernel may take it
+        return jax.lax.switch(li, [lambda x, wi=wi: common.linear(x, wi, b, native=True) for wi in w], h)
     return common.linear(h, w, b)
 
 
@@ -189,10 +190,14 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
             kc = common.write_kv(kc, li, kg, slots, start)
             vc = common.write_kv(vc, li, vg, slots, start)
         outs = []
-        for (_, slots, _, _), qg, pos in zip(groups, qs, positions):
-            kspan = common.gather_span(kc, li, slots, span)
-            vspan = common.gather_span(vc, li, slots, span)
-            outs.append(common.attention(qg, kspan, vspan, pos, cfg.attn_scale).reshape(-1, nh * hd))
+        for (_, slots, start, _), qg, pos in zip(groups, qs, positions):
+            if native.attention_applies(qg, kc):  # decode rows, one CPU die: read the slots in place
+                o = native.decode_attention(qg, kc, vc, li, slots, start, cfg.attn_scale)
+            else:
+                kspan = common.gather_span(kc, li, slots, span)
+                vspan = common.gather_span(vc, li, slots, span)
+                o = common.attention(qg, kspan, vspan, pos, cfg.attn_scale)
+            outs.append(o.reshape(-1, nh * hd))
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
         x = x + matmul(lp, "wo", o, li, "bo")
         h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
@@ -227,5 +232,6 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
         x = jnp.concatenate([common.last_valid(xg, g[3]) for xg, g in zip(xs, groups)])
     x = common.rms_norm(x, params["norm"], cfg.rms_eps)
     head = params["embed"] if params["head"] is None else params["head"]
-    logits = common.linear(x, head, params.get("head_bias")).astype(jnp.float32)
+    whole = isinstance(params["layers"].get("wo"), tuple)  # unstacked: the model sits on one die
+    logits = common.linear(x, head, params.get("head_bias"), native=whole).astype(jnp.float32)
     return logits, {"k": kc, "v": vc}

@@ -1,0 +1,181 @@
+"""Native decode kernels: small C++ XLA FFI kernels, built with the machine's compiler on first use.
+
+Why: a decode step multiplies a handful of rows (1-8 slots, a few more in a mixed step) by every
+weight matrix, and attends one query per row over that row's slot of the cache. XLA:CPU runs the
+first as a general GEMM that packs the weights on every call (an 8-row product at half the speed the
+weights stream from memory) and the second as a gather of a bucketed span of every slot followed by
+masked batched matmuls. `native/cpu_kernels.cc` does both directly, and keeps each row's result
+independent of the other rows in the call (see its header). They serve x86 CPUs with AVX2 and FMA;
+anywhere else, or when the build fails, or with PANTHEON_NATIVE_MATMUL=0, the XLA forms stay and
+nothing else changes.
+
+The shared library is cached in `$PANTHEON_HOME/native/`, named by a hash of the source, the flags
+and the jaxlib version, so a changed kernel or jaxlib rebuilds it (a few seconds of g++).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import osthread
+
+log = logging.getLogger(__name__)
+
+TARGET = "pantheon_rows_matmul"
+ATTENTION_TARGET = "pantheon_decode_attention"
+# Up to this many rows the kernel beats XLA:CPU's GEMM (measured on the FFN shapes: 1.7x at 8 rows,
+# 1.3x at 32; at 64 rows XLA's blocked GEMM is faster).
+MAX_ROWS = 32
+SOURCE = Path(__file__).with_name("native") / "cpu_kernels.cc"
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+
+_build_lock = osthread.Lock()  # serialises build/registration; guards _ready and _failed
+_ready = False  # the FFI target is registered in this process
+_failed: str | None = None  # why the kernel is unavailable (set once; not retried)
+# Whether the forward being traced may use the kernel: a model opts in around its own trace
+# (engine.Model), so two models in one process can differ and plain calls keep XLA's dot.
+_in_use: contextvars.ContextVar[bool] = contextvars.ContextVar("pantheon_native_in_use", default=False)
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if sys.platform != "linux":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx2", "fma"} <= flags
+    except OSError:
+        pass
+    return False
+
+
+def _library_path(cache_dir: Path) -> Path:
+    import jaxlib
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(_FLAGS).encode())
+    h.update(jaxlib.__version__.encode())
+    return cache_dir / f"cpu_kernels-{h.hexdigest()[:16]}.so"
+
+
+def _compile(out: Path) -> None:
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if res.returncode:
+            raise RuntimeError(f"{cxx} failed: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent builder sees the whole library or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def enable(cache_dir: Path) -> bool:
+    """Build (once per source/jaxlib) and register the kernel; True when `linear` may use it.
+
+    Idempotent and safe from several threads. A failure is logged once and leaves XLA's dot in place.
+    """
+    global _ready, _failed
+    with _build_lock:
+        if _ready or _failed:
+            return _ready
+        try:
+            if not _cpu_has_avx2_fma():
+                raise RuntimeError("this CPU lacks AVX2/FMA")
+            lib_path = _library_path(Path(cache_dir))
+            if not lib_path.exists():
+                _compile(lib_path)
+            lib = ctypes.cdll.LoadLibrary(str(lib_path))
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PantheonRowsMatmul), platform="cpu")
+            jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.PantheonDecodeAttention),
+                                        platform="cpu")
+            _ready = True
+        except Exception as exc:  # the XLA dot still works; say why once
+            _failed = f"{type(exc).__name__}: {exc}"
+            log.warning("native matmul unavailable, using XLA's dot: %s", _failed)
+        return _ready
+
+
+def ready() -> bool:
+    return _ready
+
+
+def unavailable_reason() -> str | None:
+    return _failed
+
+
+@contextlib.contextmanager
+def used(on: bool) -> Iterator[None]:
+    """Trace the enclosed forward with (on=True) or without the kernel."""
+    token = _in_use.set(on)
+    try:
+        yield
+    finally:
+        _in_use.reset(token)
+
+
+def applies(rows: int, w: jax.Array) -> bool:
+    """Whether `linear(..., native=True)` runs the kernel for `rows` rows times this weight (at trace time)."""
+    return (_ready and _in_use.get() and 0 < rows <= MAX_ROWS and w.ndim == 2 and w.dtype == jnp.float32
+            and w.shape[1] % 8 == 0)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w.T for w [N, K] in f32: the kernel on CPU, XLA's dot on any other platform."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], w.shape[0]), jnp.float32)
+
+    def on_cpu(x2, w):
+        return jax.ffi.ffi_call(TARGET, out)(x2, w)
+
+    def elsewhere(x2, w):
+        return jnp.einsum("mk,nk->mn", x2, w, preferred_element_type=jnp.float32)
+
+    y = jax.lax.platform_dependent(x2, w, cpu=on_cpu, default=elsewhere)
+    return y.reshape(lead + (w.shape[0],))
+
+
+def attention_applies(q: jax.Array, cache: jax.Array) -> bool:
+    """Whether `decode_attention` serves q [B, 1, N, D] over cache [L, S, K, C, D] (at trace time)."""
+    d = q.shape[-1]
+    return (_ready and _in_use.get() and q.ndim == 4 and q.shape[1] == 1 and cache.ndim == 5
+            and cache.dtype == jnp.float32 and cache.shape[-1] == d and d % 8 == 0 and d <= 256
+            and q.shape[2] % cache.shape[2] == 0)
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                     slots: jax.Array, pos: jax.Array, scale: float) -> jax.Array:
+    """Causal attention of one query token per row, read in place from the slot caches.
+
+    q [B, 1, N, D]; caches [L, S, K, C, D]; row b attends to positions 0..pos[b] of slot slots[b] in
+    layer `layer`. Returns [B, 1, N * D] like common.attention. CPU only (callers check `attention_applies`).
+    """
+    b, _, n, d = q.shape
+    out = jax.ShapeDtypeStruct((b, n, d), jnp.float32)
+    o = jax.ffi.ffi_call(ATTENTION_TARGET, out)(
+        q.reshape(b, n, d).astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32),
+        slots.astype(jnp.int32), pos.astype(jnp.int32), scale=np.float32(scale))
+    return o.reshape(b, 1, n * d).astype(q.dtype)

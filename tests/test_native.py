@@ -1,0 +1,141 @@
+"""The native few-row matmul (pantheon.native): exact enough, row-invariant, used by the engine, optional."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_fixture
+from pantheon import engine, native
+from pantheon.config import load_settings
+from pantheon.jax_models import common
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not native.enable(load_settings().home / "native"):
+        pytest.fail(f"the native kernel did not build on this machine: {native.unavailable_reason()}")
+    return jax.jit(native.matmul)
+
+
+@pytest.mark.parametrize("n, k", [(1001, 64), (7, 8), (3072, 576)])
+def test_the_product_matches_float64_numpy(kernel, n, k):
+    rng = np.random.default_rng(n)
+    w = rng.standard_normal((n, k), np.float32)
+    x = rng.standard_normal((32, k), np.float32)
+    got = np.asarray(kernel(jnp.asarray(x), jnp.asarray(w)))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert got.shape == (32, n)
+    assert np.abs(got - want).max() <= 1e-5 * np.sqrt(k) * np.abs(want).max()
+
+
+def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(kernel):
+    """Batch invariance: alone, in a batch of 8, or among 32 rows, a row's product is bit-identical."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((1536, 576), np.float32))
+    x = jnp.asarray(rng.standard_normal((32, 576), np.float32))
+    full = np.asarray(kernel(x, w))
+    for m in range(1, 33):
+        assert np.array_equal(np.asarray(kernel(x[:m], w)), full[:m]), m
+    assert np.array_equal(np.asarray(kernel(x[5:6], w)), full[5:6])
+
+
+def test_leading_axes_are_kept(kernel):
+    x = jnp.ones((2, 3, 16), jnp.float32)
+    w = jnp.ones((5, 16), jnp.float32)
+    assert kernel(x, w).shape == (2, 3, 5)
+    assert float(kernel(x, w)[1, 2, 4]) == 16.0
+
+
+def test_only_a_model_that_opts_in_and_few_rows_use_it(kernel):
+    w = jnp.ones((8, 64), jnp.float32)
+    assert not native.applies(8, w)  # outside a model's trace
+    with native.used(True):
+        assert native.applies(1, w) and native.applies(native.MAX_ROWS, w)
+        assert not native.applies(native.MAX_ROWS + 1, w)  # prefill chunks: XLA's blocked GEMM is faster
+        assert not native.applies(8, jnp.ones((8, 60), jnp.float32))  # K not a multiple of 8
+        assert not native.applies(8, w.astype(jnp.bfloat16))
+
+
+def test_decode_steps_run_the_kernel_and_prefill_chunks_keep_xla(kernel):
+    path, _, _ = tiny_fixture("llama")
+    model = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, native_matmul=True))
+    assert model.native_matmul
+
+    def lowered(rows: int, t: int) -> str:
+        fn = jax.jit(partial(model._forward_impl, span=64, all_logits=False))
+        z = jnp.zeros((rows,), jnp.int32)
+        return fn.lower(model.params, model.new_state(), jnp.zeros((rows, t), jnp.int32), z, z,
+                        jnp.ones((rows,), jnp.int32)).as_text()
+
+    n_layers = model.config.n_layers
+    decode, chunk = lowered(2, 1), lowered(1, 64)
+    # decode: qkv, o, gate-up and down of every layer (one switch branch each) and the LM head
+    assert decode.count("call @" + native.TARGET) == 4 * n_layers + 1
+    assert decode.count("call @" + native.ATTENTION_TARGET) == 1  # in the layer scan's body
+    # a 64-token chunk: the layers' matmuls and attention stay XLA's; only the last token's LM head
+    # is a few-row product
+    assert chunk.count("call @" + native.TARGET) == 1
+    assert native.ATTENTION_TARGET not in chunk
+
+
+def _cache_and_queries(seed: int, rows: int):
+    rng = np.random.default_rng(seed)
+    L, S, K, C, D, N = 3, 9, 2, 300, 64, 6  # 3 query heads per kv head
+    kc, vc = (jnp.asarray(rng.standard_normal((L, S, K, C, D), np.float32)) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((rows, 1, N, D), np.float32))
+    return q, kc, vc
+
+
+def test_decode_attention_equals_the_gathered_masked_form(kernel):
+    q, kc, vc = _cache_and_queries(0, 8)
+    slots = jnp.asarray([3, 1, 0, 8, 5, 2, 7, 6], jnp.int32)
+    pos = jnp.asarray([0, 5, 100, 299, 17, 3, 64, 200], jnp.int32)  # first and last position included
+    layer = jnp.int32(2)
+    with native.used(True):
+        assert native.attention_applies(q, kc)
+        got = jax.jit(partial(native.decode_attention, scale=0.125))(q, kc, vc, layer, slots, pos)
+    want = common.attention(q, common.gather_span(kc, layer, slots, 300), common.gather_span(vc, layer, slots, 300),
+                            pos[:, None], 0.125)
+    assert got.shape == want.shape == (8, 1, 6 * 64)
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-5
+
+
+def test_decode_attention_of_a_row_does_not_depend_on_the_other_rows(kernel):
+    q, kc, vc = _cache_and_queries(1, 8)
+    slots, pos = jnp.arange(8, dtype=jnp.int32), jnp.asarray([7, 70, 140, 210, 280, 9, 99, 199], jnp.int32)
+    fn = jax.jit(partial(native.decode_attention, scale=0.125))
+    full = np.asarray(fn(q, kc, vc, jnp.int32(1), slots, pos))
+    for b in range(8):
+        alone = np.asarray(fn(q[b:b + 1], kc, vc, jnp.int32(1), slots[b:b + 1], pos[b:b + 1]))
+        assert np.array_equal(alone, full[b:b + 1]), b
+
+
+def test_with_and_without_the_kernel_a_model_computes_the_same_logits(kernel):
+    path, j, _ = tiny_fixture("qwen3")
+    opts = dict(n_slots=2, max_seq=64, prefill_chunk=16)
+    on = engine.load(path, engine.LoadOptions(native_matmul=True, **opts))
+    off = engine.load(path, engine.LoadOptions(native_matmul=False, **opts))
+    assert on.native_matmul and not off.native_matmul
+    ids = j["prompt_ids"][:12]
+    got = [np.asarray(m.logits(ids, chunk=1)) for m in (on, off)]  # one token a step: decode-shaped
+    assert np.abs(got[0] - got[1]).max() < 1e-4
+
+
+def test_a_failed_build_leaves_xla_in_place(tmp_path, monkeypatch, caplog):
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "_ready", False)
+    monkeypatch.setattr(native, "_failed", None)
+    assert native.enable(tmp_path / "cache") is False
+    assert "failed" in native.unavailable_reason()
+    assert "native matmul unavailable" in caplog.text
+    with native.used(True):
+        assert not native.applies(8, jnp.ones((8, 64), jnp.float32))
+        assert not native.attention_applies(*_cache_and_queries(0, 1)[:2])
+    assert native.enable(tmp_path / "cache") is False  # not retried on every load

@@ -98,8 +98,10 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _MAX_ARRAY_DECODE = 4096  # per-layer arrays are decoded; vocabularies (150k strings) are skipped
 
 
-def scan_gguf_header(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
-    """(metadata, tensor name -> dims in GGUF order) read from the header alone.
+def scan_gguf_header(path: str | Path, types: dict[str, int] | None = None
+                     ) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """(metadata, tensor name -> dims in GGUF order) read from the header alone; `types`, when given,
+    receives each tensor's ggml type id.
 
     Why not gguf.GGUFReader / open_gguf: it decodes every metadata value (a 150k-token vocabulary
     takes ~25 s), while an admission answer must come in milliseconds. Large arrays (the vocabulary,
@@ -164,8 +166,11 @@ def scan_gguf_header(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple[
             name = read_string()
             (n_dims,) = read("<I")
             dims = read(f"<{n_dims}Q")
-            f.seek(12, 1)  # ggml type (u32) + data offset (u64)
+            (ggml_type,) = read("<I")
+            f.seek(8, 1)  # data offset (u64)
             tensors[name] = tuple(int(d) for d in dims)
+            if types is not None:
+                types[name] = int(ggml_type)
     return meta, tensors
 
 
@@ -204,6 +209,33 @@ def _weight_groups(dims: dict[str, tuple[int, ...]], per: int) -> tuple[int, int
         else:
             rep += b
     return total, rep, attn, ffn
+
+
+def _native_twins_expected(cfg: Any, opts: Any) -> bool:
+    """Whether a single-die CPU load keeps GGUF block twins of its matrices (engine.load_on, pantheon.native)."""
+    from .config import load_settings
+    from .jax_models import registry as arch_registry
+    arch = arch_registry.module_for(cfg.arch)
+    wanted = getattr(opts, "native_matmul", None)
+    return (arch is not None and hasattr(arch, "attach_blocks")
+            and (load_settings().native_matmul if wanted is None else bool(wanted)))
+
+
+_TWIN_PARTS = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.", "ffn_down.")
+
+
+def _block_twin_bytes(dims: dict[str, tuple[int, ...]], types: dict[str, int]) -> int:
+    """Bytes of the matrices (and LM head) stored in a block format the native kernel reads: an upper
+    bound of the twins `attach_blocks` keeps (a fused matrix whose parts differ keeps none)."""
+    from .native import QUANT_FORMATS
+    block_bytes = {type_id: size for type_id, size in QUANT_FORMATS.values()}
+    out = 0
+    for name, shape in dims.items():
+        matrix = name.startswith("blk.") and any(part in name for part in _TWIN_PARTS)
+        if len(shape) == 2 and types.get(name) in block_bytes and (matrix or name in ("token_embd.weight",
+                                                                                       "output.weight")):
+            out += shape[1] * (shape[0] // 32) * block_bytes[types[name]]
+    return out
 
 
 def _safetensors_dims(files: Sequence[Path]) -> dict[str, tuple[int, ...]]:
@@ -287,12 +319,16 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
         else:
             from .errors import ModelLoadError
             from .gguf_loader import config_from_metadata
+            types: dict[str, int] = {}
             try:
-                meta, dims = scan_gguf_header(p)
+                meta, dims = scan_gguf_header(p, types)
             except (OSError, ValueError) as exc:
                 raise ModelLoadError(p, f"cannot read the GGUF header: {exc}") from exc
             cfg = config_from_metadata(p, meta, _HeaderTensors(p, dims))  # type: ignore[arg-type]
             total, rep, attn, ffn = _weight_groups(dims, per)
+            if per == 4 and platform == "cpu" and _native_twins_expected(cfg, opts):
+                twins = _block_twin_bytes(dims, types)
+                total, rep = total + twins, rep + twins
     arch = arch_registry.module_for(cfg.arch)
     bpt = int(arch.state_bytes_per_token(cfg)) if arch is not None else int(cfg.kv_bytes_per_token)
     per_seq = int(arch.state_bytes_per_sequence(cfg)) if arch is not None and hasattr(

@@ -465,13 +465,15 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
         raise ModelLoadError(p, f"failed to build parameters: {type(exc).__name__}: {exc}") from exc
     if len(devices) == 1 and hasattr(arch, "fuse_projections"):  # sharding splits q/k/v by their own heads
         host_params = arch.fuse_projections(host_params)
+    use_native = False
     if len(devices) == 1 and hasattr(arch, "unstack_matrices"):  # sharding rules expect stacked layers
         host_params = arch.unstack_matrices(host_params)
-    use_native = False
-    if len(devices) == 1 and devices[0].platform == "cpu" and dtype == jnp.float32:
-        settings = load_settings()
-        if settings.native_matmul if opts.native_matmul is None else opts.native_matmul:
-            use_native = native.enable(Path(opts.native_dir) if opts.native_dir else settings.home / "native")
+        if devices[0].platform == "cpu" and dtype == jnp.float32:
+            settings = load_settings()
+            if settings.native_matmul if opts.native_matmul is None else opts.native_matmul:
+                use_native = native.enable(Path(opts.native_dir) if opts.native_dir else settings.home / "native")
+        if use_native and hasattr(arch, "attach_blocks") and hasattr(f.tensors, "blocks"):
+            host_params = arch.attach_blocks(host_params, f.tensors, cfg)
     weight_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(host_params)))
 
     def put(x):

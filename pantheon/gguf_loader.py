@@ -9,6 +9,7 @@ half-built model.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,16 @@ class TensorSource:
         if shape is not None and tuple(arr.shape) != tuple(shape):
             raise ModelLoadError(self.path, f"tensor {name!r} has shape {arr.shape}, expected {tuple(shape)}")
         return arr
+
+    def blocks(self, name: str, formats: Collection[str]) -> tuple[str, np.ndarray] | None:
+        """(format, raw blocks [rows, bytes per row]) of a matrix stored in one of `formats`, else None.
+
+        For kernels that read GGUF's block formats directly (pantheon.native); a view of the file.
+        """
+        t = self._tensors.get(name)
+        if t is None or t.tensor_type.name not in formats or len(t.shape) != 2 or t.data.ndim != 2:
+            return None
+        return t.tensor_type.name, t.data
 
     def get_optional(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray | None:
         return self.get(name, shape) if self.has(name) else None

@@ -37,12 +37,15 @@ from . import osthread
 log = logging.getLogger(__name__)
 
 TARGET = "pantheon_rows_matmul"
+QUANT_TARGET = "pantheon_rows_matmul_q"
+# GGUF block formats the quantized product reads: name -> (ggml type id, bytes per 32 weights).
+QUANT_FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q5_0": (6, 22), "Q5_1": (7, 24), "Q8_0": (8, 34)}
 ATTENTION_TARGET = "pantheon_decode_attention"
 # Up to this many rows the kernel beats XLA:CPU's GEMM (measured on the FFN shapes: 1.7x at 8 rows,
 # 1.3x at 32; at 64 rows XLA's blocked GEMM is faster).
 MAX_ROWS = 32
 SOURCE = Path(__file__).with_name("native") / "cpu_kernels.cc"
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w")
 
 _build_lock = osthread.Lock()  # serialises build/registration; guards _ready and _failed
 _ready = False  # the FFI target is registered in this process
@@ -60,7 +63,7 @@ def _cpu_has_avx2_fma() -> bool:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
+                    return {"avx2", "fma", "f16c"} <= flags
     except OSError:
         pass
     return False
@@ -109,6 +112,8 @@ def enable(cache_dir: Path) -> bool:
                 _compile(lib_path)
             lib = ctypes.cdll.LoadLibrary(str(lib_path))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PantheonRowsMatmul), platform="cpu")
+            jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(lib.PantheonRowsMatmulQuant),
+                                        platform="cpu")
             jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.PantheonDecodeAttention),
                                         platform="cpu")
             _ready = True
@@ -156,6 +161,33 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
     y = jax.lax.platform_dependent(x2, w, cpu=on_cpu, default=elsewhere)
     return y.reshape(lead + (w.shape[0],))
+
+
+def _quant_type(k: int, wq: jax.Array) -> int | None:
+    """The ggml type id of blocks wq [N, bytes] holding rows of k weights, from the bytes per row."""
+    if wq.ndim != 2 or wq.dtype != jnp.uint8 or k % 32:
+        return None
+    for type_id, block in QUANT_FORMATS.values():
+        if wq.shape[1] == k // 32 * block:
+            return type_id
+    return None
+
+
+def quant_applies(rows: int, k: int, wq: jax.Array) -> bool:
+    """Whether `quant_matmul` serves `rows` rows of k inputs times the GGUF blocks wq (at trace time)."""
+    return _ready and _in_use.get() and 0 < rows <= MAX_ROWS and _quant_type(k, wq) is not None
+
+
+def quant_matmul(x: jax.Array, wq: jax.Array) -> jax.Array:
+    """x [..., K] @ W.T where W [N, K] is stored as its GGUF blocks wq [N, K/32 * block bytes] (CPU only)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    qtype = _quant_type(k, wq)
+    if qtype is None:
+        raise ValueError(f"weights of shape {wq.shape} are no GGUF block format for {k} inputs")
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], wq.shape[0]), jnp.float32)
+    y = jax.ffi.ffi_call(QUANT_TARGET, out)(x2, wq, qtype=np.int32(qtype))
+    return y.reshape(lead + (wq.shape[0],))
 
 
 def attention_applies(q: jax.Array, cache: jax.Array) -> bool:

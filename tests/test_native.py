@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +125,89 @@ def test_with_and_without_the_kernel_a_model_computes_the_same_logits(kernel):
     ids = j["prompt_ids"][:12]
     got = [np.asarray(m.logits(ids, chunk=1)) for m in (on, off)]  # one token a step: decode-shaped
     assert np.abs(got[0] - got[1]).max() < 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_the_block_format_product_equals_the_f32_product_over_ggufs_dequantized_weights(kernel, fmt):
+    """Bit for bit: the kernel expands each block to exactly the f32 values gguf's dequantizer gives."""
+    rng = np.random.default_rng(2)
+    qtype = gguf.GGMLQuantizationType[fmt]
+    blocks = gguf.quants.quantize(rng.standard_normal((333, 576)).astype(np.float32), qtype)
+    weights = gguf.quants.dequantize(blocks, qtype).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((32, 576), np.float32))
+    quant = jax.jit(native.quant_matmul)
+    for m in (1, 3, 8, 13, 32):
+        assert np.array_equal(np.asarray(quant(x[:m], jnp.asarray(blocks))), np.asarray(kernel(x[:m], jnp.asarray(weights))))
+    with native.used(True):
+        assert native.quant_applies(8, 576, jnp.asarray(blocks))
+        assert not native.quant_applies(8, 544, jnp.asarray(blocks))  # bytes per row do not fit 544 inputs
+
+
+def _write_quantized_llama(path, formats: dict[str, str]) -> None:
+    """A 2-layer random llama whose matrices are stored in the given GGUF block formats."""
+    from test_gguf_loader import _tokenizer_fields
+    tok = _tokenizer_fields()
+    vocab, H, FF, L = len(tok["tokenizer.ggml.tokens"]), 64, 128, 2
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in {"block_count": L, "embedding_length": H, "feed_forward_length": FF, "attention.head_count": 4,
+                 "attention.head_count_kv": 2, "context_length": 128}.items():
+        w.add_uint32(f"llama.{k}", v)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    rng = np.random.default_rng(3)
+    shapes = {"token_embd.weight": (vocab, H), "output_norm.weight": (H,)}
+    for i in range(L):
+        shapes.update({f"blk.{i}.attn_norm.weight": (H,), f"blk.{i}.attn_q.weight": (H, H),
+                       f"blk.{i}.attn_k.weight": (H // 2, H), f"blk.{i}.attn_v.weight": (H // 2, H),
+                       f"blk.{i}.attn_output.weight": (H, H), f"blk.{i}.ffn_norm.weight": (H,),
+                       f"blk.{i}.ffn_gate.weight": (FF, H), f"blk.{i}.ffn_up.weight": (FF, H),
+                       f"blk.{i}.ffn_down.weight": (H, FF)})
+    for name, shape in shapes.items():
+        values = rng.normal(0, 0.3 if len(shape) == 2 else 1.0, size=shape).astype(np.float32)
+        fmt = next((f for part, f in formats.items() if part in name), None) if len(shape) == 2 else None
+        if fmt:
+            qtype = gguf.GGMLQuantizationType[fmt]
+            w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_quantized_file_decodes_from_its_blocks_with_the_f32_results(kernel, tmp_path):
+    path = tmp_path / "q.gguf"
+    _write_quantized_llama(path, {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_0",
+                                  "ffn_gate": "Q5_0", "ffn_up": "Q5_0", "ffn_down": "Q5_1", "token_embd": "Q8_0"})
+    opts = dict(n_slots=2, max_seq=64, prefill_chunk=16)
+    on = engine.load(path, engine.LoadOptions(native_matmul=True, **opts))
+    off = engine.load(path, engine.LoadOptions(native_matmul=False, **opts))
+    assert {k for k in on.params["layers"] if k.endswith("_q")} == {"wqkv_q", "wo_q", "w_gu_q", "w_down_q"}
+    assert on.params["head_q"].dtype == np.uint8 and "head_q" not in off.params
+    fn = jax.jit(partial(on._forward_impl, span=64, all_logits=False))
+    z = jnp.zeros((2,), jnp.int32)
+    text = fn.lower(on.params, on.new_state(), jnp.zeros((2, 1), jnp.int32), z, z, jnp.ones((2,), jnp.int32)).as_text()
+    assert text.count("call @" + native.QUANT_TARGET) == 4 * on.config.n_layers + 1
+    ids = list(range(5, 25))
+    got = [np.asarray(m.logits(ids, chunk=1)) for m in (on, off)]
+    assert np.abs(got[0] - got[1]).max() < 1e-4
+    greedy = [list(m.generate(ids, max_tokens=12, stop_ids=[])) for m in (on, off)]
+    assert greedy[0] == greedy[1]
+
+
+def test_a_fused_matrix_whose_parts_differ_in_format_keeps_the_f32_kernel(kernel, tmp_path):
+    path = tmp_path / "mixed.gguf"
+    _write_quantized_llama(path, {"attn_q": "Q4_1", "attn_k": "Q8_0", "ffn_gate": "Q4_0", "ffn_up": "Q4_0"})
+    model = engine.load(path, engine.LoadOptions(native_matmul=True, n_slots=1, max_seq=32, prefill_chunk=16))
+    assert {k for k in model.params["layers"] if k.endswith("_q")} == {"w_gu_q"}  # q/k/v differ; v is f32
+    assert "head_q" not in model.params  # an f32 embedding has no blocks
+    assert len(list(model.generate([5, 6, 7], max_tokens=3, stop_ids=[]))) == 3
 
 
 def test_a_failed_build_leaves_xla_in_place(tmp_path, monkeypatch, caplog):

@@ -108,11 +108,47 @@ def unstack_matrices(params: dict[str, Any]) -> dict[str, Any]:
     return {**params, "layers": lay}
 
 
+# Where each (fused) per-layer matrix comes from in a GGUF file, for its block-format twin.
+_GGUF_PARTS = {"wq": ("attn_q",), "wk": ("attn_k",), "wv": ("attn_v",), "wo": ("attn_output",),
+               "wqkv": ("attn_q", "attn_k", "attn_v"), "w_gate": ("ffn_gate",), "w_up": ("ffn_up",),
+               "w_gu": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
+
+
+def attach_blocks(params: dict[str, Any], src: Any, cfg: ModelConfig) -> dict[str, Any]:
+    """Add "<matrix>_q" twins: each per-layer matrix (and the LM head) in its GGUF block format.
+
+    Why: a decode step streams every weight once, and f32 weights are 5-8x the bytes of their
+    Q4/Q8 blocks. pantheon.native's quantized product reads the blocks and expands them to exactly
+    the f32 values `load_params` dequantized, so decode steps read a fraction of the bytes for the
+    same results; prefill chunks (compute-bound) keep XLA's f32 GEMM. Only matrices stored whole in
+    a format the kernel reads get a twin (a fused matrix needs all its parts in one format).
+    """
+    lay = dict(params["layers"])
+    for name, parts in _GGUF_PARTS.items():
+        if not isinstance(lay.get(name), tuple):
+            continue
+        per_layer = []
+        for i in range(cfg.n_layers):
+            found = [src.blocks(f"blk.{i}.{part}.weight", native.QUANT_FORMATS) for part in parts]
+            if any(f is None for f in found) or len({f[0] for f in found}) != 1:
+                break
+            per_layer.append(np.concatenate([f[1] for f in found]) if len(found) > 1 else np.asarray(found[0][1]))
+        else:
+            lay[name + "_q"] = tuple(per_layer)
+    out = {**params, "layers": lay}
+    head = src.blocks("token_embd.weight" if cfg.tied_output else "output.weight", native.QUANT_FORMATS)
+    if head is not None:
+        out["head_q"] = np.asarray(head[1])
+    return out
+
+
 def matmul(lp: dict[str, Any], name: str, h: jax.Array, li: jax.Array, bias: str | None = None) -> jax.Array:
     """common.linear with layer li's weight `name`: stacked (already sliced by the scan) or per layer."""
     w, b = lp[name], lp.get(bias) if bias else None
-    if isinstance(w, tuple):  # single die: the native few-row kernel may take it
-        return jax.lax.switch(li, [lambda x, wi=wi: common.linear(x, wi, b, native=True) for wi in w], h)
+    if isinstance(w, tuple):  # single die: the native kernels may take it (blocks: its GGUF twin)
+        blocks = lp.get(name + "_q") or (None,) * len(w)
+        return jax.lax.switch(li, [lambda x, wi=wi, qi=qi: common.linear(x, wi, b, native=True, blocks=qi)
+                                   for wi, qi in zip(w, blocks)], h)
     return common.linear(h, w, b)
 
 
@@ -233,5 +269,6 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
     x = common.rms_norm(x, params["norm"], cfg.rms_eps)
     head = params["embed"] if params["head"] is None else params["head"]
     whole = isinstance(params["layers"].get("wo"), tuple)  # unstacked: the model sits on one die
-    logits = common.linear(x, head, params.get("head_bias"), native=whole).astype(jnp.float32)
+    logits = common.linear(x, head, params.get("head_bias"), native=whole,
+                           blocks=params.get("head_q")).astype(jnp.float32)
     return logits, {"k": kc, "v": vc}

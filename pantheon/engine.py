@@ -48,8 +48,8 @@ class LoadOptions:
     prefill_chunk: int = 128
     config_path: str | None = None  # HF config.json for a safetensors checkpoint
     warmup: bool = False  # compile every bucket at load
-    native_matmul: bool | None = None  # on one CPU die, use pantheon.native's kernel (None: PANTHEON_NATIVE_MATMUL)
-    native_dir: str | None = None  # where the kernel's library is cached (default $PANTHEON_HOME/native)
+    native_matmul: bool | None = None  # on one CPU die, use pantheon.native's kernels (None: PANTHEON_NATIVE_MATMUL)
+    native_dir: str | None = None  # where the kernels' library is cached (default $PANTHEON_HOME/native)
 
 
 def _geometric_buckets(lo: int, hi: int, factor: int) -> tuple[int, ...]:

@@ -27,11 +27,21 @@ def _tokenizer_fields() -> dict:
     return {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
 
 
+def add_tiny_tokenizer(w: gguf.GGUFWriter) -> int:
+    """Write the tiny fixture's tokenizer into w; returns its vocabulary size."""
+    tok = _tokenizer_fields()
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    return len(tok["tokenizer.ggml.tokens"])
+
+
 def write_llama(path: Path, *, arch: str = "llama", drop: set[str] = frozenset(),
                 reshape: dict[str, tuple[int, ...]] | None = None, drop_meta: set[str] = frozenset()) -> Path:
     """A 1-layer random llama GGUF, optionally missing tensors/keys or with a tensor of the wrong shape."""
-    tok = _tokenizer_fields()
-    vocab = len(tok["tokenizer.ggml.tokens"])
     w = gguf.GGUFWriter(str(path), arch)
     keys = {
         f"{arch}.block_count": L, f"{arch}.embedding_length": H, f"{arch}.feed_forward_length": FF,
@@ -45,12 +55,7 @@ def write_llama(path: Path, *, arch: str = "llama", drop: set[str] = frozenset()
             w.add_float32(k, v)
         else:
             w.add_uint32(k, v)
-    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-    w.add_token_list(tok["tokenizer.ggml.tokens"])
-    w.add_token_types(tok["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
-    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    vocab = add_tiny_tokenizer(w)
     rng = np.random.default_rng(0)
     shapes = {"token_embd.weight": (vocab, H), "output_norm.weight": (H,), "blk.0.attn_norm.weight": (H,),
               "blk.0.attn_q.weight": (H, H), "blk.0.attn_k.weight": (H, H), "blk.0.attn_v.weight": (H, H),

@@ -145,20 +145,14 @@ def test_the_block_format_product_equals_the_f32_product_over_ggufs_dequantized_
 
 def _write_quantized_llama(path, formats: dict[str, str]) -> None:
     """A 2-layer random llama whose matrices are stored in the given GGUF block formats."""
-    from test_gguf_loader import _tokenizer_fields
-    tok = _tokenizer_fields()
-    vocab, H, FF, L = len(tok["tokenizer.ggml.tokens"]), 64, 128, 2
+    from test_gguf_loader import add_tiny_tokenizer
+    H, FF, L = 64, 128, 2
     w = gguf.GGUFWriter(str(path), "llama")
     for k, v in {"block_count": L, "embedding_length": H, "feed_forward_length": FF, "attention.head_count": 4,
                  "attention.head_count_kv": 2, "context_length": 128}.items():
         w.add_uint32(f"llama.{k}", v)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-    w.add_token_list(tok["tokenizer.ggml.tokens"])
-    w.add_token_types(tok["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
-    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    vocab = add_tiny_tokenizer(w)
     rng = np.random.default_rng(3)
     shapes = {"token_embd.weight": (vocab, H), "output_norm.weight": (H,)}
     for i in range(L):

@@ -117,8 +117,8 @@ _GGUF_PARTS = {"wq": ("attn_q",), "wk": ("attn_k",), "wv": ("attn_v",), "wo": ("
 def attach_blocks(params: dict[str, Any], src: Any, cfg: ModelConfig) -> dict[str, Any]:
     """Add "<matrix>_q" twins: each per-layer matrix (and the LM head) in its GGUF block format.
 
-    Why: a decode step streams every weight once, and f32 weights are 5-8x the bytes of their
-    Q4/Q8 blocks. pantheon.native's quantized product reads the blocks and expands them to exactly
+    Why: a decode step streams every weight once, and f32 weights are 4-7x the bytes of their
+    Q4/Q5/Q8 blocks. pantheon.native's quantized product reads the blocks and expands them to exactly
     the f32 values `load_params` dequantized, so decode steps read a fraction of the bytes for the
     same results; prefill chunks (compute-bound) keep XLA's f32 GEMM. Only matrices stored whole in
     a format the kernel reads get a twin (a fused matrix needs all its parts in one format).

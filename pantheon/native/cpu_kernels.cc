@@ -119,22 +119,6 @@ void Rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_
   }
 }
 
-// The same product when the weight rows sit in L1 (expanded blocks): x in blocks of 4 rows against
-// pairs of weight rows needs 6 loads per 8 FMAs instead of the 9 of an 8-row block, and re-reading
-// the weights for each block of x costs nothing there.
-void RowsCached(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t count) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) Tile<4, 2>(x + m * K, w, y + m * ldy, K, ldy, count);
-  const float* xr = x + m * K;
-  float* yr = y + m * ldy;
-  switch (M - m) {
-    case 3: Tile<3, 3>(xr, w, yr, K, ldy, count); break;
-    case 2: Tile<2, 4>(xr, w, yr, K, ldy, count); break;
-    case 1: Tile<1, 4>(xr, w, yr, K, ldy, count); break;
-    default: break;
-  }
-}
-
 // GGUF block formats the quantized product reads (ggml type ids), 32 weights a block.
 constexpr int32_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8;
 
@@ -243,7 +227,7 @@ ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     for (int64_t n = n0; n < n1; n += kRows) {
       const int64_t count = n + kRows <= n1 ? kRows : n1 - n;
       for (int64_t j = 0; j < count; ++j) DequantRow(wp + (n + j) * row_bytes, qtype, K, scratch.data() + j * K);
-      RowsCached(xp, scratch.data(), yp + n, M, K, N, count);
+      Rows(xp, scratch.data(), yp + n, M, K, N, count);
     }
   });
   return ffi::Error::Success();

@@ -48,14 +48,15 @@ SOURCE = Path(__file__).with_name("native") / "cpu_kernels.cc"
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w")
 
 _build_lock = osthread.Lock()  # serialises build/registration; guards _ready and _failed
-_ready = False  # the FFI target is registered in this process
-_failed: str | None = None  # why the kernel is unavailable (set once; not retried)
-# Whether the forward being traced may use the kernel: a model opts in around its own trace
+_ready = False  # the FFI targets are registered in this process
+_failed: str | None = None  # why the kernels are unavailable (set once; not retried)
+# Whether the forward being traced may use the kernels: a model opts in around its own trace
 # (engine.Model), so two models in one process can differ and plain calls keep XLA's dot.
 _in_use: contextvars.ContextVar[bool] = contextvars.ContextVar("pantheon_native_in_use", default=False)
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_supported() -> bool:
+    """x86 with AVX2, FMA and F16C (the kernels' instructions), read from Linux's cpuinfo."""
     if sys.platform != "linux":
         return False
     try:
@@ -96,17 +97,17 @@ def _compile(out: Path) -> None:
 
 
 def enable(cache_dir: Path) -> bool:
-    """Build (once per source/jaxlib) and register the kernel; True when `linear` may use it.
+    """Build (once per source/jaxlib) and register the kernels; True when the forwards may use them.
 
-    Idempotent and safe from several threads. A failure is logged once and leaves XLA's dot in place.
+    Idempotent and safe from several threads. A failure is logged once and leaves XLA's forms in place.
     """
     global _ready, _failed
     with _build_lock:
         if _ready or _failed:
             return _ready
         try:
-            if not _cpu_has_avx2_fma():
-                raise RuntimeError("this CPU lacks AVX2/FMA")
+            if not _cpu_supported():
+                raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
             lib_path = _library_path(Path(cache_dir))
             if not lib_path.exists():
                 _compile(lib_path)
@@ -117,14 +118,10 @@ def enable(cache_dir: Path) -> bool:
             jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.PantheonDecodeAttention),
                                         platform="cpu")
             _ready = True
-        except Exception as exc:  # the XLA dot still works; say why once
+        except Exception as exc:  # XLA's forms still work; say why once
             _failed = f"{type(exc).__name__}: {exc}"
-            log.warning("native matmul unavailable, using XLA's dot: %s", _failed)
+            log.warning("native matmul unavailable, using XLA's dot and attention: %s", _failed)
         return _ready
-
-
-def ready() -> bool:
-    return _ready
 
 
 def unavailable_reason() -> str | None:
@@ -133,7 +130,7 @@ def unavailable_reason() -> str | None:
 
 @contextlib.contextmanager
 def used(on: bool) -> Iterator[None]:
-    """Trace the enclosed forward with (on=True) or without the kernel."""
+    """Trace the enclosed forward with (on=True) or without the kernels."""
     token = _in_use.set(on)
     try:
         yield

@@ -1,4 +1,4 @@
-"""The native few-row matmul (pantheon.native): exact enough, row-invariant, used by the engine, optional."""
+"""The native decode kernels (pantheon.native): exact enough, row-invariant, used by the engine, optional."""
 
 from __future__ import annotations
 

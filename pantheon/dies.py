@@ -211,16 +211,6 @@ def _weight_groups(dims: dict[str, tuple[int, ...]], per: int) -> tuple[int, int
     return total, rep, attn, ffn
 
 
-def _native_twins_expected(cfg: Any, opts: Any) -> bool:
-    """Whether a single-die CPU load keeps GGUF block twins of its matrices (engine.load_on, pantheon.native)."""
-    from .config import load_settings
-    from .jax_models import registry as arch_registry
-    arch = arch_registry.module_for(cfg.arch)
-    wanted = getattr(opts, "native_matmul", None)
-    return (arch is not None and hasattr(arch, "attach_blocks")
-            and (load_settings().native_matmul if wanted is None else bool(wanted)))
-
-
 _TWIN_PARTS = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.", "ffn_down.")
 
 
@@ -287,7 +277,7 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
     the arch's bytes/token (+ its per-sequence recurrent bytes); scratch is SCRATCH_MIN_BYTES plus
     SCRATCH_FRACTION of the rest plus a prefill chunk's logits.
     """
-    from .engine import LoadOptions
+    from .engine import LoadOptions, native_wanted
     from .jax_models import registry as arch_registry
 
     if _is_model(source):
@@ -326,7 +316,9 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
                 raise ModelLoadError(p, f"cannot read the GGUF header: {exc}") from exc
             cfg = config_from_metadata(p, meta, _HeaderTensors(p, dims))  # type: ignore[arg-type]
             total, rep, attn, ffn = _weight_groups(dims, per)
-            if per == 4 and platform == "cpu" and _native_twins_expected(cfg, opts):
+            # the GGUF block twins engine.load_on attaches on one CPU die
+            if per == 4 and platform == "cpu" and hasattr(arch_registry.module_for(cfg.arch), "attach_blocks") \
+                    and native_wanted(opts):
                 twins = _block_twin_bytes(dims, types)
                 total, rep = total + twins, rep + twins
     arch = arch_registry.module_for(cfg.arch)

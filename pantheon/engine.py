@@ -428,6 +428,11 @@ def _resolve_dtype(opt: str, device: Any):
         raise ValueError(f"unknown dtype {opt!r}") from exc
 
 
+def native_wanted(opts: LoadOptions) -> bool:
+    """Whether a single-die CPU f32 load asks for pantheon.native's kernels (and GGUF block twins)."""
+    return load_settings().native_matmul if opts.native_matmul is None else bool(opts.native_matmul)
+
+
 def load(path: str | Path, opts: LoadOptions | None = None) -> Model:
     return load_on(path, opts, None)
 
@@ -468,10 +473,8 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     use_native = False
     if len(devices) == 1 and hasattr(arch, "unstack_matrices"):  # sharding rules expect stacked layers
         host_params = arch.unstack_matrices(host_params)
-        if devices[0].platform == "cpu" and dtype == jnp.float32:
-            settings = load_settings()
-            if settings.native_matmul if opts.native_matmul is None else opts.native_matmul:
-                use_native = native.enable(Path(opts.native_dir) if opts.native_dir else settings.home / "native")
+        if devices[0].platform == "cpu" and dtype == jnp.float32 and native_wanted(opts):
+            use_native = native.enable(Path(opts.native_dir) if opts.native_dir else load_settings().home / "native")
         if use_native and hasattr(arch, "attach_blocks") and hasattr(f.tensors, "blocks"):
             host_params = arch.attach_blocks(host_params, f.tensors, cfg)
     weight_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(host_params)))

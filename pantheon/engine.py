@@ -117,7 +117,7 @@ class Model:
         self.devices = devices
         self.dtype = compute_dtype
         self.weight_bytes = weight_bytes
-        self.native_matmul = native_matmul  # trace the steps with pantheon.native's few-row kernel
+        self.native_matmul = native_matmul  # trace the steps with pantheon.native's kernels
         self.n_slots = opts.n_slots
         self.max_seq = min(opts.max_seq, cfg.context_length) if cfg.context_length else opts.max_seq
         self.chunk = max(1, min(opts.prefill_chunk, self.max_seq))

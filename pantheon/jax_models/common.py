@@ -29,9 +29,9 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, native: bool 
            blocks: jax.Array | None = None) -> jax.Array:
     """y = x @ w.T with w stored (out, in): the layout XLA:CPU multiplies fastest (jax-cpu-tuning).
 
-    `native`: the caller's weight lives whole on one die, so the few-row kernels of pantheon.native
-    may take the product when they are built and the shape suits them (decode and small mixed
-    steps), reading `blocks` -- the same matrix in its GGUF block format -- when given.
+    `native`: the caller's weight lives whole on one die, so the kernels of pantheon.native may take
+    the product when they are built and the shape suits them (decode, mixed and prefill steps),
+    reading `blocks` -- the same matrix in its GGUF block format -- when given.
     Otherwise, from WEIGHT_MAJOR_ROWS rows on, the product is formed weight-major (w @ x.T, then
     transposed): XLA:CPU's f32 GEMM runs 1.3-1.9x faster that way at 8 rows for the SmolLM2 FFN and
     fused QKV shapes (measured), while one row stays a plain matrix-vector product.

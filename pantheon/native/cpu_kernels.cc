@@ -1,10 +1,11 @@
-// Decode-step kernels for x86 CPUs with AVX2 and FMA, called from jitted JAX code through XLA's
-// FFI (pantheon/native.py builds and registers them):
+// Step kernels for x86 CPUs with AVX2 and FMA, called from jitted JAX code through XLA's FFI
+// (pantheon/native.py builds and registers them):
 //
-// * rows_matmul: y[m, n] = sum_k x[m, k] * w[n, k] for a few rows. XLA:CPU hands an [8, K] x [K, N]
-//   product to a general GEMM that packs the weight panel on every call and reaches ~36 GFLOP/s
-//   here, so 8 decode rows cost twice one row although both stream the same weights. Here each
-//   weight row is loaded once and multiplied into up to 8 activation rows held in L1.
+// * rows_matmul: y[m, n] = sum_k x[m, k] * w[n, k]. XLA:CPU hands an [8, K] x [K, N] product to a
+//   general GEMM that packs the weight panel on every call and reaches ~36 GFLOP/s here, so 8
+//   decode rows cost twice one row although both stream the same weights. Here each group of 6
+//   weight rows is loaded once and multiplied into every activation row in 4 x 3 tiles (60-70
+//   GFLOP/s a core from 8 rows up, prefill chunks included).
 // * rows_matmul_q: the same product reading the weights in their GGUF block format (Q4_0, Q4_1,
 //   Q5_0, Q5_1, Q8_0), expanded a few rows at a time in L1: 4-7x fewer bytes to stream than f32,
 //   while every weight is the exact f32 value the f32 path multiplies by, so results are identical.

@@ -144,11 +144,23 @@ def applies(rows: int, w: jax.Array) -> bool:
             and w.shape[1] % 8 == 0)
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] @ w.T for w [N, K] in f32 (CPU only: callers check `applies`)."""
+def _skip_rows(rows: int, skip: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+    """The kernels' [first, end) of flattened rows to leave out (their outputs are zero); none by default."""
+    if skip is None:
+        return jnp.full((2,), rows, jnp.int32)
+    return jnp.stack([jnp.asarray(skip[0], jnp.int32), jnp.asarray(skip[1], jnp.int32)])
+
+
+def matmul(x: jax.Array, w: jax.Array, skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """x [..., K] @ w.T for w [N, K] in f32 (CPU only: callers check `applies`).
+
+    skip: flattened rows [first, end) whose products nobody reads (a prefill chunk's padding); they
+    come back as zeros and cost nothing.
+    """
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.shape[0]), jnp.float32))(x2, w)
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.shape[0]), jnp.float32))(
+        x2, w, _skip_rows(x2.shape[0], skip))
     return y.reshape(lead + (w.shape[0],))
 
 
@@ -167,15 +179,18 @@ def quant_applies(rows: int, k: int, wq: jax.Array) -> bool:
     return _ready and _in_use.get() and rows > 0 and _quant_type(k, wq) is not None
 
 
-def quant_matmul(x: jax.Array, wq: jax.Array) -> jax.Array:
-    """x [..., K] @ W.T where W [N, K] is stored as its GGUF blocks wq [N, K/32 * block bytes] (CPU only)."""
+def quant_matmul(x: jax.Array, wq: jax.Array, skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """x [..., K] @ W.T where W [N, K] is stored as its GGUF blocks wq [N, K/32 * block bytes] (CPU only).
+
+    skip: as for `matmul`.
+    """
     lead, k = x.shape[:-1], x.shape[-1]
     qtype = _quant_type(k, wq)
     if qtype is None:
         raise ValueError(f"weights of shape {wq.shape} are no GGUF block format for {k} inputs")
     x2 = x.reshape(-1, k).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((x2.shape[0], wq.shape[0]), jnp.float32)
-    y = jax.ffi.ffi_call(QUANT_TARGET, out)(x2, wq, qtype=np.int32(qtype))
+    y = jax.ffi.ffi_call(QUANT_TARGET, out)(x2, wq, _skip_rows(x2.shape[0], skip), qtype=np.int32(qtype))
     return y.reshape(lead + (wq.shape[0],))
 
 

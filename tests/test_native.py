@@ -47,6 +47,23 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(kernel):
     assert np.array_equal(np.asarray(kernel(x[130:131], w)), full[130:131])
 
 
+def test_skipped_rows_cost_nothing_and_the_others_keep_their_bits(kernel):
+    """A prefill chunk's padding rows [first, end) are left out: zeros there, the same bits elsewhere."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((300, 576)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    x = jnp.asarray(rng.standard_normal((72, 576), np.float32))
+    for product, weights in ((native.matmul, jnp.asarray(w)), (native.quant_matmul, jnp.asarray(blocks))):
+        fn = jax.jit(lambda x, wt, a, b: product(x, wt, (a, b)))
+        full = np.asarray(jax.jit(product)(x, weights))
+        for first, end in ((45, 64), (0, 72), (70, 72), (10, 10), (60, 99)):
+            got = np.asarray(fn(x, weights, jnp.int32(first), jnp.int32(end)))
+            dead = np.zeros(72, bool)
+            dead[first:min(end, 72)] = True
+            assert np.array_equal(got[~dead], full[~dead]), (first, end)
+            assert not got[dead].any(), (first, end)
+
+
 def test_leading_axes_are_kept(kernel):
     x = jnp.ones((2, 3, 16), jnp.float32)
     w = jnp.ones((5, 16), jnp.float32)
@@ -150,6 +167,9 @@ def test_with_and_without_the_kernel_a_model_computes_the_same_logits(kernel):
     ids = j["prompt_ids"][:12]
     got = [np.asarray(m.logits(ids, chunk=1)) for m in (on, off)]  # one token a step: decode-shaped
     assert np.abs(got[0] - got[1]).max() < 1e-4
+    # one 12-token chunk in its 16-row bucket: the kernels skip the 4 padding rows
+    got = [np.asarray(m.logits(ids, chunk=16)) for m in (on, off)]
+    assert got[0].shape == (12, on.config.vocab) and np.abs(got[0] - got[1]).max() < 1e-4
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])

@@ -142,12 +142,13 @@ def attach_blocks(params: dict[str, Any], src: Any, cfg: ModelConfig) -> dict[st
     return out
 
 
-def matmul(lp: dict[str, Any], name: str, h: jax.Array, li: jax.Array, bias: str | None = None) -> jax.Array:
+def matmul(lp: dict[str, Any], name: str, h: jax.Array, li: jax.Array, bias: str | None = None,
+           skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """common.linear with layer li's weight `name`: stacked (already sliced by the scan) or per layer."""
     w, b = lp[name], lp.get(bias) if bias else None
     if isinstance(w, tuple):  # single die: the native kernels may take it (blocks: its GGUF twin)
         blocks = lp.get(name + "_q") or (None,) * len(w)
-        return jax.lax.switch(li, [lambda x, wi=wi, qi=qi: common.linear(x, wi, b, native=True, blocks=qi)
+        return jax.lax.switch(li, [lambda x, wi=wi, qi=qi: common.linear(x, wi, b, native=True, blocks=qi, skip=skip)
                                    for wi, qi in zip(w, blocks)], h)
     return common.linear(h, w, b)
 
@@ -184,6 +185,21 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     return forward_groups(params, state, ((tokens, slots, start, n_new),), cfg=cfg, span=span, all_logits=all_logits)
 
 
+def _chunk_padding(groups: tuple[Group, ...], shapes: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array] | None:
+    """The flattened rows [first, end) holding the padding of the step's one-row prefill chunk, if any.
+
+    A chunk is padded to its length bucket (a 45-token prompt runs as 64 rows). The padding rows'
+    keys and values land in cache positions past the chunk that no real query reads before the next
+    tokens overwrite them, so the native matmuls skip those rows.
+    """
+    offset = 0
+    for (_, _, _, n_new), (b, t) in zip(groups, shapes):
+        if b == 1 and t > 1:
+            return offset + n_new[0], jnp.int32(offset + t)
+        offset += b * t
+    return None
+
+
 def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: tuple[Group, ...], *,
                    cfg: ModelConfig, span: int, all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One step over several groups of rows, each group with its own tokens-per-row.
@@ -204,6 +220,7 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
     ropes = [common.rope_angles(p, cfg.n_rot, cfg.rope_base, cfg.rope_scale, params.get("rope_freqs"))
              for p in positions]
     x = jnp.concatenate([params["embed"][g[0].reshape(-1)] for g in groups]).astype(jnp.float32)  # [N, H]
+    skip = _chunk_padding(groups, shapes)
 
     def per_group(a: jax.Array, heads: int) -> list[jax.Array]:
         return [p.reshape(b, t, heads, hd) for p, (b, t) in zip(jnp.split(a, cuts), shapes)]
@@ -213,9 +230,9 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
         lp, li = inputs
         h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         if "wqkv" in lp:
-            q, k, v = jnp.split(matmul(lp, "wqkv", h, li, "bqkv"), [nh * hd, (nh + nkv) * hd], axis=-1)
+            q, k, v = jnp.split(matmul(lp, "wqkv", h, li, "bqkv", skip), [nh * hd, (nh + nkv) * hd], axis=-1)
         else:
-            q, k, v = (matmul(lp, w, h, li, "b" + w[1]) for w in ("wq", "wk", "wv"))
+            q, k, v = (matmul(lp, w, h, li, "b" + w[1], skip) for w in ("wq", "wk", "wv"))
         qs, ks, vs = per_group(q, nh), per_group(k, nkv), per_group(v, nkv)
         if "q_norm" in lp:
             qs = [common.rms_norm(a, lp["q_norm"], cfg.rms_eps) for a in qs]
@@ -235,16 +252,16 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
                 o = common.attention(qg, kspan, vspan, pos, cfg.attn_scale)
             outs.append(o.reshape(-1, nh * hd))
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
-        x = x + matmul(lp, "wo", o, li, "bo")
+        x = x + matmul(lp, "wo", o, li, "bo", skip)
         h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
         if cfg.n_experts:
             x = x + moe(h, lp, cfg)
         else:
             if "w_gu" in lp:
-                g, u = jnp.split(matmul(lp, "w_gu", h, li), 2, axis=-1)
+                g, u = jnp.split(matmul(lp, "w_gu", h, li, skip=skip), 2, axis=-1)
             else:
-                g, u = matmul(lp, "w_gate", h, li), matmul(lp, "w_up", h, li)
-            x = x + matmul(lp, "w_down", jax.nn.silu(g) * u, li)
+                g, u = matmul(lp, "w_gate", h, li, skip=skip), matmul(lp, "w_up", h, li, skip=skip)
+            x = x + matmul(lp, "w_down", jax.nn.silu(g) * u, li, skip=skip)
         return (x, kc, vc), None
 
     # Expert stacks stay out of the scan's inputs: the MoE tile loop reads (layer, expert) slices of

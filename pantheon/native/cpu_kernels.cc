@@ -128,6 +128,25 @@ void Rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_
   }
 }
 
+// Rows of x outside [skip0, skip1) against `count` weight rows; the skipped rows' outputs are zero.
+// A prefill chunk is padded to its length bucket: its padding rows need no products.
+void LiveRows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t count,
+              int64_t skip0, int64_t skip1) {
+  Rows(x, w, y, skip0, K, ldy, count);
+  for (int64_t m = skip0; m < skip1; ++m) std::memset(y + m * ldy, 0, count * sizeof(float));
+  Rows(x + skip1 * K, w, y + skip1 * ldy, M - skip1, K, ldy, count);
+}
+
+// The rows [skip0, skip1) a call may leave out, clamped to [0, M] (an empty range when none).
+void SkipRange(ffi::Buffer<ffi::S32>& skip, int64_t M, int64_t* skip0, int64_t* skip1) {
+  const int32_t* s = skip.typed_data();
+  int64_t a = skip.element_count() == 2 ? s[0] : M, b = skip.element_count() == 2 ? s[1] : M;
+  a = a < 0 ? 0 : a > M ? M : a;
+  b = b < a ? a : b > M ? M : b;
+  *skip0 = a;
+  *skip1 = b;
+}
+
 // GGUF block formats the quantized product reads (ggml type ids), 32 weights a block.
 constexpr int32_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8;
 
@@ -214,7 +233,7 @@ int64_t ChunkOf(ffi::ThreadPool& pool, int64_t N) {
 }
 
 ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                          ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::S32> skip, ffi::ResultBuffer<ffi::F32> y) {
   auto wd = w.dimensions();
   if (wd.size() != 2) return ffi::Error::InvalidArgument("rows_matmul: w must be [N, K]");
   const int64_t N = wd[0], K = wd[1];
@@ -223,10 +242,12 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
+  int64_t skip0, skip1;
+  SkipRange(skip, M, &skip0, &skip1);
   const int64_t chunk = ChunkOf(pool, N);
-  ParallelFor(pool, (N + chunk - 1) / chunk, M * N * K, [=](int64_t c) {
+  ParallelFor(pool, (N + chunk - 1) / chunk, (M - (skip1 - skip0)) * N * K, [=](int64_t c) {
     int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-    Rows(xp, wp + n0 * K, yp + n0, M, K, N, n1 - n0);
+    LiveRows(xp, wp + n0 * K, yp + n0, M, K, N, n1 - n0, skip0, skip1);
   });
   return ffi::Error::Success();
 }
@@ -234,7 +255,7 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 // x [M, K] f32 times w [N, K/32 blocks] in a GGUF block format: 6 weight rows at a time are
 // expanded into an L1-resident f32 scratch, then multiplied into every row of x.
 ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                               ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+                               ffi::Buffer<ffi::S32> skip, ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   const int64_t bb = BlockBytes(qtype);
@@ -247,8 +268,10 @@ ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t row_bytes = wd[1];
+  int64_t skip0, skip1;
+  SkipRange(skip, M, &skip0, &skip1);
   const int64_t chunk = ChunkOf(pool, N);
-  ParallelFor(pool, (N + chunk - 1) / chunk, M * N * K, [=](int64_t c) {
+  ParallelFor(pool, (N + chunk - 1) / chunk, (M - (skip1 - skip0)) * N * K, [=](int64_t c) {
     // 64-byte aligned: a 32-byte load that straddles two cache lines costs two, and the tiles
     // load every scratch row once per 4 activation rows (the unaligned buffer ran 1.7x slower)
     std::vector<float> buffer(kGroupRows * K + 16);
@@ -257,7 +280,7 @@ ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     for (int64_t n = n0; n < n1; n += kGroupRows) {
       const int64_t count = n + kGroupRows <= n1 ? kGroupRows : n1 - n;
       for (int64_t j = 0; j < count; ++j) DequantRow(wp + (n + j) * row_bytes, qtype, K, scratch + j * K);
-      Rows(xp, scratch, yp + n, M, K, N, count);
+      LiveRows(xp, scratch, yp + n, M, K, N, count, skip0, skip1);
     }
   });
   return ffi::Error::Success();
@@ -359,6 +382,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonRowsMatmul, RowsMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonRowsMatmulQuant, RowsMatmulQuantImpl,
@@ -366,6 +390,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonRowsMatmulQuant, RowsMatmulQuantImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype"));
 

@@ -229,7 +229,7 @@ void DequantRow(const uint8_t* row, int32_t qtype, int64_t K, float* out) {
 int64_t ChunkOf(ffi::ThreadPool& pool, int64_t N) {
   int64_t threads = pool.num_threads() < 1 ? 1 : pool.num_threads();
   int64_t chunk = (N + threads * 4 - 1) / (threads * 4);
-  return (chunk + kGroupRows - 1) / kGroupRows * kGroupRows;
+  return chunk < 1 ? kGroupRows : (chunk + kGroupRows - 1) / kGroupRows * kGroupRows;
 }
 
 ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,

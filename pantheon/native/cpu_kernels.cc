@@ -44,9 +44,12 @@ inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Below this many multiply-adds a call runs on the caller alone: handing tasks to the pool costs
-// more than it saves, and keeps a core free for the web workers (tiny models, short contexts).
-constexpr int64_t kParallelMinWork = int64_t{1} << 18;
+// Below this much work (in multiply-adds) a call runs on the caller alone: handing tasks to the
+// pool costs more than it saves, and a core stays free for the web workers (tiny models, short
+// contexts). A matmul counts 4 multiply-adds more per weight than it has rows: streaming or
+// expanding a weight costs about that much (0.11 ns a weight against 0.03 ns a multiply-add).
+constexpr int64_t kParallelMinWork = int64_t{1} << 20;
+constexpr int64_t kWeightWork = 4;
 
 // Runs task(i) for i in [0, n) on the caller and up to pool.num_threads() - 1 pool threads.
 struct Tasks {
@@ -245,7 +248,7 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   int64_t skip0, skip1;
   SkipRange(skip, M, &skip0, &skip1);
   const int64_t chunk = ChunkOf(pool, N);
-  ParallelFor(pool, (N + chunk - 1) / chunk, (M - (skip1 - skip0)) * N * K, [=](int64_t c) {
+  ParallelFor(pool, (N + chunk - 1) / chunk, (M - (skip1 - skip0) + kWeightWork) * N * K, [=](int64_t c) {
     int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
     LiveRows(xp, wp + n0 * K, yp + n0, M, K, N, n1 - n0, skip0, skip1);
   });
@@ -271,7 +274,7 @@ ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   int64_t skip0, skip1;
   SkipRange(skip, M, &skip0, &skip1);
   const int64_t chunk = ChunkOf(pool, N);
-  ParallelFor(pool, (N + chunk - 1) / chunk, (M - (skip1 - skip0)) * N * K, [=](int64_t c) {
+  ParallelFor(pool, (N + chunk - 1) / chunk, (M - (skip1 - skip0) + kWeightWork) * N * K, [=](int64_t c) {
     // 64-byte aligned: a 32-byte load that straddles two cache lines costs two, and the tiles
     // load every scratch row once per 4 activation rows (the unaligned buffer ran 1.7x slower)
     std::vector<float> buffer(kGroupRows * K + 16);
@@ -349,7 +352,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const int32_t* pp = pos.typed_data();
   float* op = out->typed_data();
   int64_t work = 0;  // multiply-adds: every row's filled positions, keys and values, all heads
-  for (int64_t b = 0; b < B; ++b) work += (int64_t(pp[b]) + 1) * 2 * N * D;
+  for (int64_t b = 0; b < B; ++b) work += (int64_t(pp[b]) + 1) * 2 * N * D * kWeightWork;  // each cached value read once
   ParallelFor(pool, B * KH, work, [=](int64_t task) {
     const int64_t b = task / KH, h = task % KH;
     int64_t slot = sp[b], n = int64_t(pp[b]) + 1;

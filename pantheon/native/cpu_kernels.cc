@@ -235,6 +235,19 @@ int64_t ChunkOf(ffi::ThreadPool& pool, int64_t N) {
   return chunk < 1 ? kGroupRows : (chunk + kGroupRows - 1) / kGroupRows * kGroupRows;
 }
 
+// Runs part(n0, n1, skip0, skip1) for the column chunks [n0, n1) of an [M, K] x [K, N] product on
+// the pool, the rows [skip0, skip1) left out of the work (and of the products, by `part`).
+template <typename Part>
+void OverColumns(ffi::ThreadPool& pool, ffi::Buffer<ffi::S32>& skip, int64_t M, int64_t N, int64_t K, Part part) {
+  int64_t skip0, skip1;
+  SkipRange(skip, M, &skip0, &skip1);
+  const int64_t chunk = ChunkOf(pool, N);
+  ParallelFor(pool, (N + chunk - 1) / chunk, (M - (skip1 - skip0) + kWeightWork) * N * K, [=](int64_t c) {
+    const int64_t n0 = c * chunk;
+    part(n0, n0 + chunk < N ? n0 + chunk : N, skip0, skip1);
+  });
+}
+
 ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                           ffi::Buffer<ffi::S32> skip, ffi::ResultBuffer<ffi::F32> y) {
   auto wd = w.dimensions();
@@ -245,11 +258,7 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  int64_t skip0, skip1;
-  SkipRange(skip, M, &skip0, &skip1);
-  const int64_t chunk = ChunkOf(pool, N);
-  ParallelFor(pool, (N + chunk - 1) / chunk, (M - (skip1 - skip0) + kWeightWork) * N * K, [=](int64_t c) {
-    int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+  OverColumns(pool, skip, M, N, K, [=](int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
     LiveRows(xp, wp + n0 * K, yp + n0, M, K, N, n1 - n0, skip0, skip1);
   });
   return ffi::Error::Success();
@@ -271,15 +280,11 @@ ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t row_bytes = wd[1];
-  int64_t skip0, skip1;
-  SkipRange(skip, M, &skip0, &skip1);
-  const int64_t chunk = ChunkOf(pool, N);
-  ParallelFor(pool, (N + chunk - 1) / chunk, (M - (skip1 - skip0) + kWeightWork) * N * K, [=](int64_t c) {
+  OverColumns(pool, skip, M, N, K, [=](int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
     // 64-byte aligned: a 32-byte load that straddles two cache lines costs two, and the tiles
     // load every scratch row once per 4 activation rows (the unaligned buffer ran 1.7x slower)
     std::vector<float> buffer(kGroupRows * K + 16);
     float* scratch = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-    int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
     for (int64_t n = n0; n < n1; n += kGroupRows) {
       const int64_t count = n + kGroupRows <= n1 ? kGroupRows : n1 - n;
       for (int64_t j = 0; j < count; ++j) DequantRow(wp + (n + j) * row_bytes, qtype, K, scratch + j * K);

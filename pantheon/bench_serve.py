@@ -597,6 +597,33 @@ def compare(runs: list[dict], levels: list[int]) -> list[dict]:
     return out
 
 
+def scaling(runs: list[dict], levels: list[int], rounds: int) -> list[dict]:
+    """Per server and level: output tok/s against the first level's in the same round.
+
+    The figure a batching server is judged by ("8 streams give N times one stream's tokens"). Each
+    round's ratio divides runs made minutes apart, not a fast round by a slow one; the median of
+    those ratios is the headline, with its spread across rounds beside it.
+    """
+    out = []
+    base_level = levels[0]
+    for side in sorted({r["server"] for r in runs}):
+        def tok_s(c: int, rnd: int) -> float | None:
+            hit = [r["output_tok_s"] for r in runs if r["server"] == side and r["concurrency"] == c
+                   and r["round"] == rnd and r["completed"] > 0]
+            return hit[0] if hit else None
+
+        for c in levels:
+            per_round = [tok_s(c, rnd) for rnd in range(rounds)]
+            ratios = [v / b for v, b in zip(per_round, (tok_s(base_level, rnd) for rnd in range(rounds)))
+                      if v is not None and b]
+            vals = [v for v in per_round if v is not None]
+            out.append({"server": side, "concurrency": c, "output_tok_s": per_round,
+                        "output_tok_s.median": None if not vals else round(_median(vals), 3),
+                        "vs_first_level": [round(x, 4) for x in ratios],
+                        "vs_first_level.median": None if not ratios else round(_median(ratios), 4)})
+    return out
+
+
 # ---- output --------------------------------------------------------------------------------------------
 def _fmt(v: Any) -> str:
     return "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
@@ -625,6 +652,18 @@ def print_run(r: dict) -> None:
               f"TPOT<={g['slo_tpot_s']} s ({g['req_s']:.3f} req/s)")
     for msg, n in r["errors"].items():
         print(f"  error x{n}: {msg}")
+
+
+def print_scaling(scale: list[dict], rounds: int) -> None:
+    first = scale[0]["concurrency"]
+    print(f"\noutput tok/s by concurrency, and against concurrency {first} in the same round "
+          f"(median over {rounds} round{'s' if rounds > 1 else ''})")
+    for e in scale:
+        per = " ".join(_fmt(v) for v in e["output_tok_s"])
+        ratios = " ".join(f"{x:.2f}" for x in e["vs_first_level"])
+        med = e["vs_first_level.median"]
+        print(f"  {e['server'].upper()} c={e['concurrency']:<5} tok/s {per:<24} x{first}: "
+              f"{'-' if med is None else format(med, '.2f')} ({ratios})")
 
 
 def print_comparison(comp: list[dict], url_a: str, url_b: str, rounds: int) -> None:
@@ -738,8 +777,10 @@ def main(argv: list[str]) -> int:
     for _, t in sides:
         warm_up(t, plan, a.warmup, deadline)
     runs: list[dict] = []
-    for c in a.concurrency:
-        for r in range(rounds):
+    # Rounds outermost: each round visits every level (and every server), so drift of the machine
+    # between the first and last round hits the levels alike and each round gives its own ratios.
+    for r in range(rounds):
+        for c in a.concurrency:
             for side, t in sides:
                 label = f"{side.upper()} c={c} r{r + 1}" if a.compare else f"c={c}"
                 run = run_level(t, plan, c, deadline, label)
@@ -748,6 +789,7 @@ def main(argv: list[str]) -> int:
                 if not a.json:
                     print_run(run)
     comparison = compare(runs, a.concurrency) if a.compare else None
+    scale = scaling(runs, a.concurrency, rounds) if len(a.concurrency) > 1 else None
     if a.json:
         config = {"url": a.url, "compare_url": a.compare, "model": a.model, "concurrency": a.concurrency,
                   "requests": a.requests, "rounds": rounds, "prompt_len": None if dataset else prompt_len,
@@ -756,9 +798,12 @@ def main(argv: list[str]) -> int:
                   "slo_tpot_s": a.slo_tpot, "ignore_eos": a.ignore_eos, "timeout_s": a.timeout,
                   "warmup": a.warmup}
         print(json.dumps({"bench": "serve", "version": 1, "config": config, "results": runs,
-                          "comparison": comparison}))
-    elif comparison is not None:
-        print_comparison(comparison, a.url, a.compare, rounds)
+                          "comparison": comparison, "scaling": scale}))
+    else:
+        if scale is not None:
+            print_scaling(scale, rounds)
+        if comparison is not None:
+            print_comparison(comparison, a.url, a.compare, rounds)
     return 0 if all(r["completed"] > 0 for r in runs) else 1
 
 

@@ -323,3 +323,20 @@ def test_against_real_pantheon(capsys):
         names = {s.name for f in text_string_to_metric_families(metrics.text) for s in f.samples}
         assert {"pantheon_running_requests", "pantheon_time_to_first_token_seconds_count",
                 "pantheon_jax_compilations_total"} <= names
+
+
+def test_several_levels_give_each_rounds_scaling_against_the_first_level(capsys):
+    """Rounds run outermost (c=1, c=2, then c=1, c=2 again); each round's c=2 tok/s is divided by the
+    same round's c=1 tok/s, and the headline is the median of those ratios."""
+    with FakeServer(n_chunks=4, delay=0.02) as srv:
+        rc, out = run_json(capsys, "--url", srv.url, "--model", "fake", "--concurrency", "1,2", "--rounds", "2",
+                           "--requests", "4", "--prompt-len", "8", "--gen", "4")
+    assert rc == 0
+    assert [(r["concurrency"], r["round"]) for r in out["results"]] == [(1, 0), (2, 0), (1, 1), (2, 1)]
+    one, two = out["scaling"]
+    assert (one["concurrency"], two["concurrency"]) == (1, 2)
+    assert one["vs_first_level"] == [1.0, 1.0]
+    tok = {(r["concurrency"], r["round"]): r["output_tok_s"] for r in out["results"]}
+    assert two["vs_first_level"] == [pytest.approx(tok[2, k] / tok[1, k], abs=1e-4) for k in (0, 1)]
+    assert two["vs_first_level.median"] == pytest.approx(sum(two["vs_first_level"]) / 2, abs=1e-4)
+    assert two["vs_first_level.median"] > 1.3  # two streams of a server that sleeps per chunk overlap

@@ -32,7 +32,7 @@ from .config import load_settings
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
 from .jax_models.common import last_valid
-from .sampler import SamplingParams, make_rows, sample
+from .sampler import SamplingParams, make_rows_np, sample
 
 PENALTY_WINDOW = 64  # tokens of history each row hands the in-step sampler for penalties
 
@@ -197,9 +197,11 @@ class Model:
         donated: the caller must use only the returned one.
         """
         plan = self._plan(tokens, slots, starts, all_logits)
-        rows, rec, stp = self._sampling_rows(plan.rows, params, recent, steps, len(tokens))
         self._note_shape(plan.key)
         last, every, state = plan.fn(self.params, state, *plan.args, **plan.kwargs)
+        # The forward is running now: the sampler's per-row inputs are built while it computes
+        # (1.4 ms of host work at 8 rows that used to delay its start), then its call queues behind it.
+        rows, rec, stp = self._sampling_rows(plan.rows, params, recent, steps, len(tokens))
         ids = self._sample(last, rows, rec, stp)
         logits = every if all_logits else (last if want_logits else None)
         return StepHandle(ids=ids, logits=logits, n_rows=len(tokens)), state
@@ -278,7 +280,7 @@ class Model:
             if steps is not None:
                 stp[b] = steps[b]
         plist = list(params) if params is not None else [None] * n
-        return make_rows(plist + [None] * (B - n), B), rec, stp
+        return make_rows_np(plist + [None] * (B - n), B), rec, stp  # host arrays: the call transfers them
 
     @staticmethod
     def step_poll(handle: StepHandle) -> np.ndarray | None:

@@ -7,8 +7,9 @@
 //   weight rows is loaded once and multiplied into every activation row in 4 x 3 tiles (60-70
 //   GFLOP/s a core from 8 rows up, prefill chunks included).
 // * rows_matmul_q: the same product reading the weights in their GGUF block format (Q4_0, Q4_1,
-//   Q5_0, Q5_1, Q8_0), expanded a few rows at a time in L1: 4-7x fewer bytes to stream than f32,
-//   while every weight is the exact f32 value the f32 path multiplies by, so results are identical.
+//   Q5_0, Q5_1, Q8_0): 4-7x fewer bytes to stream than f32, while every weight is the exact f32
+//   value the f32 path multiplies by, so results are identical. Up to 8 rows (decode) widen each
+//   block in registers and use it at once; more rows expand a few weight rows at a time into L1.
 // * decode_attention: one query token per row against its own slot of the KV cache, read in place
 //   up to the row's position. The XLA form gathers a bucketed span of every row's slot into a new
 //   array first and masks the unused tail; this reads only the filled positions and copies nothing.

@@ -149,8 +149,8 @@ class OSThread:
 def name_os_thread(name: str) -> None:
     """Give the calling OS thread `name` (its first 15 bytes) where the kernel shows it.
 
-    Python 3.11 names only its own Thread objects, so top, perf and py-spy list every driver and
-    loader thread as "python3"; named, a profile says which model's driver spent the time.
+    Python before 3.14 leaves the OS-level name as the process's, so top, perf and py-spy list every
+    driver and loader thread as "python3"; named, a profile says which model's driver spent the time.
     """
     if not sys.platform.startswith("linux"):
         return

@@ -605,17 +605,12 @@ def scaling(runs: list[dict], levels: list[int], rounds: int) -> list[dict]:
     those ratios is the headline, with its spread across rounds beside it.
     """
     out = []
-    base_level = levels[0]
+    tok_s = {(r["server"], r["concurrency"], r["round"]): r["output_tok_s"] for r in runs if r["completed"] > 0}
     for side in sorted({r["server"] for r in runs}):
-        def tok_s(c: int, rnd: int) -> float | None:
-            hit = [r["output_tok_s"] for r in runs if r["server"] == side and r["concurrency"] == c
-                   and r["round"] == rnd and r["completed"] > 0]
-            return hit[0] if hit else None
-
+        base = [tok_s.get((side, levels[0], rnd)) for rnd in range(rounds)]
         for c in levels:
-            per_round = [tok_s(c, rnd) for rnd in range(rounds)]
-            ratios = [v / b for v, b in zip(per_round, (tok_s(base_level, rnd) for rnd in range(rounds)))
-                      if v is not None and b]
+            per_round = [tok_s.get((side, c, rnd)) for rnd in range(rounds)]
+            ratios = [v / b for v, b in zip(per_round, base) if v is not None and b]
             vals = [v for v in per_round if v is not None]
             out.append({"server": side, "concurrency": c, "output_tok_s": per_round,
                         "output_tok_s.median": None if not vals else round(_median(vals), 3),

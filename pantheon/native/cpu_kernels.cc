@@ -132,13 +132,15 @@ void Rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_
   }
 }
 
-// Rows of x outside [skip0, skip1) against `count` weight rows; the skipped rows' outputs are zero.
-// A prefill chunk is padded to its length bucket: its padding rows need no products.
-void LiveRows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t count,
-              int64_t skip0, int64_t skip1) {
-  Rows(x, w, y, skip0, K, ldy, count);
+// rows(x', y', m) for the rows of x outside [skip0, skip1) (the two runs before and after it), and
+// zeros for the `count` outputs of each skipped row. A prefill chunk is padded to its length
+// bucket: its padding rows need no products.
+template <typename RowsFn>
+void LiveRows(const float* x, float* y, int64_t M, int64_t K, int64_t ldy, int64_t count, int64_t skip0,
+              int64_t skip1, RowsFn rows) {
+  rows(x, y, skip0);
   for (int64_t m = skip0; m < skip1; ++m) std::memset(y + m * ldy, 0, count * sizeof(float));
-  Rows(x + skip1 * K, w, y + skip1 * ldy, M - skip1, K, ldy, count);
+  rows(x + skip1 * K, y + skip1 * ldy, M - skip1);
 }
 
 // The rows [skip0, skip1) a call may leave out, clamped to [0, M] (an empty range when none).
@@ -265,30 +267,6 @@ void ExpandedRowsOf(const float* x, const uint8_t* w, float* y, int64_t M, int64
   }
 }
 
-// M <= kExpandedMaxRows rows of x against `count` block-format weight rows.
-void ExpandedRowsAny(const float* x, const uint8_t* w, int32_t qtype, float* y, int64_t M, int64_t K, int64_t ldy,
-                     int64_t count) {
-  switch (qtype) {
-    case kQ4_0: return ExpandedRowsOf<kQ4_0>(x, w, y, M, K, ldy, count);
-    case kQ4_1: return ExpandedRowsOf<kQ4_1>(x, w, y, M, K, ldy, count);
-    case kQ5_0: return ExpandedRowsOf<kQ5_0>(x, w, y, M, K, ldy, count);
-    case kQ5_1: return ExpandedRowsOf<kQ5_1>(x, w, y, M, K, ldy, count);
-    case kQ8_0: return ExpandedRowsOf<kQ8_0>(x, w, y, M, K, ldy, count);
-    default: return;
-  }
-}
-
-void DequantRow(const uint8_t* row, int32_t qtype, int64_t K, float* out) {
-  switch (qtype) {
-    case kQ4_0: return DequantRowOf<kQ4_0>(row, K, out);
-    case kQ4_1: return DequantRowOf<kQ4_1>(row, K, out);
-    case kQ5_0: return DequantRowOf<kQ5_0>(row, K, out);
-    case kQ5_1: return DequantRowOf<kQ5_1>(row, K, out);
-    case kQ8_0: return DequantRowOf<kQ8_0>(row, K, out);
-    default: return;
-  }
-}
-
 // Column chunks for the pool: four a thread (balance when a core is busy), whole weight-row groups.
 int64_t ChunkOf(ffi::ThreadPool& pool, int64_t N) {
   int64_t threads = pool.num_threads() < 1 ? 1 : pool.num_threads();
@@ -320,20 +298,54 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
   OverColumns(pool, skip, M, N, K, [=](int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
-    LiveRows(xp, wp + n0 * K, yp + n0, M, K, N, n1 - n0, skip0, skip1);
+    LiveRows(xp, yp + n0, M, K, N, n1 - n0, skip0, skip1, [&](const float* xr, float* yr, int64_t rows) {
+      Rows(xr, wp + n0 * K, yr, rows, K, N, n1 - n0);
+    });
   });
   return ffi::Error::Success();
 }
 
-// x [M, K] f32 times w [N, K/32 blocks] in a GGUF block format. Up to 8 live rows (decode) take
-// each block straight from registers; more rows (prefill) amortise an expanded scratch: 6 weight
-// rows at a time are expanded into L1, then multiplied into every row of x in 4 x 3 tiles.
+// The output columns [n0, n1) of x [M, K] f32 times w [N, K/32 blocks] in block format qtype,
+// rows [skip0, skip1) left out. Up to 8 live rows (decode) take each block straight from
+// registers; more rows (prefill) amortise an expanded scratch: 6 weight rows at a time are
+// expanded into L1, then multiplied into every row of x in 4 x 3 tiles.
+template <int32_t qtype>
+void QuantColumns(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t K, int64_t N, int64_t n0,
+                  int64_t n1, int64_t skip0, int64_t skip1) {
+  const int64_t row_bytes = K / 32 * BlockBytes(qtype);
+  if (M - (skip1 - skip0) <= kExpandedMaxRows) {  // a decode step: no scratch rows at all
+    LiveRows(xp, yp + n0, M, K, N, n1 - n0, skip0, skip1, [&](const float* xr, float* yr, int64_t rows) {
+      ExpandedRowsOf<qtype>(xr, wp + n0 * row_bytes, yr, rows, K, N, n1 - n0);
+    });
+    return;
+  }
+  // 64-byte aligned: a 32-byte load that straddles two cache lines costs two, and the tiles load
+  // every scratch row once per 4 activation rows (the unaligned buffer ran 1.7x slower)
+  std::vector<float> buffer(kGroupRows * K + 16);
+  float* scratch = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+  for (int64_t n = n0; n < n1; n += kGroupRows) {
+    const int64_t count = n + kGroupRows <= n1 ? kGroupRows : n1 - n;
+    for (int64_t j = 0; j < count; ++j) DequantRowOf<qtype>(wp + (n + j) * row_bytes, K, scratch + j * K);
+    LiveRows(xp, yp + n, M, K, N, count, skip0, skip1, [&](const float* xr, float* yr, int64_t rows) {
+      Rows(xr, scratch, yr, rows, K, N, count);
+    });
+  }
+}
+
 ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                                ffi::Buffer<ffi::S32> skip, ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
+  decltype(&QuantColumns<kQ4_0>) columns = nullptr;  // the format is chosen once per call
+  switch (qtype) {
+    case kQ4_0: columns = QuantColumns<kQ4_0>; break;
+    case kQ4_1: columns = QuantColumns<kQ4_1>; break;
+    case kQ5_0: columns = QuantColumns<kQ5_0>; break;
+    case kQ5_1: columns = QuantColumns<kQ5_1>; break;
+    case kQ8_0: columns = QuantColumns<kQ8_0>; break;
+    default: return ffi::Error::InvalidArgument("rows_matmul_q: unsupported block format");
+  }
   const int64_t bb = BlockBytes(qtype);
-  if (bb == 0) return ffi::Error::InvalidArgument("rows_matmul_q: unsupported block format");
   if (wd.size() != 2 || xd.size() < 1) return ffi::Error::InvalidArgument("rows_matmul_q: w must be [N, bytes]");
   const int64_t N = wd[0], K = xd[xd.size() - 1];
   if (K % 32 != 0 || wd[1] != K / 32 * bb) return ffi::Error::InvalidArgument("rows_matmul_q: K does not match w");
@@ -341,23 +353,8 @@ ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
-  const int64_t row_bytes = wd[1];
   OverColumns(pool, skip, M, N, K, [=](int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
-    // 64-byte aligned: a 32-byte load that straddles two cache lines costs two, and the tiles
-    // load every scratch row once per 4 activation rows (the unaligned buffer ran 1.7x slower)
-    if (M - (skip1 - skip0) <= kExpandedMaxRows) {  // a decode step: no scratch rows at all
-      for (int64_t m = skip0; m < skip1; ++m) std::memset(yp + m * N + n0, 0, (n1 - n0) * sizeof(float));
-      ExpandedRowsAny(xp, wp + n0 * row_bytes, qtype, yp + n0, skip0, K, N, n1 - n0);
-      ExpandedRowsAny(xp + skip1 * K, wp + n0 * row_bytes, qtype, yp + skip1 * N + n0, M - skip1, K, N, n1 - n0);
-      return;
-    }
-    std::vector<float> buffer(kGroupRows * K + 16);
-    float* scratch = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-    for (int64_t n = n0; n < n1; n += kGroupRows) {
-      const int64_t count = n + kGroupRows <= n1 ? kGroupRows : n1 - n;
-      for (int64_t j = 0; j < count; ++j) DequantRow(wp + (n + j) * row_bytes, qtype, K, scratch + j * K);
-      LiveRows(xp, scratch, yp + n, M, K, N, count, skip0, skip1);
-    }
+    columns(xp, wp, yp, M, K, N, n0, n1, skip0, skip1);
   });
   return ffi::Error::Success();
 }

@@ -177,19 +177,22 @@ def test_the_block_format_product_equals_the_f32_product_over_ggufs_dequantized_
     """Bit for bit: the kernel expands each block to exactly the f32 values gguf's dequantizer gives."""
     rng = np.random.default_rng(2)
     qtype = gguf.GGMLQuantizationType[fmt]
-    blocks = gguf.quants.quantize(rng.standard_normal((333, 576)).astype(np.float32), qtype)
-    weights = gguf.quants.dequantize(blocks, qtype).astype(np.float32)
-    x = jnp.asarray(rng.standard_normal((32, 576), np.float32))
     quant = jax.jit(native.quant_matmul)
-    full = np.asarray(kernel(x, jnp.asarray(weights)))
-    for m in (*range(1, 10), 13, 32):  # up to 8 rows the blocks are expanded in registers, above in a scratch
-        assert np.array_equal(np.asarray(quant(x[:m], jnp.asarray(blocks))), full[:m])
+    # K = 1536 (w_down) and 600 columns: more than 5 rows are cut into parts of K that fit L1, with
+    # partial sums carried over more columns than one carry group holds
+    for n, k in ((333, 576), (600, 1536)):
+        blocks = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+        weights = gguf.quants.dequantize(blocks, qtype).astype(np.float32)
+        x = jnp.asarray(rng.standard_normal((32, k), np.float32))
+        full = np.asarray(kernel(x, jnp.asarray(weights)))
+        for m in (*range(1, 10), 13, 32):  # up to 8 rows the blocks are expanded in registers, above in a scratch
+            assert np.array_equal(np.asarray(quant(x[:m], jnp.asarray(blocks))), full[:m]), (n, k, m)
     # 12 rows with [2, 10) skipped leave 4 live rows: the register path, rows on both sides of the gap
     skipped = np.asarray(native.quant_matmul(x[:12], jnp.asarray(blocks), (2, 10)))
     assert np.array_equal(skipped[[0, 1, 10, 11]], full[[0, 1, 10, 11]]) and not skipped[2:10].any()
     with native.used(True):
-        assert native.quant_applies(8, 576, jnp.asarray(blocks))
-        assert not native.quant_applies(8, 544, jnp.asarray(blocks))  # bytes per row do not fit 544 inputs
+        assert native.quant_applies(8, 1536, jnp.asarray(blocks))
+        assert not native.quant_applies(8, 1504, jnp.asarray(blocks))  # bytes per row do not fit 1504 inputs
 
 
 def _write_quantized_llama(path, formats: dict[str, str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -129,6 +130,28 @@ def test_without_mixed_steps_prefill_and_decode_alternate_with_the_same_outputs(
         assert info["mixed_steps"] == 0 and info["prefill_chunks"] >= 2
     finally:
         s.close()
+
+
+def test_stats_log_one_line_per_step_with_its_kind_width_tokens_time_and_start(model, capsys):
+    """QWEN35_BS_STATS=1: each step on stderr; the lines add up to the counters /metrics reads."""
+    s = BatchScheduler(model, settings(bs_stats=True), warmup=False)
+    try:
+        join_midway(model, s, prompts()[3])
+        info = s.load_info()
+    finally:
+        s.close()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[bs] ")]
+    steps = [re.fullmatch(r"\[bs\] (prefill|decode|mixed) width=(\d+) tokens=(\d+) ms=([\d.]+) at=([\d.]+)", ln)
+             for ln in lines]
+    assert all(steps) and len(steps) == info["steps"]
+    kinds = [m[1] for m in steps]
+    assert kinds.count("mixed") == info["mixed_steps"] >= 1
+    decode_rows = [int(m[2]) if m[1] == "decode" else int(m[2]) - 1 for m in steps if m[1] != "prefill"]
+    assert sum(decode_rows) == info["decode_tokens"]
+    starts = [float(m[5]) for m in steps]
+    assert starts == sorted(starts)
+    # a step starts after the previous one ended (ms are rounded to 0.1)
+    assert all(b + 1e-3 >= a + float(m[4]) / 1000 - 1e-4 for a, b, m in zip(starts, starts[1:], steps))
 
 
 def test_eos_finishes_with_stop(sched, model):

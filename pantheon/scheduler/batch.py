@@ -108,6 +108,7 @@ class BatchScheduler:
         self.driver_sample = settings.driver_sample
         self.mixed = settings.bs_mixed and model.supports_mixed
         self.log_stats = settings.bs_stats
+        self._t_origin = time.perf_counter()  # stats lines give each step's start from here: gaps show idle
         self.forbid_compile = settings.forbid_compile
         self.recurrent = hasattr(model.arch, "snapshot_slot")  # hybrid models keep recurrent state
         self.pressure = pressure or (lambda: 0)
@@ -292,7 +293,7 @@ class BatchScheduler:
             self.stats.steps += 1
             self.stats.step_ms_total += ms
         if self.log_stats:
-            print(f"[bs] {kind} width={width} tokens={ntok} ms={ms:.1f}", file=sys.stderr, flush=True)
+            print(f"[bs] {kind} width={width} tokens={ntok} ms={ms:.1f} at={t0 - self._t_origin:.4f}", file=sys.stderr, flush=True)
 
     def _recent(self, sl: _Slot) -> list[int]:
         return sl.hist[-PENALTY_WINDOW:]

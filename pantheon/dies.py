@@ -211,17 +211,16 @@ def _weight_groups(dims: dict[str, tuple[int, ...]], per: int) -> tuple[int, int
     return total, rep, attn, ffn
 
 
-_TWIN_PARTS = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.", "ffn_down.")
-
-
 def _block_twin_bytes(dims: dict[str, tuple[int, ...]], types: dict[str, int]) -> int:
     """Bytes of the matrices (and LM head) stored in a block format the native kernel reads: an upper
     bound of the twins `attach_blocks` keeps (a fused matrix whose parts differ keeps none)."""
+    from .jax_models.llama import GGUF_PARTS
     from .native import QUANT_FORMATS
     block_bytes = {type_id: size for type_id, size in QUANT_FORMATS.values()}
+    parts = {f"{part}." for names in GGUF_PARTS.values() for part in names}
     out = 0
     for name, shape in dims.items():
-        matrix = name.startswith("blk.") and any(part in name for part in _TWIN_PARTS)
+        matrix = name.startswith("blk.") and any(part in name for part in parts)
         if len(shape) == 2 and types.get(name) in block_bytes and (matrix or name in ("token_embd.weight",
                                                                                        "output.weight")):
             out += shape[1] * (shape[0] // 32) * block_bytes[types[name]]

@@ -109,9 +109,9 @@ def unstack_matrices(params: dict[str, Any]) -> dict[str, Any]:
 
 
 # Where each (fused) per-layer matrix comes from in a GGUF file, for its block-format twin.
-_GGUF_PARTS = {"wq": ("attn_q",), "wk": ("attn_k",), "wv": ("attn_v",), "wo": ("attn_output",),
-               "wqkv": ("attn_q", "attn_k", "attn_v"), "w_gate": ("ffn_gate",), "w_up": ("ffn_up",),
-               "w_gu": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
+GGUF_PARTS = {"wq": ("attn_q",), "wk": ("attn_k",), "wv": ("attn_v",), "wo": ("attn_output",),
+              "wqkv": ("attn_q", "attn_k", "attn_v"), "w_gate": ("ffn_gate",), "w_up": ("ffn_up",),
+              "w_gu": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
 
 
 def attach_blocks(params: dict[str, Any], src: Any, cfg: ModelConfig) -> dict[str, Any]:
@@ -124,7 +124,7 @@ def attach_blocks(params: dict[str, Any], src: Any, cfg: ModelConfig) -> dict[st
     a format the kernel reads get a twin (a fused matrix needs all its parts in one format).
     """
     lay = dict(params["layers"])
-    for name, parts in _GGUF_PARTS.items():
+    for name, parts in GGUF_PARTS.items():
         if not isinstance(lay.get(name), tuple):
             continue
         per_layer = []

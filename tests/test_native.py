@@ -48,7 +48,8 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(kernel):
 
 
 def test_skipped_rows_cost_nothing_and_the_others_keep_their_bits(kernel):
-    """A prefill chunk's padding rows [first, end) are left out: zeros there, the same bits elsewhere."""
+    """A prefill chunk's padding rows [first, end) are left out: zeros there, the same bits elsewhere
+    (also when live rows on both sides are tiled as one block, and when 8 or fewer remain)."""
     rng = np.random.default_rng(4)
     w = rng.standard_normal((300, 576)).astype(np.float32)
     blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
@@ -56,7 +57,7 @@ def test_skipped_rows_cost_nothing_and_the_others_keep_their_bits(kernel):
     for product, weights in ((native.matmul, jnp.asarray(w)), (native.quant_matmul, jnp.asarray(blocks))):
         fn = jax.jit(lambda x, wt, a, b: product(x, wt, (a, b)))
         full = np.asarray(jax.jit(product)(x, weights))
-        for first, end in ((45, 64), (0, 72), (70, 72), (10, 10), (60, 99)):
+        for first, end in ((45, 64), (21, 32), (3, 67), (0, 72), (70, 72), (10, 10), (60, 99)):
             got = np.asarray(fn(x, weights, jnp.int32(first), jnp.int32(end)))
             dead = np.zeros(72, bool)
             dead[first:min(end, 72)] = True

@@ -303,17 +303,39 @@ int64_t ChunkOf(ffi::ThreadPool& pool, int64_t N) {
   return chunk < 1 ? kGroupRows : (chunk + kGroupRows - 1) / kGroupRows * kGroupRows;
 }
 
-// Runs part(n0, n1, skip0, skip1) for the column chunks [n0, n1) of an [M, K] x [K, N] product on
-// the pool, the rows [skip0, skip1) left out of the work (and of the products, by `part`).
+// Runs part(x, y, n0, n1, skip0, skip1) for the column chunks [n0, n1) of an [M, K] x [K, N] product
+// on the pool, the rows [skip0, skip1) of x left out of the work (and of the products, by `part`).
+//
+// A skipped range with live rows on both sides (a prefill chunk's padding, then the decode rows of
+// a mixed step) would cut the rows into two runs, each with its own remainder tile: 21 + 7 rows take
+// 5 + 1 four-row tiles and a 1-row and a 3-row remainder, which run at a third to half the speed.
+// Past the register path's 8 rows the live rows are copied into one block first (x and y rows are
+// K and N floats: a fraction of a percent of the product), so they take 7 full tiles.
 template <typename Part>
-void OverColumns(ffi::ThreadPool& pool, ffi::Buffer<ffi::S32>& skip, int64_t M, int64_t N, int64_t K, Part part) {
+void OverColumns(ffi::ThreadPool& pool, ffi::Buffer<ffi::S32>& skip, const float* x, float* y, int64_t M, int64_t N,
+                 int64_t K, Part part) {
   int64_t skip0, skip1;
   SkipRange(skip, M, &skip0, &skip1);
+  const int64_t live = M - (skip1 - skip0);
+  const bool compact = skip0 > 0 && skip1 < M && live > kExpandedMaxRows;
+  std::vector<float> xs(compact ? live * K : 0), ys(compact ? live * N : 0);
+  if (compact) {
+    std::memcpy(xs.data(), x, skip0 * K * sizeof(float));
+    std::memcpy(xs.data() + skip0 * K, x + skip1 * K, (M - skip1) * K * sizeof(float));
+  }
+  const float* xp = compact ? xs.data() : x;
+  float* yp = compact ? ys.data() : y;
+  const int64_t rows = compact ? live : M, s0 = compact ? live : skip0, s1 = compact ? live : skip1;
   const int64_t chunk = ChunkOf(pool, N);
-  ParallelFor(pool, (N + chunk - 1) / chunk, (M - (skip1 - skip0) + kWeightWork) * N * K, [=](int64_t c) {
+  ParallelFor(pool, (N + chunk - 1) / chunk, (live + kWeightWork) * N * K, [=](int64_t c) {
     const int64_t n0 = c * chunk;
-    part(n0, n0 + chunk < N ? n0 + chunk : N, skip0, skip1);
+    part(xp, yp, rows, n0, n0 + chunk < N ? n0 + chunk : N, s0, s1);
   });
+  if (compact) {
+    std::memcpy(y, ys.data(), skip0 * N * sizeof(float));
+    std::memset(y + skip0 * N, 0, (skip1 - skip0) * N * sizeof(float));
+    std::memcpy(y + skip1 * N, ys.data() + skip0 * N, (M - skip1) * N * sizeof(float));
+  }
 }
 
 ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -326,11 +348,12 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  OverColumns(pool, skip, M, N, K, [=](int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
-    LiveRows(xp, yp + n0, M, K, N, n1 - n0, skip0, skip1, [&](const float* xr, float* yr, int64_t rows) {
-      Rows(xr, wp + n0 * K, yr, rows, K, N, n1 - n0);
-    });
-  });
+  OverColumns(pool, skip, xp, yp, M, N, K,
+              [=](const float* x, float* y, int64_t m, int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
+                LiveRows(x, y + n0, m, K, N, n1 - n0, skip0, skip1, [&](const float* xr, float* yr, int64_t rows) {
+                  Rows(xr, wp + n0 * K, yr, rows, K, N, n1 - n0);
+                });
+              });
   return ffi::Error::Success();
 }
 
@@ -382,9 +405,10 @@ ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
-  OverColumns(pool, skip, M, N, K, [=](int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
-    columns(xp, wp, yp, M, K, N, n0, n1, skip0, skip1);
-  });
+  OverColumns(pool, skip, xp, yp, M, N, K,
+              [=](const float* x, float* y, int64_t m, int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
+                columns(x, wp, y, m, K, N, n0, n1, skip0, skip1);
+              });
   return ffi::Error::Success();
 }
 

@@ -303,8 +303,9 @@ int64_t ChunkOf(ffi::ThreadPool& pool, int64_t N) {
   return chunk < 1 ? kGroupRows : (chunk + kGroupRows - 1) / kGroupRows * kGroupRows;
 }
 
-// Runs part(x, y, n0, n1, skip0, skip1) for the column chunks [n0, n1) of an [M, K] x [K, N] product
-// on the pool, the rows [skip0, skip1) of x left out of the work (and of the products, by `part`).
+// Runs part(x', y', m, n0, n1, skip0, skip1) for the column chunks [n0, n1) of an [M, K] x [K, N]
+// product on the pool, the rows [skip0, skip1) of x left out of the work (and of the products, by
+// `part`); x', y' and m are x, y and M, or the compacted copies below and their row count.
 //
 // A skipped range with live rows on both sides (a prefill chunk's padding, then the decode rows of
 // a mixed step) would cut the rows into two runs, each with its own remainder tile: 21 + 7 rows take
@@ -349,8 +350,8 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
   OverColumns(pool, skip, xp, yp, M, N, K,
-              [=](const float* x, float* y, int64_t m, int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
-                LiveRows(x, y + n0, m, K, N, n1 - n0, skip0, skip1, [&](const float* xr, float* yr, int64_t rows) {
+              [=](const float* xc, float* yc, int64_t m, int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
+                LiveRows(xc, yc + n0, m, K, N, n1 - n0, skip0, skip1, [&](const float* xr, float* yr, int64_t rows) {
                   Rows(xr, wp + n0 * K, yr, rows, K, N, n1 - n0);
                 });
               });
@@ -406,8 +407,8 @@ ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   OverColumns(pool, skip, xp, yp, M, N, K,
-              [=](const float* x, float* y, int64_t m, int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
-                columns(x, wp, y, m, K, N, n0, n1, skip0, skip1);
+              [=](const float* xc, float* yc, int64_t m, int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
+                columns(xc, wp, yc, m, K, N, n0, n1, skip0, skip1);
               });
   return ffi::Error::Success();
 }

@@ -293,7 +293,8 @@ class BatchScheduler:
             self.stats.steps += 1
             self.stats.step_ms_total += ms
         if self.log_stats:
-            print(f"[bs] {kind} width={width} tokens={ntok} ms={ms:.1f} at={t0 - self._t_origin:.4f}", file=sys.stderr, flush=True)
+            print(f"[bs] {kind} width={width} tokens={ntok} ms={ms:.1f} at={t0 - self._t_origin:.4f}",
+                  file=sys.stderr, flush=True)
 
     def _recent(self, sl: _Slot) -> list[int]:
         return sl.hist[-PENALTY_WINDOW:]

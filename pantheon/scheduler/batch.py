@@ -316,14 +316,14 @@ class BatchScheduler:
             slots.append(pre.index)
             starts.append(len(pre.hist))
             params.append(pre.job.req.params)
-            recent.append((pre.hist + part)[-PENALTY_WINDOW:])
+            recent.append((self._recent(pre) + part)[-PENALTY_WINDOW:])  # the window, not the whole history
             steps.append(0)
         for sl in decoders:
             tokens.append([sl.next_token])
             slots.append(sl.index)
             starts.append(len(sl.hist))
             params.append(sl.job.req.params if sl.job else None)
-            recent.append((sl.hist + [sl.next_token])[-PENALTY_WINDOW:])
+            recent.append((self._recent(sl) + [sl.next_token])[-PENALTY_WINDOW:])
             steps.append(sl.generated)
         want = not self.driver_sample and (bool(decoders) or final)
         handle, self._state = self.model.step_begin(self._state, tokens, slots, starts, params, recent, steps,

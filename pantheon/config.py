@@ -66,6 +66,13 @@ class Settings:
     model_dir: Path | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
+    # Slow clients (pantheon.web.body, pantheon.web.worker): the request line and headers (and a
+    # kept-alive connection's wait for its next request) must arrive within header_timeout_s; the
+    # body within body_timeout_s and at body_min_rate bytes/s or faster after a short grace.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    body_min_rate: float = 1024.0
+    max_connections: int = 1000  # open connections per worker; past it the oldest idle or slow one is dropped
     dtype: str = "auto"
     max_seq: int = 2048
     forbid_compile: bool = False
@@ -107,6 +114,10 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         model_dir=Path(model_dir).expanduser().resolve() if model_dir else None,
         cors_origins=origins,
         max_body_bytes=_int(env, "PANTHEON_MAX_BODY_BYTES", 4 * 1024 * 1024),
+        header_timeout_s=max(0.1, _float(env, "PANTHEON_HEADER_TIMEOUT_S", 10.0)),
+        body_timeout_s=max(0.1, _float(env, "PANTHEON_BODY_TIMEOUT_S", 30.0)),
+        body_min_rate=max(0.0, _float(env, "PANTHEON_BODY_MIN_RATE", 1024.0)),
+        max_connections=max(8, _int(env, "PANTHEON_MAX_CONNECTIONS", 1000)),
         dtype=env.get("PANTHEON_DTYPE", "auto"),
         max_seq=_int(env, "QWEN35_MAX_SEQ", 2048),
         forbid_compile=_flag(env, "PANTHEON_FORBID_COMPILE", False),

@@ -11,7 +11,8 @@ Two kinds of figures:
 * state the scheduler or registry owns (running/queued requests, prefix-cache hits and reused tokens,
   per-die memory, JAX compilations) is read at scrape time through callbacks, so there is one source
   of truth and nothing has to be mirrored. Scheduler counters are summed over a model's replicas; when
-  a replica unloads its counts leave the sum, which Prometheus reads as a counter reset.
+  a replica unloads its counts leave the sum, which Prometheus reads as a counter reset. Flags
+  (`pantheon_native_kernels`, which path a model's steps run) take the maximum instead.
 
 Importing this module never imports JAX: the compile count is read only if `pantheon.compile_guard`
 is already loaded (when it is not, no compilation can have been counted).
@@ -63,7 +64,13 @@ _SCHED_GAUGES = (
     ("running", "running_requests", "Requests holding a slot (prefilling or decoding)."),
     ("queued", "queued_requests", "Requests waiting for a free slot."),
     ("slots", "batch_slots", "Slots the backend can run at once."),
+    ("native_kernels", "native_kernels", "1 when the model's steps use pantheon.native's CPU kernels, "
+                                         "0 on XLA's dot and attention (the maximum over its replicas)."),
 )
+# load_info keys whose per-model figure is the maximum over the replicas, not their sum: flags, where
+# a sum of 2 would read as nonsense. Replicas of a model usually agree; where they differ (one spans
+# several dies, where XLA's forms run) 1 says the kernels serve at least one of them.
+_SCHED_MAX = frozenset({"native_kernels"})
 
 
 def _num(value: Any) -> float | None:
@@ -106,7 +113,7 @@ class _ScrapeCollector:
                 for key, value in (info or {}).items():
                     v = _num(value)
                     if v is not None:
-                        acc[key] = acc.get(key, 0.0) + v
+                        acc[key] = max(acc.get(key, v), v) if key in _SCHED_MAX else acc.get(key, 0.0) + v
                 for key, reason in (("rejected_full", "queue_full"), ("rejected_timeout", "queue_timeout")):
                     v = _num((info or {}).get(key))
                     if v is not None:

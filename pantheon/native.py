@@ -14,6 +14,18 @@ nothing else changes.
 
 The shared library is cached in `$PANTHEON_HOME/native/`, named by a hash of the source, the flags
 and the jaxlib version, so a changed kernel or jaxlib rebuilds it (a few seconds of g++).
+
+The build runs wherever the first model loads, which under `pantheon serve` is a real OS thread of a
+gevent-monkey-patched gunicorn worker. There gevent's `subprocess` needs the default loop's child
+watcher (TypeError in any other thread) and the saved stdlib `Popen` has lost its fork helper, so the
+compiler is started with the unpatched `os.posix_spawn` and reaped with the unpatched `os.waitpid`:
+that works in any thread, patched or not. It writes to `.building-<host>-<pid>-<random>.so` in the
+cache directory, removed on any failure and `os.replace`d into place on success, so a concurrent
+builder (another worker, another server on the same home) sees the whole library or none, and both
+end with a working one; the compiler is killed and reaped before its temp is removed, so it cannot
+write the file again afterwards (how the subprocess-based build left an orphan `tmp*.so` on every
+start). Temp files of builders that died (their pid is gone, or they are older than any build may
+run) are removed whenever the kernels are enabled.
 """
 
 from __future__ import annotations
@@ -25,10 +37,12 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
+import signal
+import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -46,6 +60,8 @@ QUANT_FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q5_0": (6, 22), "Q5_1": (7, 
 ATTENTION_TARGET = "pantheon_decode_attention"
 SOURCE = Path(__file__).with_name("native") / "cpu_kernels.cc"
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w")
+BUILD_TIMEOUT_S = 300.0  # a cold g++ of cpu_kernels.cc takes seconds; a hung one is killed after this
+TEMP_PREFIX = ".building-"  # in-progress builds: .building-<host>-<pid>-<random>.so
 
 _build_lock = osthread.Lock()  # serialises build/registration; guards _ready and _failed
 _ready = False  # the FFI targets are registered in this process
@@ -78,21 +94,120 @@ def _library_path(cache_dir: Path) -> Path:
     return cache_dir / f"cpu_kernels-{h.hexdigest()[:16]}.so"
 
 
+def _run(cmd: Sequence[str], timeout: float) -> tuple[int | None, str]:
+    """Run cmd[0] (an absolute path) to completion; (exit status or None when unknown, its output).
+
+    Why not `subprocess`: see the module docstring. stdout and stderr go to one unnamed temp file
+    rather than a pipe, so nothing has to be read concurrently and no cooperative I/O is involved.
+    The child gets its own process group so a timeout kills g++ together with cc1plus, as and ld.
+    On timeout (or any exception while waiting) the group is killed and the child reaped.
+    """
+    original = osthread._original  # the stdlib function even where gevent patched the module
+    spawn, waitpid = original("os", "posix_spawn"), original("os", "waitpid")
+    with tempfile.TemporaryFile() as log_file:
+        fd = log_file.fileno()
+        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                   (os.POSIX_SPAWN_DUP2, fd, 1), (os.POSIX_SPAWN_DUP2, fd, 2)]
+        pid = spawn(cmd[0], list(cmd), dict(os.environ), file_actions=actions, setpgroup=0)
+        status: int | None = None
+        reaped = False
+        try:
+            deadline = time.monotonic() + timeout
+            delay = 0.005
+            while True:
+                try:
+                    done, raw = waitpid(pid, os.WNOHANG)
+                except ChildProcessError:  # another SIGCHLD handler reaped it: exited, status unknown
+                    reaped = True
+                    break
+                if done:
+                    reaped = True
+                    status = os.waitstatus_to_exitcode(raw)
+                    break
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{os.path.basename(cmd[0])} ran past {timeout:g} s")
+                osthread.sleep(delay)
+                delay = min(delay * 2, 0.1)
+        finally:
+            if not reaped:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    waitpid(pid, 0)
+        log_file.seek(0)
+        return status, log_file.read().decode(errors="replace")
+
+
+def _host_tag() -> str:
+    """A short, filename-safe tag of this host: pids are only compared on the host that wrote them."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(cache_dir: Path, max_age_s: float = 2 * BUILD_TIMEOUT_S) -> list[Path]:
+    """Delete build temp files whose builder is gone; returns those removed.
+
+    Gone means: written on this host by a pid that no longer runs, or older than `max_age_s` (no live
+    build lasts that long, since `_run` kills it at BUILD_TIMEOUT_S; this also covers temps from other
+    hosts sharing the directory, and a pid reused since). A live builder's temp is never touched.
+    Earlier versions built into `tmp*.so` and left one behind on every failed start under gevent;
+    those carry no pid and go by age alone.
+    """
+    removed: list[Path] = []
+    here = _host_tag()
+    now = time.time()
+    try:
+        entries = [*Path(cache_dir).glob(TEMP_PREFIX + "*"), *Path(cache_dir).glob("tmp*.so")]
+    except OSError:
+        return removed
+    for path in entries:
+        try:
+            dead = False
+            if path.name.startswith(TEMP_PREFIX):
+                parts = path.name[len(TEMP_PREFIX):].split("-")
+                dead = len(parts) >= 3 and parts[0] == here and parts[1].isdigit() and not _pid_alive(int(parts[1]))
+            if dead or now - path.stat().st_mtime > max_age_s:
+                path.unlink()
+                removed.append(path)
+        except OSError:  # gone meanwhile, or not ours to delete
+            continue
+    return removed
+
+
 def _compile(out: Path) -> None:
+    """Build the kernels into `out` atomically: complete library there, or no file and a RuntimeError."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{_host_tag()}-{os.getpid()}-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if res.returncode:
-            raise RuntimeError(f"{cxx} failed: {res.stderr.strip()[-2000:]}")
+        cmd = [os.path.abspath(cxx), *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        try:
+            status, output = _run(cmd, BUILD_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise RuntimeError(f"{cxx} timed out: {exc}") from None
+        if status is None:
+            # gevent's SIGCHLD handler (installed once anything used gevent's subprocess in the
+            # hub's thread) reaps every child, so the status is lost. The output tells instead: a
+            # failed compile never links, a failed link removes it, and a bad library fails to load.
+            if not os.path.exists(tmp) or os.path.getsize(tmp) == 0:
+                raise RuntimeError(f"{cxx} produced no library: {output.strip()[-2000:]}")
+        elif status:
+            raise RuntimeError(f"{cxx} failed with exit status {status}: {output.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent builder sees the whole library or none
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
 
 
@@ -109,6 +224,7 @@ def enable(cache_dir: Path) -> bool:
             if not _cpu_supported():
                 raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
             lib_path = _library_path(Path(cache_dir))
+            remove_stale_temps(lib_path.parent)
             if not lib_path.exists():
                 _compile(lib_path)
             lib = ctypes.cdll.LoadLibrary(str(lib_path))

@@ -25,6 +25,7 @@ Facts used (from llama.cpp's llama-vocab.cpp and the GGUF spec, re-expressed her
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import re
 from pathlib import Path
@@ -330,13 +331,31 @@ class Tokenizer:
     def encode(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of `text`; special-token text is parsed as special. With `add_special`, BOS/EOS are added
         as the file asks (BOS not twice when the text already starts with it)."""
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: the Rust side releases the GIL only in the batch call. A 4 MB prompt
+        # takes seconds to tokenize; in a worker thread it must not freeze the server's event loop.
+        ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special:
             if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
                 ids.insert(0, self.bos_id)
             if self.add_eos and self.eos_id is not None:
                 ids.append(self.eos_id)
         return ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes any one token stands for: a text of B bytes has at least B / this many tokens."""
+        return max(1, max((len(b) for b in self._bytes), default=1))
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), in time linear in the text and without tokenizing it.
+
+        Every token stands for at most `max_token_bytes` bytes, so B bytes need B / max_token_bytes
+        tokens. A normaliser can shrink the text first (Unicode composition folds up to 3 code points
+        into one), so with one the bound is divided by 3 more. Admission uses it to refuse a prompt
+        that cannot fit before spending seconds tokenizing it.
+        """
+        per_token = self.max_token_bytes * (1 if self._hf.normalizer is None else 3)
+        return len(text.encode("utf-8", "surrogatepass")) // per_token
 
     def token_bytes(self, id: int) -> bytes:
         """The raw bytes one token stands for (b"" for an id outside the vocabulary)."""

@@ -1,12 +1,14 @@
 """Start a real `gunicorn -k gevent` Pantheon server on a free local port for end-to-end tests.
 
 Each test module starts its own server once (module-scoped fixture) and stops it at the end; the server
-runs in its own process group so stopping it also stops the worker. Its log goes to a file whose tail
+runs in its own process group so stopping it also stops the worker, and it dies with the test process
+(PR_SET_PDEATHSIG) when the run is killed before it could stop it. Its log goes to a file whose tail
 is shown when it fails to come up.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -21,6 +23,8 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 from conftest import FIXTURES  # noqa: E402  (one place decides where the oracle fixtures live)
 
+from pantheon.web.launch import gunicorn_argv  # noqa: E402  (the same command line `pantheon serve` runs)
+
 TINY = FIXTURES / "tiny"
 LLAMA = str(TINY / "llama.gguf")
 QWEN2 = str(TINY / "qwen2.gguf")
@@ -30,6 +34,13 @@ BASE_ENV = {"JAX_PLATFORMS": "cpu", "QWEN35_MAX_SEQ": "128", "QWEN35_BS_PREFILL_
 _CLEARED = ("PANTHEON_API_KEY", "PANTHEON_ADMIN_KEY", "PANTHEON_MODEL_DIR", "PANTHEON_CORS_ORIGINS",
             "PANTHEON_DIE_BUDGET_MB", "PANTHEON_MAX_BODY_BYTES", "QWEN35_BATCH_SLOTS", "PANTHEON_MODELS",
             "XLA_FLAGS")
+
+
+def die_with_parent() -> None:
+    """In the forked child before exec: the kernel SIGKILLs it when the test process dies, however that
+    happens (its worker then follows: pantheon's worker asks the same of its arbiter)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -60,11 +71,10 @@ class Server:
                 cmd += ["--model", m]
         else:
             self.env["PANTHEON_MODELS"] = ";".join(self.models)
-            cmd = [sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{self.port}",
-                   "pantheon.web:create_app()"]
+            cmd = gunicorn_argv("127.0.0.1", self.port, 0)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         log.close()
         return self
 

@@ -257,6 +257,35 @@ def test_prefix_reuse_automatic_and_by_session(model):
         s.close()
 
 
+def test_prefix_reuse_never_crosses_cache_scopes(model):
+    """Another tenant's identical prompt reuses nothing (cached length 0); the same tenant's does."""
+    s = BatchScheduler(model, settings(batch_slots=2), warmup=False)
+    try:
+        _, j, _ = tiny_fixture("llama")
+        secret = j["prompt_ids"][:24]
+
+        def run(scope: str, session: str | None = None) -> Collector:
+            c = Collector()
+            s.submit(GenRequest(prompt_ids=secret, params=GREEDY, max_tokens=3, cache_scope=scope,
+                                session_id=session), c)
+            assert c.done.wait(30)
+            return c
+
+        victim = run("tenant-a")
+        assert victim.started.reused_tokens == 0
+        guesser = run("tenant-b")
+        assert guesser.started.reused_tokens == 0
+        assert guesser.ids == victim.ids  # the same tokens, computed from scratch
+        again = run("tenant-a")
+        assert again.started.reused_tokens == len(secret) - 1
+        # a session id names a slot only within its scope
+        run("tenant-a", session="s1")
+        stolen = run("tenant-c", session="s1")
+        assert stolen.started.reused_tokens == 0
+    finally:
+        s.close()
+
+
 def test_no_compilation_after_warmup(model, sched):
     """Every bucket compiled at start-up: serving mixed traffic afterwards compiles nothing."""
     n0 = compile_guard.compile_count()

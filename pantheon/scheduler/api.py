@@ -32,6 +32,9 @@ class GenRequest:
     max_tokens: int
     stop_ids: frozenset[int] = frozenset()
     session_id: str | None = None
+    # Prefix reuse happens only between requests of one scope (the web layer's tenant key: API key,
+    # user, session, cache_salt), so a prompt's cached length never tells one client about another's.
+    cache_scope: str = ""
     request_id: str = field(default_factory=lambda: secrets.token_hex(12))
 
     def __post_init__(self) -> None:

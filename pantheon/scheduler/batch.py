@@ -6,7 +6,8 @@ Lifecycle of a request:
    queue full -> 429 Retry-After 5 (503 under CRITICAL memory pressure); shutting down -> 503.
 2. The driver thread admits queued requests into IDLE slots, preferring the slot that holds the
    request's session, else the idle slot whose committed history shares the longest prefix with the
-   prompt (its KV is reused: only the new suffix is prefilled). A request waiting longer than
+   prompt (its KV is reused: only the new suffix is prefilled). Reuse never crosses a cache scope
+   (`GenRequest.cache_scope`): a slot last used by another tenant counts as empty. A request waiting longer than
    `queue_wait_s` is refused with 429 Retry-After 2. A cancelled queued request leaves at once.
 3. Slot states: IDLE -> PREFILL (its prompt is fed in chunks of `prefill_chunk`) -> DECODE (one token
    per step, batched with every other DECODE slot) -> IDLE. While both kinds of work exist, each
@@ -71,6 +72,7 @@ class _Slot:
     job: _Job | None = None
     hist: list[int] = field(default_factory=list)  # tokens whose K/V sit in this slot's cache rows
     session_id: str | None = None
+    scope: str = ""  # cache_scope of the request whose tokens `hist` holds
     pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
     generated: int = 0
     reused: int = 0
@@ -145,7 +147,8 @@ class BatchScheduler:
         with self._mu:
             s = dataclasses.asdict(self.stats)
             s.update(mode="batch", slots=self.n_slots, queued=len(self._queue),
-                     running=sum(1 for sl in self._slots if sl.state != IDLE))
+                     running=sum(1 for sl in self._slots if sl.state != IDLE),
+                     native_kernels=int(bool(getattr(self.model, "native_matmul", False))))
             return s
 
     def close(self, timeout: float = 10.0) -> None:
@@ -212,6 +215,7 @@ class BatchScheduler:
             slot.state = PREFILL
             slot.job = job
             slot.session_id = job.req.session_id
+            slot.scope = job.req.cache_scope
             slot.hist = slot.hist[:reuse]
             slot.pending = list(prompt[reuse:])
             slot.generated = 0
@@ -246,18 +250,22 @@ class BatchScheduler:
     def _pick_slot(self, idle: list[_Slot], req: GenRequest) -> tuple[_Slot, int]:
         """Session slot first, else the longest common prefix, else the emptiest slot.
 
+        Only slots of the request's cache scope can be reused; any other slot reuses nothing.
         At least one prompt token is always prefilled (its logits give the first sampled token).
         """
         prompt = req.prompt_ids
         limit = max(0, len(prompt) - 1)
-        reuse = self._reusable
+
+        def reuse(sl: _Slot) -> int:
+            return self._reusable(sl.hist, prompt, limit) if sl.scope == req.cache_scope else 0
+
         if req.session_id:
             for sl in idle:
-                if sl.session_id == req.session_id:
-                    return sl, reuse(sl.hist, prompt, limit)
+                if sl.session_id == req.session_id and sl.scope == req.cache_scope:
+                    return sl, reuse(sl)
         best, best_len = None, -1
         for sl in idle:
-            n = reuse(sl.hist, prompt, limit)
+            n = reuse(sl)
             if n > best_len or (n == best_len and best is not None and len(sl.hist) < len(best.hist)):
                 best, best_len = sl, n
         assert best is not None

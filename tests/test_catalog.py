@@ -181,11 +181,8 @@ def test_interrupt_during_download_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_failed_pip_download_quotes_stderr(tmp_path, monkeypatch):
-    class Proc:
-        returncode = 1
-        stderr = "Looking in indexes...\nERROR: No matching distribution found for fake-part0==1.0\n"
-
-    monkeypatch.setattr(catalog.subprocess, "run", lambda *a, **k: Proc())
+    output = "Looking in indexes...\nERROR: No matching distribution found for fake-part0==1.0\n"
+    monkeypatch.setattr(catalog.osthread, "run_process", lambda *a, **k: (1, output))
     monkeypatch.setitem(CATALOG, "fake-model", _fake_entry())
     with pytest.raises(CatalogError, match="No matching distribution"):
         pull("fake-model", home=tmp_path, progress=False)

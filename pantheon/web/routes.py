@@ -14,7 +14,6 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ..errors import RequestError
 from .body import parse_json, read_body
 from . import bridge
 from .chat import ClientGone, Generation, SSEStream, cache_scope, parse_chat_request

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import osthread
-from .errors import PantheonError, RequestError
+from .errors import ModelLoadError, PantheonError, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -106,34 +106,47 @@ def scan_gguf_header(path: str | Path, types: dict[str, int] | None = None
     Why not gguf.GGUFReader / open_gguf: it decodes every metadata value (a 150k-token vocabulary
     takes ~25 s), while an admission answer must come in milliseconds. Large arrays (the vocabulary,
     merges, scores) are skipped by their sizes and left out of the metadata.
+
+    A damaged header raises ValueError saying what is wrong, never a huge read: every length and
+    count is bounded by the bytes left in the file before anything is read or allocated, and the
+    tensor table goes through the loader's own layout check (gguf_meta.check_tensor_layout).
     """
+    from .gguf_meta import DEFAULT_ALIGNMENT, GGML_MAX_DIMS, check_tensor_layout
     p = Path(path).expanduser()
     meta: dict[str, Any] = {}
     tensors: dict[str, tuple[int, ...]] = {}
+    infos: list[tuple[str, tuple[int, ...], int, int]] = []
     with open(p, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+
+        def need(n: int, what: str) -> None:
+            """Refuse before reading or skipping `n` bytes the file does not have."""
+            if n < 0 or n > size - f.tell():
+                raise ValueError(f"truncated GGUF header: {what} needs {n} bytes, {size - f.tell()} left")
+
         def read(fmt: str) -> tuple:
-            size = struct.calcsize(fmt)
-            data = f.read(size)
-            if len(data) != size:
-                raise ValueError("truncated GGUF header")
-            return struct.unpack(fmt, data)
+            n = struct.calcsize(fmt)
+            need(n, "a field")
+            return struct.unpack(fmt, f.read(n))
 
         def read_string() -> str:
             (n,) = read("<Q")
-            data = f.read(n)
-            if len(data) != n:
-                raise ValueError("truncated GGUF header")
-            return data.decode("utf-8", errors="replace")
+            need(n, "a string")
+            return f.read(n).decode("utf-8", errors="replace")
 
         def skip_string() -> None:
             (n,) = read("<Q")
+            need(n, "a string")
             f.seek(n, 1)
 
         def value(vtype: int, keep: bool) -> Any:
             if vtype in _GGUF_SCALARS:
                 if keep:
                     return read(_GGUF_SCALARS[vtype])[0]
-                f.seek(struct.calcsize(_GGUF_SCALARS[vtype]), 1)
+                n = struct.calcsize(_GGUF_SCALARS[vtype])
+                need(n, "a value")
+                f.seek(n, 1)
                 return None
             if vtype == _GGUF_STRING:
                 if keep:
@@ -142,35 +155,51 @@ def scan_gguf_header(path: str | Path, types: dict[str, int] | None = None
                 return None
             if vtype == _GGUF_ARRAY:
                 itype, count = read("<IQ")
-                if itype in _GGUF_SCALARS and (not keep or count > _MAX_ARRAY_DECODE):
-                    f.seek(struct.calcsize(_GGUF_SCALARS[itype]) * count, 1)
-                    return None
                 if itype in _GGUF_SCALARS:
+                    n = struct.calcsize(_GGUF_SCALARS[itype]) * count
+                    need(n, f"an array of {count} values")
+                    if not keep or count > _MAX_ARRAY_DECODE:
+                        f.seek(n, 1)
+                        return None
                     return [value(itype, True) for _ in range(count)]
+                if itype not in (_GGUF_STRING, _GGUF_ARRAY):
+                    raise ValueError(f"unknown GGUF array item type {itype}")
+                need(8 * count, f"an array of {count} strings")  # each item is at least its u64 length
                 for _ in range(count):  # strings / nested arrays: skipped one by one
                     value(itype, False)
                 return None
             raise ValueError(f"unknown GGUF value type {vtype}")
 
         magic, version = read("<4sI")
-        if magic != b"GGUF" or version < 2:
-            raise ValueError("not a GGUF v2+ file")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"not a GGUF v2/v3 file (magic {magic!r}, version {version})")
         n_tensors, n_kv = read("<QQ")
+        need(n_kv * 12, f"{n_kv} metadata entries")  # each at least a key length and a type
         for _ in range(n_kv):
             key = read_string()
             (vtype,) = read("<I")
             v = value(vtype, keep=True)
             if v is not None:
                 meta[key] = v
+        need(n_tensors * 24, f"{n_tensors} tensor infos")  # each at least name length, n_dims, type, offset
         for _ in range(n_tensors):
             name = read_string()
             (n_dims,) = read("<I")
-            dims = read(f"<{n_dims}Q")
-            (ggml_type,) = read("<I")
-            f.seek(8, 1)  # data offset (u64)
-            tensors[name] = tuple(int(d) for d in dims)
+            if not 1 <= n_dims <= GGML_MAX_DIMS:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions (1 to {GGML_MAX_DIMS} allowed)")
+            dims = tuple(int(d) for d in read(f"<{n_dims}Q"))
+            ggml_type, offset = read("<IQ")
+            if name in tensors:
+                raise ValueError(f"tensor {name!r} is listed twice")
+            tensors[name] = dims
+            infos.append((name, dims, int(ggml_type), int(offset)))
             if types is not None:
                 types[name] = int(ggml_type)
+        align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+            raise ValueError(f"general.alignment = {align!r} is not a power of two")
+        data_start = -(-f.tell() // align) * align
+    check_tensor_layout(p, size, data_start, align, infos)  # ModelLoadError naming the tensor
     return meta, tensors
 
 
@@ -275,7 +304,21 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
     dequantizes to -- else 2 bytes), from headers only; state is (n_slots + 1) slots x capacity x
     the arch's bytes/token (+ its per-sequence recurrent bytes); scratch is SCRATCH_MIN_BYTES plus
     SCRATCH_FRACTION of the rest plus a prefill chunk's logits.
+
+    This is the first thing an admin load does with a client-named file, so every failure of a
+    damaged one (a header that lies, an arch's size helper choking on its values) is a ModelLoadError
+    naming the file: a 500 `model_load_error`, not an `internal_error`.
     """
+    try:
+        return _estimate_load_bytes(source, opts, platform)
+    except PantheonError:
+        raise
+    except Exception as exc:
+        where = getattr(source, "path", source)
+        raise ModelLoadError(where, f"cannot size the model from its headers: {type(exc).__name__}: {exc}") from exc
+
+
+def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
     from .engine import LoadOptions, native_wanted
     from .jax_models import registry as arch_registry
 
@@ -306,12 +349,11 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
                 renamed[k2] = v
             total, rep, attn, ffn = _weight_groups(renamed, per)
         else:
-            from .errors import ModelLoadError
             from .gguf_loader import config_from_metadata
             types: dict[str, int] = {}
             try:
                 meta, dims = scan_gguf_header(p, types)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, MemoryError, OverflowError) as exc:
                 raise ModelLoadError(p, f"cannot read the GGUF header: {exc}") from exc
             cfg = config_from_metadata(p, meta, _HeaderTensors(p, dims))  # type: ignore[arg-type]
             total, rep, attn, ffn = _weight_groups(dims, per)

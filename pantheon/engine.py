@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compile_guard, native, osthread
+from . import compile_guard, memory, native, osthread
 from .config import load_settings
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
@@ -159,17 +160,66 @@ class Model:
             self._sample = self.shard_plan.on_first_die(self._sample)
         self._compiled_keys: set[tuple] = set()
         self._keys_lock = osthread.Lock()  # guards _compiled_keys (steps may come from several threads)
+        # The leaves of every state this model handed out (new_state, step_begin), held weakly, so
+        # release() can free the caches' device buffers even if a caller still holds a state.
+        # id(leaf) -> leaf; an entry goes by itself when its leaf dies (donated or dropped).
+        self._states: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self.released = False
 
     # ---- state ---------------------------------------------------------------------------------
     def new_state(self) -> Any:
         """Fresh state for n_slots sequences plus the scratch slot, on the model's device."""
+        self._check_live()
         if self.shard_plan is not None:  # built straight into its shards over the model's dies
-            return self._sharded_init()
+            return self._track(self._sharded_init())
         with jax.default_device(self.devices[0]):
             state = self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.dtype)
         # Committed to the device like every step's output, so the first step and later ones share
         # one compiled program (an uncommitted input is a different jit cache key).
-        return jax.device_put(state, self.devices[0])
+        return self._track(jax.device_put(state, self.devices[0]))
+
+    def _track(self, state: Any) -> Any:
+        """Remember `state`'s leaves weakly (for release); returns it unchanged."""
+        for leaf in jax.tree.leaves(state):
+            self._states[id(leaf)] = leaf
+        return state
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise RuntimeError(f"model {self.name!r} has been released (unloaded)")
+
+    # ---- release ---------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Free what this model holds on its devices now, whoever still references the Model.
+
+        Why explicit: a loaded model's memory is its params, its slot caches and its compiled
+        programs, and Python frees them only when the last reference goes -- which an unload cannot
+        guarantee (a scheduler or a traceback still pointing at a state, reference cycles through the
+        jitted closures). So unload calls this: every param and every state leaf still alive is
+        deleted (device buffers go at once; a later use raises instead of reading freed memory), the
+        compiled programs of this model's own jitted functions are dropped (`clear_cache` is per
+        function: other loaded models keep theirs, unlike the global `jax.clear_caches()`), and the
+        references are cut so the closures can be collected. Idempotent; the model cannot step after.
+        Call it only once no thread is stepping the model (the registry closes the backend first).
+        """
+        if self.released:
+            return
+        self.released = True
+        _delete_arrays(list(self._states.values()))
+        self._states.clear()
+        params, self.params = self.params, None
+        _delete_arrays(params)
+        for attr in ("_forward", "_forward_mixed", "_sample"):
+            fn = getattr(self, attr, None)
+            clear = getattr(fn, "clear_cache", None)
+            if callable(clear):
+                clear()
+            if fn is not None:
+                setattr(self, attr, None)
+        self._sharded_init = None
+        self.shard_plan = None
+        with self._keys_lock:
+            self._compiled_keys.clear()
 
     def state_bytes_per_token(self) -> int:
         return self.arch.state_bytes_per_token(self.config)
@@ -196,9 +246,11 @@ class Model:
         Row b feeds tokens[b] at positions starts[b].. into cache slot slots[b]. The old state is
         donated: the caller must use only the returned one.
         """
+        self._check_live()
         plan = self._plan(tokens, slots, starts, all_logits)
         self._note_shape(plan.key)
         last, every, state = plan.fn(self.params, state, *plan.args, **plan.kwargs)
+        self._track(state)
         # The forward is running now: the sampler's per-row inputs are built while it computes
         # (1.4 ms of host work at 8 rows that used to delay its start), then its call queues behind it.
         rows, rec, stp = self._sampling_rows(plan.rows, params, recent, steps, len(tokens))
@@ -412,6 +464,17 @@ class Model:
             return set(self._compiled_keys)
 
 
+def _delete_arrays(tree: Any) -> None:
+    """Delete every JAX array in `tree` (its device buffers are freed now, not at the next gc); other
+    leaves (host numpy copies, None) are left to Python."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            try:
+                leaf.delete()
+            except Exception:  # already donated or freed by its backend: nothing left to give back
+                pass
+
+
 # ---- loading -----------------------------------------------------------------------------------
 def _arch_module(cfg: ModelConfig, path: Path):
     from .jax_models import registry
@@ -442,7 +505,12 @@ def load(path: str | Path, opts: LoadOptions | None = None) -> Model:
 def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[int] | None = None) -> Model:
     """Load a GGUF (or HF safetensors dir) onto the given JAX devices (default: the first device).
 
-    Any failure raises ModelLoadError; nothing stays allocated on the device.
+    Any failure raises ModelLoadError naming the file; nothing stays allocated on the device. This
+    is the one place every exception of the file-reading and building stage (gguf's reader, the
+    metadata, the tokenizer, the chat template, the arch's parameter builder, the upload) is turned
+    into one: a damaged or lying file is the file's problem (500 `model_load_error`), never an
+    `internal_error`, whatever library happened to trip over it. The checks that know what is wrong
+    (gguf_meta, gguf_loader, tokenizer) raise ModelLoadError themselves with a specific message.
     """
     opts = opts or LoadOptions()
     compile_guard.install()
@@ -455,6 +523,21 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     else:
         devices = [all_devices[0]]
     p = Path(path).expanduser()
+    stage = ["reading the file"]  # what _load_files is doing, for the message of an unexpected failure
+    try:
+        return _load_files(p, opts, devices, stage)
+    except Exception as exc:
+        # The frames of a failed build hold host copies of the weights (and maybe device arrays):
+        # clear them so the exception, logged and kept by a caller for a while, holds no memory.
+        memory.clear_exception_frames(exc)
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(p, f"{stage[0]} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]) -> Model:
+    """load_on's body: read and check the file, build and upload the weights, then the tokenizer and
+    template (a failure there deletes the uploaded weights at once). `stage[0]` says which step runs."""
     from . import hf_loader
     f: GGUFFile | hf_loader.HFCheckpoint
     if hf_loader.is_hf_checkpoint(p, opts.config_path):  # safetensors directory / file + config.json
@@ -464,6 +547,7 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     cfg = f.config
     arch = _arch_module(cfg, p)
     dtype = _resolve_dtype(opts.dtype, devices[0])
+    stage[0] = "building parameters"
     try:
         host_params = arch.load_params(f.tensors, cfg, np.float32)  # dequantize in f32; cast on device
     except ModelLoadError:
@@ -487,6 +571,7 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
             a = jnp.asarray(a, dtype)
         return jax.device_put(a, devices[0])
 
+    stage[0] = "placing the weights on the device"
     if len(devices) > 1:  # tensor-parallel over the dies: each leaf goes straight into its shards
         from .sharding import ShardPlan
 
@@ -497,10 +582,19 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     else:
         params = jax.tree.map(put, host_params)
     del host_params
-    tokenizer, template = _tokenizer_and_template(p, f.meta)
     name = opts.name or p.stem
-    return Model(p, name, cfg, f.meta, arch, params, tokenizer, template, opts, devices, dtype, weight_bytes,
-                 native_matmul=use_native)
+    try:
+        stage[0] = "building the tokenizer and chat template"
+        tokenizer, template = _tokenizer_and_template(p, f.meta)
+        if "hf.config" not in f.meta and tokenizer.vocab_size > cfg.vocab:
+            raise ModelLoadError(p, f"the tokenizer has {tokenizer.vocab_size} tokens but token_embd.weight has "
+                                    f"{cfg.vocab} rows: ids past the embedding would read nothing")
+        stage[0] = "building the model"
+        return Model(p, name, cfg, f.meta, arch, params, tokenizer, template, opts, devices, dtype, weight_bytes,
+                     native_matmul=use_native)
+    except BaseException:
+        _delete_arrays(params)  # nothing may stay on the device when the load fails
+        raise
 
 
 def _tokenizer_and_template(path: Path, meta: dict[str, Any]):
@@ -512,5 +606,8 @@ def _tokenizer_and_template(path: Path, meta: dict[str, Any]):
     if "tokenizer.ggml.tokens" not in meta:
         raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens missing)")
     tok = Tokenizer.from_gguf_metadata(meta, str(path))
-    tmpl = ChatTemplate(meta.get("tokenizer.chat_template"), tok.bos_token, tok.eos_token)
+    source = meta.get("tokenizer.chat_template")
+    if source is not None and not isinstance(source, str):
+        raise ModelLoadError(path, f"tokenizer.chat_template is {type(source).__name__}, not a string")
+    tmpl = ChatTemplate(source, tok.bos_token, tok.eos_token)
     return tok, tmpl

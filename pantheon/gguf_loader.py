@@ -9,6 +9,8 @@ half-built model.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,15 +133,6 @@ class TensorSource:
         return self.get(name, shape) if self.has(name) else None
 
 
-def _check_data_extent(path: Path, reader: gguf.GGUFReader) -> None:
-    """A truncated file still parses its header; make sure every tensor's bytes are really there."""
-    size = path.stat().st_size
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise ModelLoadError(path, f"truncated: tensor {t.name!r} ends at byte {end}, file has {size}")
-
-
 def _scalar(meta: dict[str, Any], key: str, default: Any = None, required: bool = False, path: Path | None = None) -> Any:
     if key not in meta:
         if required:
@@ -149,30 +142,113 @@ def _scalar(meta: dict[str, Any], key: str, default: Any = None, required: bool 
     if isinstance(val, list):  # per-layer arrays: the llama family uses one value for all layers
         if not val:
             return default
-        if len(set(val)) != 1:
+        try:
+            distinct = len(set(val))
+        except TypeError:  # unhashable items (nested arrays): not a per-layer value list
+            distinct = 2
+        if distinct != 1:
             raise ModelLoadError(path or "?", f"per-layer values for {key!r} are not supported: {val[:8]}...")
         return val[0]
     return val
 
 
+def _int(meta: dict[str, Any], key: str, default: int | None = None, *, path: Path, lo: int = 0,
+         hi: int = 1 << 32, required: bool = False) -> int:
+    """An integer hyper-parameter in [lo, hi]; ModelLoadError naming the key otherwise.
+
+    Why bounds at all: these values size the KV cache and the load estimate before any tensor is
+    read, so a crafted 2**31 layers or heads would otherwise become a 507 for terabytes, a
+    ZeroDivisionError or a MemoryError instead of saying the file is wrong.
+    """
+    val = _scalar(meta, key, default, required=required, path=path)
+    if isinstance(val, bool) or not isinstance(val, int):
+        if isinstance(val, float) and val.is_integer():
+            val = int(val)
+        else:
+            raise ModelLoadError(path, f"metadata {key!r} = {val!r} is not an integer")
+    if not lo <= val <= hi:
+        raise ModelLoadError(path, f"metadata {key!r} = {val} is out of range [{lo}, {hi}]")
+    return val
+
+
+def _float(meta: dict[str, Any], key: str, default: float, *, path: Path, positive: bool = False) -> float:
+    """A finite float hyper-parameter (strictly positive when `positive`); ModelLoadError otherwise."""
+    val = _scalar(meta, key, default, path=path)
+    if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
+        raise ModelLoadError(path, f"metadata {key!r} = {val!r} is not a finite number")
+    if positive and val <= 0:
+        raise ModelLoadError(path, f"metadata {key!r} = {val} must be positive")
+    return float(val)
+
+
+_MAX_LAYERS = 1 << 12
+_MAX_WIDTH = 1 << 20  # hidden / ffn widths
+_MAX_HEADS = 1 << 12
+_MAX_HEAD_DIM = 1 << 14
+_MAX_VOCAB = 1 << 24
+_MAX_EXPERTS = 1 << 12
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.")
+
+
+def _tensor_dims(tensors: TensorSource, name: str) -> tuple[int, ...] | None:
+    """A tensor's dims in GGUF order (ne0 first), or None when absent."""
+    if not tensors.has(name):
+        return None
+    return tuple(int(d) for d in tensors._tensors[name].shape)
+
+
+def _check_against_tensors(path: Path, tensors: TensorSource, n_layers: int, hidden: int, n_heads: int,
+                           n_kv: int, head_dim: int, fused_qkv: bool) -> None:
+    """The metadata must describe the tensors: every layer present, the embedding as wide as the
+    model, K projections (and phi3's fused QKV; the hybrids' attn_qkv is their DeltaNet input) as
+    wide as the heads say. Checked from the tensor table alone (no data read), so the load estimate,
+    which runs first, never sizes a cache from values the weights deny."""
+    present = {int(m.group(1)) for n in tensors._tensors if (m := _BLOCK_RE.match(n))}
+    missing = [i for i in range(min(n_layers, _MAX_LAYERS)) if i not in present]
+    if missing:
+        raise ModelLoadError(path, f"block_count is {n_layers} but the file has no tensors for layer(s) "
+                                   f"{missing[:8]}{'...' if len(missing) > 8 else ''}")
+    emb = _tensor_dims(tensors, "token_embd.weight")
+    if emb is not None and (len(emb) != 2 or emb[0] != hidden):
+        raise ModelLoadError(path, f"token_embd.weight has dims {list(emb)}, but embedding_length is {hidden}")
+    for i in sorted(present):
+        k = _tensor_dims(tensors, f"blk.{i}.attn_k.weight")
+        if k is not None and (len(k) != 2 or k[1] != n_kv * head_dim):
+            raise ModelLoadError(path, f"blk.{i}.attn_k.weight has dims {list(k)}, but {n_kv} KV heads of "
+                                       f"{head_dim} need {n_kv * head_dim} outputs")
+        qkv = _tensor_dims(tensors, f"blk.{i}.attn_qkv.weight") if fused_qkv else None
+        if qkv is not None and (len(qkv) != 2 or qkv[1] != (n_heads + 2 * n_kv) * head_dim):
+            raise ModelLoadError(path, f"blk.{i}.attn_qkv.weight has dims {list(qkv)}, but {n_heads} + 2 x {n_kv} "
+                                       f"heads of {head_dim} need {(n_heads + 2 * n_kv) * head_dim} outputs")
+
+
 def config_from_metadata(path: Path, meta: dict[str, Any], tensors: TensorSource) -> ModelConfig:
-    """ModelConfig for an arch the engine knows; ModelLoadError otherwise."""
+    """ModelConfig for an arch the engine knows; ModelLoadError otherwise.
+
+    Every hyper-parameter is type- and range-checked and the shapes that size the cache are checked
+    against the tensor table, so a lying file fails here with the key named, on the estimate's path
+    (pantheon.dies, header only) and the load's alike.
+    """
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
-        raise ModelLoadError(path, "missing general.architecture")
+        raise ModelLoadError(path, "missing general.architecture" if arch is None
+                             else f"general.architecture is {type(arch).__name__}, not a string")
     if arch not in _ROPE_TYPES:
         raise ModelLoadError(path, f"unsupported architecture {arch!r} (known: {', '.join(sorted(_ROPE_TYPES))})")
     p = f"{arch}."
-    n_layers = int(_scalar(meta, p + "block_count", required=True, path=path))
-    hidden = int(_scalar(meta, p + "embedding_length", required=True, path=path))
-    n_heads = int(_scalar(meta, p + "attention.head_count", required=True, path=path))
-    n_kv = int(_scalar(meta, p + "attention.head_count_kv", n_heads, path=path))
-    head_dim = int(_scalar(meta, p + "attention.key_length", hidden // n_heads, path=path))
-    ffn = int(_scalar(meta, p + "feed_forward_length", 0, path=path))
-    vocab = meta.get(p + "vocab_size")
+    n_layers = _int(meta, p + "block_count", required=True, path=path, lo=1, hi=_MAX_LAYERS)
+    hidden = _int(meta, p + "embedding_length", required=True, path=path, lo=1, hi=_MAX_WIDTH)
+    n_heads = _int(meta, p + "attention.head_count", required=True, path=path, lo=1, hi=_MAX_HEADS)
+    n_kv = _int(meta, p + "attention.head_count_kv", n_heads, path=path, lo=1, hi=n_heads)
+    if n_heads % n_kv:
+        raise ModelLoadError(path, f"{n_heads} attention heads cannot share {n_kv} KV heads evenly "
+                                   f"({p}attention.head_count_kv)")
+    head_dim = _int(meta, p + "attention.key_length", max(1, hidden // n_heads), path=path, lo=1, hi=_MAX_HEAD_DIM)
+    ffn = _int(meta, p + "feed_forward_length", 0, path=path, hi=_MAX_WIDTH)
+    vocab: Any = meta.get(p + "vocab_size")
     if vocab is None:
         toks = meta.get("tokenizer.ggml.tokens")
-        if toks:
+        if isinstance(toks, list) and toks:
             vocab = len(toks)
         elif tensors.has("token_embd.weight"):
             vocab = int(tensors._tensors["token_embd.weight"].shape[-1])
@@ -181,13 +257,25 @@ def config_from_metadata(path: Path, meta: dict[str, Any], tensors: TensorSource
     if tensors.has("token_embd.weight"):
         # The converter may truncate the embedding to the tokenizer's real size; trust the tensor.
         vocab = int(tensors._tensors["token_embd.weight"].shape[-1])
-    eps = float(_scalar(meta, p + "attention.layer_norm_rms_epsilon", 1e-5, path=path))
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 1 <= vocab <= _MAX_VOCAB:
+        raise ModelLoadError(path, f"vocabulary size {vocab!r} is not in [1, {_MAX_VOCAB}]")
+    _check_against_tensors(path, tensors, n_layers, hidden, n_heads, n_kv, head_dim, fused_qkv=arch == "phi3")
+    eps = _float(meta, p + "attention.layer_norm_rms_epsilon", 1e-5, path=path, positive=True)
     scale_type = meta.get(p + "rope.scaling.type", "none")
-    scale = float(meta.get(p + "rope.scaling.factor", 1.0) or 1.0)
+    scale = _float(meta, p + "rope.scaling.factor", 1.0, path=path) or 1.0
     if scale_type not in ("none", "linear") and scale != 1.0:
         raise ModelLoadError(path, f"rope scaling type {scale_type!r} is not supported yet")
-    attn_scale = meta.get(p + "attention.scale")
-    n_experts = int(_scalar(meta, p + "expert_count", 0, path=path))
+    if scale <= 0:
+        raise ModelLoadError(path, f"metadata {p + 'rope.scaling.factor'!r} = {scale} must be positive")
+    attn_scale = _float(meta, p + "attention.scale", 0.0, path=path)
+    n_experts = _int(meta, p + "expert_count", 0, path=path, hi=_MAX_EXPERTS)
+    n_experts_used = _int(meta, p + "expert_used_count", 0, path=path, hi=n_experts)
+    if n_experts and not n_experts_used:
+        raise ModelLoadError(path, f"{n_experts} experts but {p}expert_used_count is 0")
+    n_rot = _int(meta, p + "rope.dimension_count", head_dim, path=path, lo=2, hi=head_dim)
+    if n_rot % 2:
+        raise ModelLoadError(path, f"metadata {p + 'rope.dimension_count'!r} = {n_rot} must be even "
+                                   "(RoPE rotates pairs)")
     return ModelConfig(
         arch=arch,
         n_layers=n_layers,
@@ -198,25 +286,25 @@ def config_from_metadata(path: Path, meta: dict[str, Any], tensors: TensorSource
         ffn=ffn,
         vocab=int(vocab),
         rms_eps=eps,
-        rope_base=float(_scalar(meta, p + "rope.freq_base", 10000.0, path=path)),
-        n_rot=int(_scalar(meta, p + "rope.dimension_count", head_dim, path=path)),
+        rope_base=_float(meta, p + "rope.freq_base", 10000.0, path=path, positive=True),
+        n_rot=n_rot,
         rope_type=_ROPE_TYPES[arch],
-        context_length=int(_scalar(meta, p + "context_length", 2048, path=path)),
-        attn_scale=float(attn_scale) if attn_scale else head_dim ** -0.5,
+        context_length=_int(meta, p + "context_length", 2048, path=path),
+        attn_scale=attn_scale if attn_scale else head_dim ** -0.5,
         rope_scale=scale if scale_type == "linear" else 1.0,
         tied_output=not tensors.has("output.weight"),
         qk_norm=tensors.has("blk.0.attn_q_norm.weight"),
         qkv_bias=tensors.has("blk.0.attn_q.bias"),
         n_experts=n_experts,
-        n_experts_used=int(_scalar(meta, p + "expert_used_count", 0, path=path)),
-        expert_ffn=int(_scalar(meta, p + "expert_feed_forward_length", 0, path=path)),
-        sliding_window=int(_scalar(meta, p + "attention.sliding_window", 0, path=path)),
+        n_experts_used=n_experts_used,
+        expert_ffn=_int(meta, p + "expert_feed_forward_length", 0, path=path, hi=_MAX_WIDTH),
+        sliding_window=_int(meta, p + "attention.sliding_window", 0, path=path),
         name=str(meta.get("general.name", path.stem)),
-        rope_base_swa=float(_scalar(meta, p + "rope.freq_base_swa", 0.0, path=path)),
-        rope_orig_context=int(_scalar(meta, p + "rope.scaling.original_context_length", 0, path=path)),
-        rope_attn_factor=float(_scalar(meta, p + "rope.scaling.attn_factor", 1.0, path=path) or 1.0),
-        attn_softcap=float(_scalar(meta, p + "attn_logit_softcapping", 0.0, path=path) or 0.0),
-        final_softcap=float(_scalar(meta, p + "final_logit_softcapping", 0.0, path=path) or 0.0),
+        rope_base_swa=_float(meta, p + "rope.freq_base_swa", 0.0, path=path),
+        rope_orig_context=_int(meta, p + "rope.scaling.original_context_length", 0, path=path),
+        rope_attn_factor=_float(meta, p + "rope.scaling.attn_factor", 1.0, path=path) or 1.0,
+        attn_softcap=_float(meta, p + "attn_logit_softcapping", 0.0, path=path),
+        final_softcap=_float(meta, p + "final_logit_softcapping", 0.0, path=path),
         # Every "{arch}.*" key with the prefix stripped, for arch files that need more than the
         # common fields (e.g. the hybrids' ssm.* sizes and attention.recurrent_layers).
         extra={k[len(p):]: v for k, v in meta.items() if k.startswith(p)},
@@ -235,9 +323,8 @@ class GGUFFile:
 
 def open_gguf(path: str | Path) -> GGUFFile:
     p = Path(path).expanduser()
-    reader = open_reader(p)
-    _check_data_extent(p, reader)
-    meta = read_metadata(reader)
+    reader = open_reader(p)  # also checks the tensor table against the file (gguf_meta.check_tensor_layout)
+    meta = read_metadata(reader, p)
     tensors = TensorSource(p, reader)
     cfg = config_from_metadata(p, meta, tensors)
     return GGUFFile(path=p, meta=meta, config=cfg, tensors=tensors)

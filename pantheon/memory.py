@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -269,6 +270,67 @@ def memwatch_running() -> bool:
     return w is not None and w.running
 
 
+# ---- giving memory back -----------------------------------------------------------------------------
+_malloc_trim: Callable[[int], int] | None | bool = False  # False: not looked up yet; None: not glibc
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS).
+
+    Looked up among the symbols already loaded into the process (`CDLL(None)`), not with
+    ctypes.util.find_library: that runs ldconfig in a subprocess, which gevent refuses from a
+    non-main OS thread (the server's startup and admin threads)."""
+    import ctypes
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def release_freed_memory() -> bool:
+    """Collect garbage, then hand the C heap's free pages back to the OS; True if the heap was trimmed.
+
+    Why: XLA:CPU's buffers (weights, caches, step temporaries) are malloc'd. When an unloaded model's
+    gigabytes are freed, glibc keeps most of them in its arenas (freed chunks below the top of a heap,
+    one arena per thread that ever allocated) instead of returning them, so the worker's RSS barely
+    drops and the next load's fresh allocations stack on top (measured: 2.9 -> 3.9 GiB over five
+    load/unload cycles of SmolLM2-135M). `malloc_trim(0)` releases every free page of every arena.
+    A full gc and a trim take well under a second; the registry calls this after a load (the
+    upload's host transients), an unload and a failed upload, never per request.
+    """
+    global _malloc_trim
+    import gc
+    gc.collect()
+    if _malloc_trim is False:
+        _malloc_trim = _find_malloc_trim()
+    if _malloc_trim is None:
+        return False
+    try:
+        return bool(_malloc_trim(0))  # type: ignore[operator]
+    except Exception:  # never let giving memory back fail an unload
+        return False
+
+
+def clear_exception_frames(exc: BaseException) -> None:
+    """Clear the locals of every finished frame in `exc`'s traceback and in those of its causes.
+
+    A traceback keeps each frame it passed through alive with all its locals; after a failed load
+    those are the half-built parameters (hundreds of MB of host arrays), held for as long as anyone
+    keeps the exception. The messages and types stay; only the frames' variables go.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+
+
 # ---- admission -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Admission:
@@ -324,18 +386,112 @@ def _per_sequence_bytes(model: Any) -> int:
     return int(fn(cfg)) if fn is not None and cfg is not None else 0
 
 
+# What one prompt (or answer) token costs on the host while its request lives: the request body
+# and its parsed messages, the rendered prompt, the prompt id list the request carries, the slot's
+# history and pending lists. Measured with tracemalloc for a 100k-token prompt through JSON, the
+# chat template, the tokenizer and GenRequest (SmolLM2): 75 bytes a token at the peak. The
+# tokenizer's own encoding (Rust, not traced) is transient; 1 KiB a token bounds it all generously.
+HOST_BYTES_PER_TOKEN = 1024
+ACT_BYTES = 4  # activations are f32 on CPU; a bf16 device's are smaller, so this bounds both
+
+
+def _bucket_up(n: int, buckets: Any, top: int) -> int:
+    """The smallest bucket >= n (the engine pads a step to it), or `top` when none is known."""
+    for b in buckets or ():
+        if n <= b:
+            return int(b)
+    return top
+
+
+def activation_bytes(model: Any, n_tokens: int) -> int | None:
+    """Bytes of the temporaries the prefill of an `n_tokens` prompt adds to a step, or None when
+    `model` does not say enough (no ModelConfig, chunk, capacity).
+
+    The prompt is fed in chunks, so only its last (widest) chunk counts: T = its padded length (the
+    chunk bucket >= min(n, chunk)) attending over span = the span bucket of its end (capacity at
+    most). Per chunk token: the residual stream and norms (4 H), q/k/v/attention output
+    ((2 n_heads + 2 n_kv) D), the FFN's gate/up/act (3 F, F = max(ffn, experts used x expert ffn)
+    + the router's logits), and attention scores and probabilities (2 n_heads x span); plus the
+    request's row of logits with the sampler's buffers (4 x vocab). All at ACT_BYTES. A hybrid adds
+    twice one sequence's recurrent state: a step gathers its rows' conv/delta-rule state before the
+    layer scan and scatters the scan's new copy back after it (qwen35.forward_groups).
+
+    Checked against XLA's buffer assignment (`memory_analysis().temp_size_in_bytes`) for SmolLM2-135M
+    with 8 slots and capacity 2176: a 20-token prefill step 0.5 MiB (this gives 2.1), a 128-token
+    chunk at position 1900 21.3 MiB (24.0). When the chunk rides in a mixed step beside decode rows
+    at position 1900 it attends over their span too: 9 MiB for 20 tokens and 31 for 128. That
+    excess, like the sampler's 7.5 MiB for 8 rows, is the model's one step in flight, shared by all
+    its requests and not growing with them: it falls in the reserve every pool keeps (3 %).
+    """
+    cfg = getattr(model, "config", None)
+    chunk, capacity = getattr(model, "chunk", None), getattr(model, "capacity", None)
+    if cfg is None or not isinstance(chunk, int) or not isinstance(capacity, int):
+        return None
+    try:
+        H, D, V = int(cfg.hidden), int(cfg.head_dim), int(cfg.vocab)
+        nh, nkv = int(cfg.n_heads), int(cfg.n_kv_heads)
+        ffn = max(int(cfg.ffn), int(cfg.n_experts_used) * int(cfg.expert_ffn)) + int(cfg.n_experts)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    n = max(1, int(n_tokens))
+    T = _bucket_up(min(n, chunk), getattr(model, "chunk_buckets", None), min(n, chunk))
+    span = _bucket_up(min(n + T, capacity), getattr(model, "span_buckets", None), min(n + T, capacity))
+    per_token = 4 * H + (2 * nh + 2 * nkv) * D + 3 * ffn + 2 * nh * span
+    return ACT_BYTES * (T * per_token + 4 * V) + 2 * _per_sequence_bytes(model)
+
+
+def request_bytes(model: Any, n_prompt: int, n_answer: int = 0, *, on_host: bool = True,
+                  share: int = 1) -> int:
+    """What admitting a request of `n_prompt` prompt and `n_answer` answer tokens adds to one pool.
+
+    Not the KV/recurrent cache of its tokens: the slot caches are allocated for every slot at load
+    (and reserved then by the die manager), so a request only fills memory the process already
+    holds; and the batch scheduler keeps reusable prefixes in their slots (a hybrid reuses a slot's
+    whole history or nothing), so no request takes a prefix snapshot copy. What a request does add
+    is its prefill's activations (`activation_bytes`, bounded by the chunk, not the prompt) and, on
+    the host, HOST_BYTES_PER_TOKEN of copies per prompt and answer token. `share`: the number of
+    dies a sharded model's activations are split over.
+
+    A model without a config (a test fake, an object that only knows `state_bytes_per_token`) is
+    charged its whole state per token (+ a hybrid's per-sequence state): the conservative bound
+    admission used before.
+    """
+    share = max(1, share)
+    act = activation_bytes(model, n_prompt)
+    if act is None:
+        bpt = int(model.state_bytes_per_token())
+        return math.ceil(_per_sequence_bytes(model) / share) + (n_prompt + n_answer) * math.ceil(bpt / share)
+    host = (n_prompt + n_answer) * HOST_BYTES_PER_TOKEN if on_host else 0
+    return math.ceil(act / share) + host
+
+
 def admit(model: Any, n_tokens: int, snapshot: MemSnapshot | None = None, *, watch: MemWatch | None = None,
           reserve_tokens: int = 0, min_tokens: int | None = None) -> Admission:
     """Admit a request of `n_tokens` prompt tokens (+ `reserve_tokens` it will generate) on `model`.
 
-    Memory: each token of context costs `model.state_bytes_per_token()` (hybrids add a fixed
-    `state_bytes_per_sequence`), charged against the free bytes minus the reserve of every pool the
-    model's state lives in (the host for a CPU model; each measured die, split over a sharded model's
-    dies). The static cache is preallocated, so this is deliberately conservative: it bounds the
-    per-request copies (prefix snapshots, activations) that do scale with the context. Window: the
-    model's max_seq (QWEN35_MAX_SEQ clamped to the file's context length), halved under HIGH pressure.
+    Memory: a request is charged what it *adds*, not what the process already holds. The slot
+    caches (KV, a hybrid's recurrent state) are preallocated for every slot at load and are in the
+    memory reading already, so charging every prompt token its KV bytes again refused short prompts
+    whenever other processes had taken the host's slack (issue 22: "only 0 of 20 prompt tokens
+    fit"). A prompt of n tokens with r answer tokens reserved adds (`request_bytes`):
 
-    FIT when everything fits; CAPPED with fit_tokens (the prompt tokens that fit) when at least
+        added(n, r) = activations(n) + (n + r) x HOST_BYTES_PER_TOKEN
+        activations(n) = ACT_BYTES x (T x (4 H + (2 n_heads + 2 n_kv) D + 3 F + 2 n_heads span) + 4 V)
+                         (+ twice a hybrid's per-sequence recurrent state)
+
+    with T the padded last prefill chunk and span its attention span (`activation_bytes`). On
+    SmolLM2-135M with r = 256, a 20-token prompt adds about 2.3 MiB and a 2000-token one 26 MiB,
+    where their KV would be 12 and 99 MiB. It is charged against the free bytes minus the reserve
+    of every pool the model's memory lives in: the host for a CPU model; each measured die for a
+    device model (activations split over a sharded model's dies; its host copies are negligible
+    there). A model without a config is charged `state_bytes_per_token` per token instead (the old
+    conservative bound).
+
+    Window: the model's max_seq (QWEN35_MAX_SEQ clamped to the file's context length), halved under
+    HIGH pressure (the ladder). A charged pool at CRITICAL admits nothing (DENIED, 503), whatever
+    the request would add.
+
+    FIT when everything fits; CAPPED with fit_tokens (the largest prompt that fits) when at least
     `min_tokens` do; DENIED otherwise. Without a snapshot and no running watch: FIT (fail open).
     """
     n_tokens = max(0, int(n_tokens))
@@ -356,24 +512,47 @@ def admit(model: Any, n_tokens: int, snapshot: MemSnapshot | None = None, *, wat
         _log_ladder(pressure, window, clamped)
         window = clamped
 
-    bpt = int(model.state_bytes_per_token())
-    per_seq = _per_sequence_bytes(model)
     devices = getattr(model, "devices", None) or []
     on_cpu = not devices or getattr(devices[0], "platform", "cpu") == "cpu"
     n_dies = max(1, len(dies))
-    mem_fit, tightest = math.inf, ""
+    charged = []  # (pool, bytes it can give, share of the model's memory it holds)
     for p in pools:
         if p.die is None and not on_cpu:
-            continue  # a device model's state is not in host RAM
-        share = 1 if p.die is None else n_dies  # a sharded model's state is split over its dies
-        avail = p.free_bytes - p.reserve_bytes(th) - math.ceil(per_seq / share)
-        fit = max(0, avail) // max(1, math.ceil(bpt / share)) if bpt > 0 else (math.inf if avail >= 0 else 0)
-        if fit < mem_fit:
-            mem_fit, tightest = fit, p.name
-    prompt_fit = int(min(window, mem_fit)) - reserve_tokens  # window is finite, so this is too
+            continue  # a device model's state and activations are not in host RAM
+        room = p.free_bytes - p.reserve_bytes(th)
+        if p.level(th) >= CRITICAL:
+            room = -1  # the ladder's top rung: no new work on a pool past CRITICAL
+        charged.append((p, room, 1 if p.die is None else n_dies))
+
+    def tightest(n: int) -> str | None:
+        """The first charged pool a prompt of n tokens (+ the answer reserve) does not fit, or None."""
+        for p, room, share in charged:
+            if request_bytes(model, n, reserve_tokens, on_host=p.die is None, share=share) > room:
+                return p.name
+        return None
+
+    top = window - reserve_tokens
+    if n_tokens <= top and tightest(n_tokens) is None:
+        return Admission(FIT, n_tokens, "fits", window, pressure)
+    # It does not fit as sent: the largest prompt that fits memory and the window (what a request
+    # adds grows with its length, so bisect).
+    limit = "the context window"
+    if top < 0:
+        prompt_fit = top
+    elif tightest(top) is None:
+        prompt_fit = top
+    else:
+        limit = f"free memory on {tightest(top)}"
+        if tightest(0) is not None:
+            prompt_fit = -1
+        else:
+            lo, hi = 0, top  # invariant: lo fits, hi does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if tightest(mid) is None else (lo, mid)
+            prompt_fit = lo
     if n_tokens <= prompt_fit:
         return Admission(FIT, n_tokens, "fits", window, pressure)
-    limit = "the context window" if window <= mem_fit else f"free memory on {tightest}"
     floor = min(MIN_CAPPED_TOKENS, max(1, window // 4)) if min_tokens is None else max(1, int(min_tokens))
     if prompt_fit >= floor:
         return Admission(CAPPED, prompt_fit, f"{n_tokens} prompt tokens capped to {prompt_fit} by {limit}",

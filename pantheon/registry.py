@@ -19,7 +19,10 @@ split the requests by fewest references; a request with a `session_id` sticks to
 served that session before (a bounded LRU map), so its prefix cache is reused. `unload` marks the
 entries UNLOADING (no new acquires), waits until their refs drain (optionally with a timeout: then
 nothing is freed, the entries become READY again and the caller gets 409), then closes the backend,
-drops the model and gives its dies' reservation back, outside the lock.
+releases the model (engine.Model.release: its params, caches and compiled programs are freed at once,
+not whenever the last reference happens to go), trims the C heap so the freed bytes leave the
+process (memory.release_freed_memory), and gives its dies' reservation back, outside the lock. A
+failed load is cleaned up the same way.
 
 Thread affinity: `acquire`, `release`, `snapshot`, `models`, `dies` are brief and non-blocking, safe
 from greenlets. `load` and `unload` block (upload, drain, backend close) and must run in a real OS
@@ -42,6 +45,7 @@ from typing import Any
 from . import osthread
 from .config import Settings
 from .errors import RequestError
+from .memory import clear_exception_frames, release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +162,16 @@ def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings) 
     return load_on(path, _load_options(name, settings), list(dies) or None)
 
 
+def _release_model(model: Any) -> None:
+    """Free a model's device memory at once (engine.Model.release); test fakes may have no release."""
+    fn = getattr(model, "release", None)
+    if callable(fn):
+        try:
+            fn()
+        except Exception:  # releasing is best effort: the references are dropped either way
+            log.exception("releasing the model's memory failed")
+
+
 def _resolve(source: str) -> Path:
     from .catalog import resolve_model
     return resolve_model(source, progress=False)
@@ -239,10 +253,15 @@ class Registry:
         if len(set(dies)) != len(dies):
             raise _status_error(f"dies {list(dies)} lists a die twice", 400, "invalid_dies", "dies")
         entry = self._reserve(source, name)
+        model: Any = None
+        uploading = False  # past placement: a failure may leave freed gigabytes in malloc's arenas
         try:
             path = resolve(source)
+            # A damaged file fails in the estimate (pantheon.dies) or the load (engine.load_on), each
+            # of which turns whatever it trips over into a ModelLoadError naming the file.
             self._place(entry, path, dies)
             with self._upload_lock:
+                uploading = True
                 model = self._load_model(path, name, entry.dies, self.settings)
             backend = self._make_backend(model, self.settings)
             with self._lock:
@@ -250,12 +269,21 @@ class Registry:
                 entry.weight_bytes = int(getattr(model, "weight_bytes", 0) or 0)
                 entry.state = READY
                 info = entry.info()
-        except BaseException:
+        except BaseException as exc:
+            if model is not None:  # built, but its backend failed: free it now, not at some later gc
+                _release_model(model)
+                model = None
             if self._dies is not None:
                 self._dies.unbind(entry.instance_id)  # no-op when placement never bound it
             with self._lock:
                 self._entries[entry.slot] = None
+            clear_exception_frames(exc)  # the failed build's frames may hold its arrays
+            if uploading:  # not for a 400/404/507 answered before any weight was read: those stay fast
+                release_freed_memory()
             raise
+        # The upload's host transients (dequantized f32 copies, the warm-up's compile scratch) are
+        # freed by now but sit in malloc's arenas: give them back, or every reload grows the process.
+        release_freed_memory()
         log.info("loaded %s as %r (instance %s) on dies %s: %d weight bytes, %d bytes reserved per die", source,
                  name, entry.instance_id, list(entry.dies), entry.weight_bytes, entry.bytes)
         return info
@@ -405,12 +433,15 @@ class Registry:
                     e.backend.close()
             except Exception:  # a failing close must not keep the slot forever
                 log.exception("closing the backend of %s failed", e.instance_id)
-            e.backend = e.model = None
+            model, e.backend, e.model = e.model, None, None
+            _release_model(model)  # its params, caches and compiled programs, now
+            del model
             self.die_manager().unbind(e.instance_id)  # the weights and state are gone: give the bytes back
             with self._lock:
                 self._entries[e.slot] = None
                 self._forget_instance_locked(e.instance_id)
             log.info("unloaded %r (instance %s)", e.name, e.instance_id)
+        release_freed_memory()  # the freed gigabytes back to the OS, not kept in malloc's arenas
         for i in infos:
             i["state"] = "unloaded"
         return infos

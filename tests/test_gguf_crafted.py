@@ -237,7 +237,7 @@ VARIANTS: dict[str, Callable[[Path], None]] = {
     "merges_malformed": _rewrite(_set("tokenizer.ggml.merges", ["nospace"], VT.ARRAY, VT.STRING)),
     "bos_out_of_range": _rewrite(_set("tokenizer.ggml.bos_token_id", 100000, VT.UINT32)),
     "vocab_larger_than_embedding": _rewrite(_short_vocab),
-    "chat_template_broken": _rewrite(_set("tokenizer.chat_template", "{% for m in messages %}{{ m.content", VT.STRING)),
+    "chat_template_not_string": _rewrite(_set("tokenizer.chat_template", 7, VT.UINT32)),
     # tensors that disagree with the metadata
     "tensor_missing": _rewrite(tensor_edit=_tensor("blk.1.ffn_up.weight", None)),
     "tensor_wrong_shape": _rewrite(tensor_edit=_tensor("blk.0.attn_q.weight", np.zeros((32, 64), np.float32))),

@@ -245,3 +245,88 @@ def test_admit_messages_caps_the_conversation():
     assert a.outcome == FIT and out == msgs and len(ids) == 132
     out, ids, a = admit_messages(fake_model(bpt=1, max_seq=1000), msgs, ids_of)  # fail open: no watch
     assert a.outcome == FIT
+
+
+# ---- what a request adds (issue 22: spurious 503s) -------------------------------------------------
+MiB = 1024 ** 2
+
+
+def smollm_like(platform: str = "cpu", dies=(0,)) -> SimpleNamespace:
+    """A model admission can size: SmolLM2-135M's config and the engine's default buckets."""
+    from pantheon.gguf_loader import ModelConfig
+    cfg = ModelConfig(arch="llama", n_layers=30, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn=1536,
+                      vocab=49152, rms_eps=1e-5, rope_base=1e5, n_rot=64, rope_type="norm", context_length=8192,
+                      attn_scale=0.125)
+    devices = [SimpleNamespace(id=d, platform=platform) for d in dies]
+    return SimpleNamespace(config=cfg, arch=None, max_seq=2048, chunk=128, capacity=2176, n_slots=8,
+                           chunk_buckets=(32, 64, 96, 128), span_buckets=(128, 256, 512, 1024, 2176),
+                           devices=devices, state_bytes_per_token=lambda: cfg.kv_bytes_per_token)
+
+
+def free_snap(free_after_reserve: int, total: int = 100 * GiB) -> MemSnapshot:
+    """The host with exactly `free_after_reserve` bytes above admission's reserve (HIGH pressure)."""
+    reserve = PoolSample("host", total, 0, "given").reserve_bytes()
+    return MemSnapshot(host=PoolSample("host", total, total - reserve - free_after_reserve, "given"),
+                       taken_at=time.monotonic())
+
+
+def test_request_is_charged_what_it_adds_not_its_kv_cache():
+    m = smollm_like()
+    kv = m.config.kv_bytes_per_token  # 46080 bytes a token, already allocated in every slot
+    # The issue's case: 20 prompt tokens + 256 reserved for the answer, a few MiB free. Their KV
+    # (276 x 45 KiB = 12 MiB) does not fit, but what the request adds does.
+    s = free_snap(6 * MiB)
+    assert (20 + 256) * kv > 6 * MiB
+    a = admit(m, 20, s, reserve_tokens=256)
+    assert a.outcome == FIT and a.fit_tokens == 20 and a.pressure == HIGH
+    assert memory.request_bytes(m, 20, 256) < 3 * MiB
+    # A long prompt (within the window HIGH pressure halves to 1024): 1000 tokens of KV are 44 MiB;
+    # 40 MiB free holds its 128-token chunk's activations and its host copies (about 25 MiB).
+    s = free_snap(40 * MiB)
+    a = admit(m, 1000, s, reserve_tokens=24)
+    assert a.outcome == FIT and a.window == 1024
+    assert 1000 * kv > 40 * MiB > memory.request_bytes(m, 1000, 24)
+
+
+def test_request_is_refused_when_even_what_it_adds_does_not_fit():
+    m = smollm_like()
+    s = free_snap(1 * MiB)  # less than one step's activations
+    a = admit(m, 20, s, reserve_tokens=256)
+    assert a.outcome == DENIED and "free memory on host" in a.reason
+    with pytest.raises(BusyError) as exc:
+        a.raise_if_denied()
+    assert exc.value.status == 503
+    assert memory.request_bytes(m, 20, 256) > 1 * MiB
+
+
+def test_what_a_request_adds_grows_with_its_chunk_and_caps_long_prompts():
+    m = smollm_like()
+    short, full = memory.request_bytes(m, 20), memory.request_bytes(m, 2000)
+    assert short < full
+    assert memory.activation_bytes(m, 2000) == memory.activation_bytes(m, 1900)  # both: one full chunk
+    # Room for the short prompt's activations only: a long prompt is capped to what fits, not denied.
+    room = memory.request_bytes(m, 500, 32)
+    a = admit(m, 2000, free_snap(room), reserve_tokens=32, min_tokens=8)
+    assert a.outcome == CAPPED and 8 <= a.fit_tokens <= 2000
+    assert memory.request_bytes(m, a.fit_tokens, 32) <= room < memory.request_bytes(m, a.fit_tokens + 1, 32)
+
+
+def test_ladder_still_applies_to_a_sized_model():
+    m = smollm_like()
+    assert admit(m, 10, snap(0.99)).outcome == DENIED  # CRITICAL: 503 whatever the request adds
+    memory._ladder_logged_at = 0.0
+    a = admit(m, 1500, snap(0.92))  # HIGH: plenty of bytes, but the window is halved to 1024
+    assert a.window == 1024 and a.outcome == CAPPED and a.fit_tokens == 1024
+    assert admit(m, 1500, snap(0.5)).outcome == FIT
+
+
+def test_a_device_model_is_charged_its_activations_on_its_die_split_when_sharded():
+    m = smollm_like(platform="gpu")
+    act = memory.activation_bytes(m, 1000)
+    die = PoolSample("die:0", 16 * GiB, 16 * GiB - PoolSample("d", 16 * GiB, 0, "given").reserve_bytes() - act // 2,
+                     "memory_stats", True, 0)
+    s = snap(0.1, dies=(die,))  # the die is at HIGH (window 1024): a 1000-token prompt, one full chunk
+    assert admit(m, 1000, s).outcome != FIT  # one die: the chunk's activations do not fit
+    die1 = PoolSample("die:1", die.total_bytes, die.used_bytes, "memory_stats", True, 1)
+    two = smollm_like(platform="gpu", dies=(0, 1))
+    assert admit(two, 1000, snap(0.1, dies=(die, die1))).outcome == FIT  # halved over two dies

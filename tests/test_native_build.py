@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pantheon import native
+from pantheon import native, osthread
 from pantheon.metrics import Metrics
 from server_util import LLAMA, ROOT, start_server
 
@@ -134,7 +134,7 @@ def test_a_hung_compiler_is_killed_with_its_children_and_leaves_nothing(tmp_path
 
 
 def test_run_reports_status_and_output_without_gevent(tmp_path):
-    status, output = native._run(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"], 10)
+    status, output = osthread.run_process(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"], 10)
     assert status == 3 and output.split() == ["out", "err"]
 
 

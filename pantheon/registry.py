@@ -162,14 +162,20 @@ def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings) 
     return load_on(path, _load_options(name, settings), list(dies) or None)
 
 
-def _release_model(model: Any) -> None:
-    """Free a model's device memory at once (engine.Model.release); test fakes may have no release."""
-    fn = getattr(model, "release", None)
-    if callable(fn):
-        try:
-            fn()
-        except Exception:  # releasing is best effort: the references are dropped either way
-            log.exception("releasing the model's memory failed")
+def _holds_memory(model: Any) -> bool:
+    """Whether `model` holds device memory of its own (an engine.Model; test fakes do not)."""
+    return callable(getattr(model, "release", None))
+
+
+def _release_model(model: Any) -> bool:
+    """Free a model's device memory at once (engine.Model.release); True if it held any to free."""
+    if not _holds_memory(model):
+        return False
+    try:
+        model.release()
+    except Exception:  # releasing is best effort: the references are dropped either way
+        log.exception("releasing the model's memory failed")
+    return True
 
 
 def _resolve(source: str) -> Path:
@@ -283,7 +289,9 @@ class Registry:
             raise
         # The upload's host transients (dequantized f32 copies, the warm-up's compile scratch) are
         # freed by now but sit in malloc's arenas: give them back, or every reload grows the process.
-        release_freed_memory()
+        # (A full gc and trim cost up to seconds in a large process: only for a model that uploaded.)
+        if _holds_memory(model):
+            release_freed_memory()
         log.info("loaded %s as %r (instance %s) on dies %s: %d weight bytes, %d bytes reserved per die", source,
                  name, entry.instance_id, list(entry.dies), entry.weight_bytes, entry.bytes)
         return info
@@ -427,6 +435,7 @@ class Registry:
             for e in targets:
                 e.state = CLOSING  # not routable, but its bytes still count until freed below
             infos = [e.info() for e in targets]
+        freed = False
         for e in targets:
             try:
                 if e.backend is not None:
@@ -434,14 +443,15 @@ class Registry:
             except Exception:  # a failing close must not keep the slot forever
                 log.exception("closing the backend of %s failed", e.instance_id)
             model, e.backend, e.model = e.model, None, None
-            _release_model(model)  # its params, caches and compiled programs, now
+            freed = _release_model(model) or freed  # its params, caches and compiled programs, now
             del model
             self.die_manager().unbind(e.instance_id)  # the weights and state are gone: give the bytes back
             with self._lock:
                 self._entries[e.slot] = None
                 self._forget_instance_locked(e.instance_id)
             log.info("unloaded %r (instance %s)", e.name, e.instance_id)
-        release_freed_memory()  # the freed gigabytes back to the OS, not kept in malloc's arenas
+        if freed:
+            release_freed_memory()  # the freed gigabytes back to the OS, not kept in malloc's arenas
         for i in infos:
             i["state"] = "unloaded"
         return infos

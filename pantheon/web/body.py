@@ -65,22 +65,30 @@ def _body_failed(environ: dict, message: str, status: int, code: str) -> Request
     return RequestError(message, status=status, code=code)
 
 
+def announced_length(environ: dict, max_bytes: int) -> int | None:
+    """The body's Content-Length (None when chunked or absent); 413 when it is over `max_bytes`.
+
+    Checked before authentication too (security's gate), so an oversized body is refused unread."""
+    raw_len = environ.get("CONTENT_LENGTH") or ""
+    if not raw_len.strip():
+        return None
+    try:
+        length = int(raw_len)
+    except ValueError:
+        raise _body_failed(environ, "Content-Length is not a number", 400, "invalid_request_error") from None
+    if length > max_bytes:
+        raise _body_failed(environ, f"request body of {length} bytes exceeds the limit of {max_bytes}", 413,
+                           "request_too_large")
+    return length
+
+
 def read_body(environ: dict, max_bytes: int, timeout_s: float, min_rate: float) -> bytes:
     """The request body, bounded in type, size and time (see the module docstring for the statuses)."""
     if not _is_json_type(environ.get("CONTENT_TYPE")):
         got = environ.get("CONTENT_TYPE") or "none"
         raise RequestError(f"Content-Type must be application/json (got {shown(got)})", status=415,
                            code="unsupported_media_type")
-    raw_len = environ.get("CONTENT_LENGTH") or ""
-    length: int | None = None
-    if raw_len.strip():
-        try:
-            length = int(raw_len)
-        except ValueError:
-            raise _body_failed(environ, "Content-Length is not a number", 400, "invalid_request_error") from None
-        if length > max_bytes:
-            raise _body_failed(environ, f"request body of {length} bytes exceeds the limit of {max_bytes}", 413,
-                               "request_too_large")
+    length = announced_length(environ, max_bytes)
     stream = environ["wsgi.input"]
     want = max_bytes + 1 if length is None else length  # chunked: one byte past the limit proves it is over
     set_phase(environ, BODY)  # the client owes us bytes: evictable by the worker's connection cap

@@ -17,7 +17,7 @@ from flask import Flask, Response, request
 
 from ..config import Settings
 from ..errors import RequestError
-from .body import shown
+from .body import announced_length, shown
 
 CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Session-Id"
 CORS_METHODS = "GET, POST, OPTIONS"
@@ -114,9 +114,7 @@ def init_app(app: Flask, settings: Settings) -> None:
     def _gate() -> Response | None:
         if request.method == "OPTIONS":
             return Response("{}", status=200, mimetype="application/json")  # preflight: before any auth
-        if request.content_length is not None and request.content_length > settings.max_body_bytes:
-            raise RequestError(f"request body of {request.content_length} bytes exceeds the limit of "
-                               f"{settings.max_body_bytes}", status=413, code="request_too_large")
+        announced_length(request.environ, settings.max_body_bytes)  # 413 before any auth
         check_access(settings)
         return None
 

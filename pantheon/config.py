@@ -88,6 +88,7 @@ class Settings:
     die_budget_mb: int = 0
     warmup: bool = True
     native_matmul: bool = True
+    kv_dtype: str = "auto"  # KV cache dtype: auto (float16 on CPU, bfloat16 on GPU) | float32 | float16 | bfloat16
     # Test-only (PANTHEON_TEST_PRESSURE=0..3): the memory watch reports the host at this pressure level
     # (OK, ELEVATED, HIGH, CRITICAL) instead of measuring it, so tests can force admission denials.
     test_pressure: int | None = None
@@ -133,8 +134,18 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         die_budget_mb=_int(env, "PANTHEON_DIE_BUDGET_MB", 0),
         warmup=_flag(env, "PANTHEON_WARMUP", True),
         native_matmul=_flag(env, "PANTHEON_NATIVE_MATMUL", True),
+        kv_dtype=_kv_dtype(env),
         test_pressure=_test_pressure(env),
     )
+
+
+def _kv_dtype(env: dict[str, str]) -> str:
+    raw = (env.get("PANTHEON_KV_DTYPE") or "auto").strip().lower()
+    names = {"auto": "auto", "f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",
+             "bf16": "bfloat16", "bfloat16": "bfloat16"}
+    if raw not in names:
+        raise ValueError(f"environment variable PANTHEON_KV_DTYPE={raw!r} must be auto, float32, float16 or bfloat16")
+    return names[raw]
 
 
 def _test_pressure(env: dict[str, str]) -> int | None:

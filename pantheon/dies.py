@@ -223,11 +223,11 @@ _FFN_PARTS = ("ffn_gate.", "ffn_up.", "ffn_down.", "ffn_gate_exps.", "ffn_up_exp
               "ffn_gate_up_exps.", "ffn_gate_shexp.", "ffn_up_shexp.", "ffn_down_shexp.")
 
 
-def _weight_groups(dims: dict[str, tuple[int, ...]], per: int) -> tuple[int, int, int, int]:
-    """(total, replicated, attention, ffn) bytes of the named tensors at `per` bytes an element."""
+def _weight_groups(dims: dict[str, tuple[int, ...]], tensor_bytes: Any) -> tuple[int, int, int, int]:
+    """(total, replicated, attention, ffn) bytes of the named tensors, `tensor_bytes(name, dims)` each."""
     total = rep = attn = ffn = 0
     for name, shape in dims.items():
-        b = math.prod(shape) * per if shape else per
+        b = int(tensor_bytes(name, shape))
         total += b
         if len(shape) < 2:
             rep += b
@@ -240,20 +240,20 @@ def _weight_groups(dims: dict[str, tuple[int, ...]], per: int) -> tuple[int, int
     return total, rep, attn, ffn
 
 
-def _block_twin_bytes(dims: dict[str, tuple[int, ...]], types: dict[str, int]) -> int:
-    """Bytes of the matrices (and LM head) stored in a block format the native kernel reads: an upper
-    bound of the twins `attach_blocks` keeps (a fused matrix whose parts differ keeps none)."""
-    from .jax_models.llama import GGUF_PARTS
-    from .native import QUANT_FORMATS
-    block_bytes = {type_id: size for type_id, size in QUANT_FORMATS.values()}
-    parts = {f"{part}." for names in GGUF_PARTS.values() for part in names}
-    out = 0
-    for name, shape in dims.items():
-        matrix = name.startswith("blk.") and any(part in name for part in parts)
-        if len(shape) == 2 and types.get(name) in block_bytes and (matrix or name in ("token_embd.weight",
-                                                                                       "output.weight")):
-            out += shape[1] * (shape[0] // 32) * block_bytes[types[name]]
-    return out
+def _gguf_tensor_bytes(types: dict[str, int], compute: str) -> Any:
+    """Bytes on the die of a GGUF tensor from its header: weights.device_bytes, the loader's own rule."""
+    import gguf
+
+    from .weights import device_bytes
+
+    def size(name: str, dims: tuple[int, ...]) -> int:
+        try:
+            qtype = gguf.GGMLQuantizationType(types.get(name, 0)).name
+        except ValueError:
+            qtype = "?"
+        return device_bytes(qtype, tuple(reversed(dims)), compute, matrix=len(dims) >= 2)
+
+    return size
 
 
 def _safetensors_dims(files: Sequence[Path]) -> dict[str, tuple[int, ...]]:
@@ -319,7 +319,7 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
 
 
 def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
-    from .engine import LoadOptions, native_wanted
+    from .engine import LoadOptions, kv_bytes, resolve_kv_dtype
     from .jax_models import registry as arch_registry
 
     if _is_model(source):
@@ -336,6 +336,7 @@ def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
         p = Path(str(source)).expanduser()
         dtype = str(getattr(opts, "dtype", "auto")).lower()
         per = 4 if dtype in ("float32", "f32") or (dtype == "auto" and platform == "cpu") else 2
+        compute = "float32" if per == 4 else "bfloat16"
         from . import hf_loader
         if hf_loader.is_hf_checkpoint(p, getattr(opts, "config_path", None)):
             ck = hf_loader.open_hf(p, getattr(opts, "config_path", None))
@@ -347,7 +348,7 @@ def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
                       .replace("o_proj", "attn_output.").replace("gate_proj", "ffn_gate.")
                       .replace("up_proj", "ffn_up.").replace("down_proj", "ffn_down."))
                 renamed[k2] = v
-            total, rep, attn, ffn = _weight_groups(renamed, per)
+            total, rep, attn, ffn = _weight_groups(renamed, lambda _name, shape: math.prod(shape) * per)
         else:
             from .gguf_loader import config_from_metadata
             types: dict[str, int] = {}
@@ -356,14 +357,10 @@ def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
             except (OSError, ValueError, MemoryError, OverflowError) as exc:
                 raise ModelLoadError(p, f"cannot read the GGUF header: {exc}") from exc
             cfg = config_from_metadata(p, meta, _HeaderTensors(p, dims))  # type: ignore[arg-type]
-            total, rep, attn, ffn = _weight_groups(dims, per)
-            # the GGUF block twins engine.load_on attaches on one CPU die
-            if per == 4 and platform == "cpu" and hasattr(arch_registry.module_for(cfg.arch), "attach_blocks") \
-                    and native_wanted(opts):
-                twins = _block_twin_bytes(dims, types)
-                total, rep = total + twins, rep + twins
+            total, rep, attn, ffn = _weight_groups(dims, _gguf_tensor_bytes(types, compute))
     arch = arch_registry.module_for(cfg.arch)
     bpt = int(arch.state_bytes_per_token(cfg)) if arch is not None else int(cfg.kv_bytes_per_token)
+    bpt = kv_bytes(bpt, resolve_kv_dtype(opts, platform))
     per_seq = int(arch.state_bytes_per_sequence(cfg)) if arch is not None and hasattr(
         arch, "state_bytes_per_sequence") else 0
     n_slots = max(1, int(getattr(opts, "n_slots", 8)))

@@ -28,12 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compile_guard, memory, native, osthread
+from . import compile_guard, memory, native, osthread, weights
 from .config import load_settings
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
 from .jax_models.common import last_valid
 from .sampler import SamplingParams, make_rows_np, sample
+from .weights import XLA, Kernels
 
 PENALTY_WINDOW = 64  # tokens of history each row hands the in-step sampler for penalties
 
@@ -50,6 +51,7 @@ class LoadOptions:
     config_path: str | None = None  # HF config.json for a safetensors checkpoint
     warmup: bool = False  # compile every bucket at load
     native_matmul: bool | None = None  # on one CPU die, use pantheon.native's kernels (None: PANTHEON_NATIVE_MATMUL)
+    kv_dtype: str | None = None  # KV cache dtype: float32 | float16 | bfloat16 | auto (None: PANTHEON_KV_DTYPE)
     native_dir: str | None = None  # where the kernels' library is cached (default $PANTHEON_HOME/native)
 
 
@@ -105,7 +107,7 @@ class Model:
 
     def __init__(self, path: Path, name: str, cfg: ModelConfig, meta: dict[str, Any], arch: Any,
                  params: Any, tokenizer: Any, template: Any, opts: LoadOptions, devices: list[Any],
-                 compute_dtype: Any, weight_bytes: int, native_matmul: bool = False):
+                 compute_dtype: Any, weight_bytes: int, kernels: Kernels = XLA, kv_dtype: Any = jnp.float32):
         self.path = path
         self.name = name
         self.config = cfg
@@ -118,7 +120,9 @@ class Model:
         self.devices = devices
         self.dtype = compute_dtype
         self.weight_bytes = weight_bytes
-        self.native_matmul = native_matmul  # trace the steps with pantheon.native's kernels
+        self.kernels = kernels  # which kernels the steps use (static: part of every jit cache key)
+        self.native_matmul = kernels.matmul  # for health and metrics
+        self.kv_dtype = jnp.dtype(kv_dtype)  # the KV cache's element type (PANTHEON_KV_DTYPE)
         self.n_slots = opts.n_slots
         self.max_seq = min(opts.max_seq, cfg.context_length) if cfg.context_length else opts.max_seq
         self.chunk = max(1, min(opts.prefill_chunk, self.max_seq))
@@ -145,8 +149,8 @@ class Model:
             self.shard_plan = ShardPlan(devices, cfg)
             impl = self.shard_plan.wrap_forward(self._forward_impl)
             self._sharded_init = self.shard_plan.state_initializer(
-                lambda: self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.dtype))
-        self._forward = jax.jit(impl, static_argnames=("span", "all_logits"), donate_argnums=(1,))
+                lambda: self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.kv_dtype))
+        self._forward = jax.jit(impl, static_argnames=("span", "all_logits", "kernels"), donate_argnums=(1,))
         # Mixed steps: one prefill row of T tokens plus up to n_slots - 1 decode rows in one forward
         # (the architecture's forward_groups), so a new request's prompt does not stall the decoders.
         # The decode group is always padded to n_slots - 1 rows: one program per (T, span), not four.
@@ -154,7 +158,7 @@ class Model:
         self.supports_mixed = hasattr(arch, "forward_groups") and self.mixed_rows >= 1
         if self.supports_mixed:
             mixed = self._mixed_impl if self.shard_plan is None else self.shard_plan.wrap_forward(self._mixed_impl)
-            self._forward_mixed = jax.jit(mixed, static_argnames=("span",), donate_argnums=(1,))
+            self._forward_mixed = jax.jit(mixed, static_argnames=("span", "kernels"), donate_argnums=(1,))
         self._sample = jax.jit(sample)
         if self.shard_plan is not None:
             self._sample = self.shard_plan.on_first_die(self._sample)
@@ -173,7 +177,7 @@ class Model:
         if self.shard_plan is not None:  # built straight into its shards over the model's dies
             return self._track(self._sharded_init())
         with jax.default_device(self.devices[0]):
-            state = self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.dtype)
+            state = self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.kv_dtype)
         # Committed to the device like every step's output, so the first step and later ones share
         # one compiled program (an uncommitted input is a different jit cache key).
         return self._track(jax.device_put(state, self.devices[0]))
@@ -222,19 +226,20 @@ class Model:
             self._compiled_keys.clear()
 
     def state_bytes_per_token(self) -> int:
-        return self.arch.state_bytes_per_token(self.config)
+        """What one more token of context costs in this model's cache (at its KV dtype)."""
+        return kv_bytes(self.arch.state_bytes_per_token(self.config), self.kv_dtype)
 
     # ---- the jitted step -----------------------------------------------------------------------
-    def _forward_impl(self, params, state, tokens, slots, start, n_new, *, span: int, all_logits: bool):
-        with native.used(self.native_matmul):
-            logits, state = self.arch.forward(params, state, tokens, slots, start, n_new, cfg=self.config,
-                                              span=span, all_logits=all_logits)
+    def _forward_impl(self, params, state, tokens, slots, start, n_new, *, span: int, all_logits: bool,
+                      kernels: Kernels):
+        logits, state = self.arch.forward(params, state, tokens, slots, start, n_new, cfg=self.config,
+                                          span=span, all_logits=all_logits, kernels=kernels)
         last = last_valid(logits, n_new) if all_logits else logits
         return last, (logits if all_logits else None), state
 
-    def _mixed_impl(self, params, state, prefill, decode, order, *, span: int):
-        with native.used(self.native_matmul):
-            logits, state = self.arch.forward_groups(params, state, (prefill, decode), cfg=self.config, span=span)
+    def _mixed_impl(self, params, state, prefill, decode, order, *, span: int, kernels: Kernels):
+        logits, state = self.arch.forward_groups(params, state, (prefill, decode), cfg=self.config, span=span,
+                                                 kernels=kernels)
         return logits[order], None, state
 
     def step_begin(self, state: Any, tokens: Sequence[Sequence[int]], slots: Sequence[int],
@@ -282,7 +287,8 @@ class Model:
             sl[b] = slots[b]
             st[b] = starts[b]
             nn[b] = lens[b]
-        return _Plan(self._forward, (tok, sl, st, nn), dict(span=span, all_logits=all_logits), (B, T, span, all_logits), B)
+        return _Plan(self._forward, (tok, sl, st, nn), dict(span=span, all_logits=all_logits, kernels=self.kernels),
+                     (B, T, span, all_logits), B)
 
     def _plan_mixed(self, tokens: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
                     p: int) -> "_Plan":
@@ -311,7 +317,8 @@ class Model:
             d += 1
         order[n:] = np.arange(1 + d, D + 1)  # padding rows after the caller's
         decode = (dtok, dsl, dst, np.ones((D,), np.int32))
-        return _Plan(self._forward_mixed, (prefill, decode, order), dict(span=span), ("mixed", T, span), D + 1)
+        return _Plan(self._forward_mixed, (prefill, decode, order), dict(span=span, kernels=self.kernels),
+                     ("mixed", T, span), D + 1)
 
     def _span_for(self, need: int) -> int:
         if need > self.capacity:
@@ -494,8 +501,61 @@ def _resolve_dtype(opt: str, device: Any):
 
 
 def native_wanted(opts: LoadOptions) -> bool:
-    """Whether a single-die CPU f32 load asks for pantheon.native's kernels (and GGUF block twins)."""
+    """Whether a single-die CPU f32 load asks for pantheon.native's kernels."""
     return load_settings().native_matmul if opts.native_matmul is None else bool(opts.native_matmul)
+
+
+def choose_kernels(opts: LoadOptions, devices: Sequence[Any], dtype: Any) -> Kernels:
+    """The one decision of which kernels a model's steps use (made once, at load).
+
+    The native CPU kernels need the whole model on one CPU die computing in f32, the library
+    built, and the option (PANTHEON_NATIVE_MATMUL / LoadOptions.native_matmul) on; everything else
+    runs XLA's forms, which expand the weights' blocks inside the step in `dtype`.
+    """
+    compute = jnp.dtype(dtype).name
+    if len(devices) != 1 or devices[0].platform != "cpu" or dtype != jnp.float32 or not native_wanted(opts):
+        return Kernels(compute=compute)
+    built = native.enable(Path(opts.native_dir) if opts.native_dir else load_settings().home / "native")
+    return Kernels(matmul=built, attention=built, compute=compute)
+
+
+def resolve_kv_dtype(opts: LoadOptions, device: Any) -> Any:  # device: a jax device or a platform name
+    """The KV cache's dtype: LoadOptions.kv_dtype, else PANTHEON_KV_DTYPE; "auto" is float16 on CPU
+    (what llama.cpp keeps: half the bytes, the native attention widens it with F16C) and bfloat16
+    elsewhere."""
+    name = getattr(opts, "kv_dtype", None) or load_settings().kv_dtype
+    if name == "auto":
+        platform = device if isinstance(device, str) else device.platform
+        name = "float16" if platform == "cpu" else "bfloat16"
+    if name not in KV_DTYPES:
+        raise ValueError(f"KV dtype {name!r} is not one of {', '.join(KV_DTYPES)}")
+    return jnp.dtype(name)
+
+
+KV_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def kv_bytes(f32_bytes: int, kv_dtype: Any) -> int:
+    """Bytes of a cache sized `f32_bytes` at 4 bytes an element, kept in `kv_dtype` instead."""
+    return int(f32_bytes) * jnp.dtype(kv_dtype).itemsize // 4
+
+
+class _MatrixSource:
+    """A tensor source that can hand out matrices as weights: GGUF's TensorSource does (views of the
+    file); an HF checkpoint's safetensors source gives float arrays, wrapped as dense weights."""
+
+    def __init__(self, src: Any):
+        self._src = src
+
+    @classmethod
+    def of(cls, src: Any) -> Any:
+        return src if hasattr(src, "matrix") else cls(src)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._src, name)
+
+    def matrix(self, name: str, shape: tuple[int, ...] | None = None) -> weights.QuantWeight:
+        return weights.dense(self._src.get(name, shape))
 
 
 def load(path: str | Path, opts: LoadOptions | None = None) -> Model:
@@ -547,40 +607,24 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
     cfg = f.config
     arch = _arch_module(cfg, p)
     dtype = _resolve_dtype(opts.dtype, devices[0])
+    kernels = choose_kernels(opts, devices, dtype)
     stage[0] = "building parameters"
-    try:
-        host_params = arch.load_params(f.tensors, cfg, np.float32)  # dequantize in f32; cast on device
+    try:  # matrices stay views of the mapped file: nothing is widened here
+        host_params = arch.load_params(_MatrixSource.of(f.tensors), cfg)
     except ModelLoadError:
         raise
     except Exception as exc:
         raise ModelLoadError(p, f"failed to build parameters: {type(exc).__name__}: {exc}") from exc
     if len(devices) == 1 and hasattr(arch, "fuse_projections"):  # sharding splits q/k/v by their own heads
         host_params = arch.fuse_projections(host_params)
-    use_native = False
-    if len(devices) == 1 and hasattr(arch, "unstack_matrices"):  # sharding rules expect stacked layers
-        host_params = arch.unstack_matrices(host_params)
-        if devices[0].platform == "cpu" and dtype == jnp.float32 and native_wanted(opts):
-            use_native = native.enable(Path(opts.native_dir) if opts.native_dir else load_settings().home / "native")
-        if use_native and hasattr(arch, "attach_blocks") and hasattr(f.tensors, "blocks"):
-            host_params = arch.attach_blocks(host_params, f.tensors, cfg)
-    weight_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(host_params)))
-
-    def put(x):
-        a = np.asarray(x)
-        if a.dtype == np.float32 and dtype != jnp.float32 and a.ndim >= 2:
-            a = jnp.asarray(a, dtype)
-        return jax.device_put(a, devices[0])
-
+    host_params = weights.stamp(host_params, kernels)
+    weight_bytes = weights.tree_bytes(host_params)
     stage[0] = "placing the weights on the device"
     if len(devices) > 1:  # tensor-parallel over the dies: each leaf goes straight into its shards
         from .sharding import ShardPlan
-
-        def convert(a: np.ndarray) -> np.ndarray:
-            return a.astype(dtype) if a.dtype == np.float32 and dtype != jnp.float32 and a.ndim >= 2 else a
-
-        params = ShardPlan(devices, cfg).put_params(host_params, convert)
+        params = ShardPlan(devices, cfg).put_params(host_params)
     else:
-        params = jax.tree.map(put, host_params)
+        params = weights.place(host_params, lambda _path, _leaf: devices[0])
     del host_params
     name = opts.name or p.stem
     try:
@@ -591,7 +635,7 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
                                     f"{cfg.vocab} rows: ids past the embedding would read nothing")
         stage[0] = "building the model"
         return Model(p, name, cfg, f.meta, arch, params, tokenizer, template, opts, devices, dtype, weight_bytes,
-                     native_matmul=use_native)
+                     kernels=kernels, kv_dtype=resolve_kv_dtype(opts, devices[0]))
     except BaseException:
         _delete_arrays(params)  # nothing may stay on the device when the load fails
         raise

@@ -9,18 +9,26 @@ half-built model.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 
+from . import quant_formats
 from .errors import ModelLoadError
 from .gguf_meta import open_reader, read_metadata
+from .quant_formats import FORMATS
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from .weights import QuantWeight
 
 ROPE_NORM = "norm"  # adjacent pairs (x[2i], x[2i+1]); GGUF llama after the converter's Q/K permute
 ROPE_NEOX = "neox"  # rotate-half pairs (x[i], x[i + n_rot/2])
@@ -76,7 +84,7 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """f32 K and V for every layer: what one more token of context costs."""
+        """f32 K and V for every layer (the cache's own dtype scales it: engine.kv_itemsize)."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * 4
 
 
@@ -119,15 +127,44 @@ class TensorSource:
             raise ModelLoadError(self.path, f"tensor {name!r} has shape {arr.shape}, expected {tuple(shape)}")
         return arr
 
-    def blocks(self, name: str, formats: Collection[str]) -> tuple[str, np.ndarray] | None:
-        """(format, raw blocks [rows, bytes per row]) of a matrix stored in one of `formats`, else None.
+    def matrix(self, name: str, shape: tuple[int, ...] | None = None) -> "QuantWeight":
+        """A matrix (or expert stack) as the file stores it: a view of the mapped file, never widened.
 
-        For kernels that read GGUF's block formats directly (pantheon.native); a view of the file.
+        A type the engine cannot hold as it is (outside quant_formats.FORMATS, or rows that are no
+        whole number of blocks) is dequantized to F32 here, with one log line naming it: that
+        tensor costs 4 bytes a weight, the rest of the model is unaffected.
         """
+        from .weights import host_weight
         t = self._tensors.get(name)
-        if t is None or t.tensor_type.name not in formats or len(t.shape) != 2 or t.data.ndim != 2:
+        if t is None:
+            raise ModelLoadError(self.path, f"missing tensor {name!r}")
+        logical = tuple(int(d) for d in reversed(t.shape))
+        if shape is not None and logical != tuple(shape):
+            raise ModelLoadError(self.path, f"tensor {name!r} has shape {logical}, expected {tuple(shape)}")
+        qtype = t.tensor_type.name
+        fmt = FORMATS.get(qtype)
+        if fmt is None or len(logical) < 2 or logical[-1] % fmt.block_weights:
+            log.info("%s: tensor %s of type %s has no kernel; it is dequantized to F32 at load", self.path.name,
+                     name, qtype)
+            return host_weight(self.get(name, shape), "F32", logical[-1])
+        want = quant_formats.storage_shape(qtype, logical)
+        data = t.data
+        if qtype == "BF16":
+            data = data.view(np.uint16).view(jnp.bfloat16)
+        if tuple(data.shape) != tuple(want):
+            try:
+                data = data.reshape(want)
+            except ValueError as exc:
+                raise ModelLoadError(self.path, f"tensor {name!r} holds {data.nbytes} bytes, its header needs "
+                                                f"{quant_formats.nbytes(qtype, logical)}") from exc
+        return host_weight(data, qtype, logical[-1])
+
+    def qtype_and_dims(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        """(type name, logical shape) of a tensor from its header, or None when absent."""
+        t = self._tensors.get(name)
+        if t is None:
             return None
-        return t.tensor_type.name, t.data
+        return t.tensor_type.name, tuple(int(d) for d in reversed(t.shape))
 
     def get_optional(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray | None:
         return self.get(name, shape) if self.has(name) else None

@@ -32,6 +32,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from .weights import QuantWeight, put_leaf
+
 AXIS = "tp"
 
 # Leaf name -> (axis to split, which count must divide by the die count for the split to be head-aligned)
@@ -96,6 +98,16 @@ def param_spec(name: str, shape: tuple[int, ...], cfg: Any, n: int) -> Partition
     return PartitionSpec()
 
 
+def weight_spec(name: str, w: QuantWeight, cfg: Any, n: int) -> PartitionSpec:
+    """The spec of a weight's stored array: its logical shape's rule, kept only where every shard
+    holds whole blocks (a split of the inner axis must cut K into multiples of the block's weights)."""
+    spec = param_spec(name, w.shape, cfg, n)
+    parts = tuple(spec) + (None,) * (len(w.shape) - len(tuple(spec)))
+    if parts and parts[-1] is not None and (w.cols // n) % w.fmt.block_weights:
+        return PartitionSpec()
+    return spec
+
+
 def state_spec(name: str, shape: tuple[int, ...], n: int) -> PartitionSpec:
     """KV [L, S, K, C, D] split over K when divisible; every other state leaf replicated."""
     if n > 1 and name in KV_KEYS and len(shape) == 5 and shape[2] % n == 0:
@@ -121,25 +133,23 @@ class ShardPlan:
         return NamedSharding(self.mesh, spec)
 
     def param_shardings(self, params: Any) -> Any:
-        """A NamedSharding per leaf of `params` (numpy, jax or ShapeDtypeStruct leaves)."""
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x: self._named(param_spec(leaf_name(p), tuple(np.shape(x)), self.cfg, self.n)), params)
+        """A NamedSharding per leaf of `params` (numpy, jax or ShapeDtypeStruct leaves; a quantized
+        weight's blocks get the spec of its logical shape, when the split falls on block boundaries)."""
+        def one(p: tuple, x: Any) -> Any:
+            if isinstance(x, QuantWeight):
+                return x.replace(data=self._named(weight_spec(leaf_name(p), x, self.cfg, self.n)))
+            return self._named(param_spec(leaf_name(p), tuple(np.shape(x)), self.cfg, self.n))
+
+        return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, QuantWeight))
 
     def state_shardings(self, state: Any) -> Any:
         return jax.tree_util.tree_map_with_path(
             lambda p, x: self._named(state_spec(leaf_name(p), tuple(np.shape(x)), self.n)), state)
 
-    def put_params(self, host_params: Any, convert: Callable[[np.ndarray], Any] | None = None) -> Any:
+    def put_params(self, host_params: Any) -> Any:
         """device_put every host leaf straight into its shards (no full copy lands on one die first)."""
         shardings = self.param_shardings(host_params)
-
-        def put(x: Any, s: NamedSharding) -> jax.Array:
-            a = np.asarray(x)
-            if convert is not None:
-                a = convert(a)
-            return jax.device_put(a, s)
-
-        return jax.tree.map(put, host_params, shardings)
+        return jax.tree.map(lambda x, s: None if x is None else put_leaf(x, s), host_params, shardings)
 
     def state_initializer(self, init: Callable[[], Any]) -> Callable[[], Any]:
         """A function building the state directly in its shards (`init` under jit with the state's
@@ -179,17 +189,23 @@ class ShardPlan:
     def describe(self, params: Any) -> dict[str, str]:
         """Leaf path -> spec string: what an operator (or a test) sees of the split."""
         out: dict[str, str] = {}
-        for path, x in jax.tree_util.tree_leaves_with_path(params):
-            out[jax.tree_util.keystr(path)] = str(param_spec(leaf_name(path), tuple(np.shape(x)), self.cfg, self.n))
+        for path, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda v: isinstance(v, QuantWeight)):
+            name = leaf_name(path)
+            spec = (weight_spec(name, x, self.cfg, self.n) if isinstance(x, QuantWeight)
+                    else param_spec(name, tuple(np.shape(x)), self.cfg, self.n))
+            out[jax.tree_util.keystr(path)] = str(spec)
         return out
 
 
 def shard_bytes(params: Any, cfg: Any, n: int) -> int:
     """Bytes one die holds of `params` when split over `n` dies (replicated leaves count in full)."""
     total = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(params):
-        shape = tuple(np.shape(x))
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(getattr(x, "dtype", np.float32)).itemsize
-        spec = param_spec(leaf_name(path), shape, cfg, n)
+    for path, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda v: isinstance(v, QuantWeight)):
+        if isinstance(x, QuantWeight):
+            size, spec = x.nbytes, weight_spec(leaf_name(path), x, cfg, n)
+        else:
+            shape = tuple(np.shape(x))
+            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(getattr(x, "dtype", np.float32)).itemsize
+            spec = param_spec(leaf_name(path), shape, cfg, n)
         total += size // n if any(s is not None for s in spec) else size
     return total

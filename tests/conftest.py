@@ -47,7 +47,8 @@ def tiny_model(name: str):
 
     if name not in _tiny_models:
         path, _, _ = tiny_fixture(name)
-        _tiny_models[name] = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16))
+        _tiny_models[name] = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16,
+                                                                          kv_dtype="float32"))
     return _tiny_models[name]
 
 

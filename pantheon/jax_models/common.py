@@ -6,12 +6,9 @@ C cache capacity (positions), K kv heads, G query heads per kv head, D head dim,
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-from .. import native as pantheon_native
 from ..gguf_loader import ROPE_NORM
 
 
@@ -20,37 +17,6 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
-
-
-WEIGHT_MAJOR_ROWS = 8
-
-
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, native: bool = False,
-           blocks: jax.Array | None = None, skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """y = x @ w.T with w stored (out, in): the layout XLA:CPU multiplies fastest (jax-cpu-tuning).
-
-    `native`: the caller's weight lives whole on one die, so the kernels of pantheon.native may take
-    the product when they are built and the shape suits them (decode, mixed and prefill steps),
-    reading `blocks` -- the same matrix in its GGUF block format -- when given, and leaving out the
-    flattened rows `skip` = [first, end) (a prefill chunk's padding: those outputs are then zeros
-    rather than products; XLA's forms compute them).
-    Otherwise, from WEIGHT_MAJOR_ROWS rows on, the product is formed weight-major (w @ x.T, then
-    transposed): XLA:CPU's f32 GEMM runs 1.3-1.9x faster that way at 8 rows for the SmolLM2 FFN and
-    fused QKV shapes (measured), while one row stays a plain matrix-vector product.
-    """
-    rows = math.prod(x.shape[:-1])
-    if native and blocks is not None and pantheon_native.quant_applies(rows, x.shape[-1], blocks):
-        y = pantheon_native.quant_matmul(x, blocks, skip)
-    elif native and pantheon_native.applies(rows, w):
-        y = pantheon_native.matmul(x, w, skip)
-    elif rows >= WEIGHT_MAJOR_ROWS:
-        y = jnp.moveaxis(jnp.einsum("oi,...i->o...", w, x.astype(w.dtype), preferred_element_type=jnp.float32),
-                         0, -1)
-    else:
-        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-    if b is not None:
-        y = y + b.astype(jnp.float32)
-    return y.astype(x.dtype)
 
 
 def rope_angles(positions: jax.Array, n_rot: int, base: float, scale: float = 1.0,

@@ -34,7 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import weights
 from ..gguf_loader import ModelConfig, TensorSource
+from ..weights import XLA, Kernels
 from . import common
 
 ARCHS = ("gemma3",)
@@ -55,13 +57,14 @@ def attn_scale(cfg: ModelConfig) -> float:
     return cfg.attn_scale
 
 
-def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[str, Any]:
-    """Per-layer dicts in a list (the forward is unrolled, so no stacking and no slicing copies)."""
+def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
+    """Per-layer dicts in a list (the forward is unrolled, so no stacking and no slicing copies);
+    matrices as the file stores them (QuantWeight views of the mapped file), vectors f32."""
     H, nh, nkv, hd, F = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn
     params: dict[str, Any] = {
-        "embed": src.get("token_embd.weight", (cfg.vocab, H)).astype(dtype),
+        "embed": src.matrix("token_embd.weight", (cfg.vocab, H)),
         "norm": src.get("output_norm.weight", (H,)),
-        "head": None if cfg.tied_output else src.get("output.weight", (cfg.vocab, H)).astype(dtype),
+        "head": None if cfg.tied_output else src.matrix("output.weight", (cfg.vocab, H)),
     }
     shapes = {  # our name -> (GGUF name, shape, is a matrix)
         "attn_norm": ("attn_norm", (H,), False),
@@ -79,7 +82,7 @@ def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[s
         "post_ffw_norm": ("post_ffw_norm", (H,), False),
     }
     params["layers"] = [
-        {ours: src.get(f"blk.{i}.{name}.weight", shape).astype(dtype if matrix else np.float32)
+        {ours: (src.matrix if matrix else src.get)(f"blk.{i}.{name}.weight", shape)
          for ours, (name, shape, matrix) in shapes.items()}
         for i in range(cfg.n_layers)
     ]
@@ -107,7 +110,7 @@ def _gather_recent(cache: jax.Array, layer: int, slots: jax.Array, first: jax.Ar
 
 def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Same contract as llama.forward: B rows of T tokens; logits [B, V] (or [B, T, V]) and new state."""
     B, T = tokens.shape
     nh, nkv, hd, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.sliding_window
@@ -120,16 +123,16 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     # Local layers read only what a window can see: the last W + T - 1 positions up to start + T.
     local_len = min(span, W + T - 1) if W > 0 else span
     local_first = jnp.maximum(start + T - local_len, 0)  # [B]; first + local_len <= start + T <= span
-    x = params["embed"][tokens].astype(jnp.float32) * np.float32(math.sqrt(cfg.hidden))
+    x = weights.embed(params["embed"], tokens) * np.float32(math.sqrt(cfg.hidden))
     kc, vc = state["k"], state["v"]
 
     for li, lp in enumerate(params["layers"]):
         glob = is_global(cfg, li)
         cos, sin = rope[glob]
         h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        q = common.rms_norm(common.linear(h, lp["wq"]).reshape(B, T, nh, hd), lp["q_norm"], cfg.rms_eps)
-        k = common.rms_norm(common.linear(h, lp["wk"]).reshape(B, T, nkv, hd), lp["k_norm"], cfg.rms_eps)
-        v = common.linear(h, lp["wv"]).reshape(B, T, nkv, hd)
+        q = common.rms_norm(weights.linear(h, lp["wq"]).reshape(B, T, nh, hd), lp["q_norm"], cfg.rms_eps)
+        k = common.rms_norm(weights.linear(h, lp["wk"]).reshape(B, T, nkv, hd), lp["k_norm"], cfg.rms_eps)
+        v = weights.linear(h, lp["wv"]).reshape(B, T, nkv, hd)
         q = common.apply_rope(q, cos, sin, cfg.n_rot, cfg.rope_type)
         k = common.apply_rope(k, cos, sin, cfg.n_rot, cfg.rope_type)
         kc = common.write_kv(kc, li, k, slots, start)  # write before any read of the cache
@@ -142,16 +145,16 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
             vs = _gather_recent(vc, li, slots, local_first, local_len)
             q_pos = positions - local_first[:, None]
         o = common.attention(q, ks, vs, q_pos, scale, window=0 if glob else W, softcap=cfg.attn_softcap)
-        x = x + common.rms_norm(common.linear(o, lp["wo"]), lp["post_attn_norm"], cfg.rms_eps)
+        x = x + common.rms_norm(weights.linear(o, lp["wo"]), lp["post_attn_norm"], cfg.rms_eps)
         h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-        f = jax.nn.gelu(common.linear(h, lp["w_gate"]), approximate=True) * common.linear(h, lp["w_up"])
-        x = x + common.rms_norm(common.linear(f, lp["w_down"]), lp["post_ffw_norm"], cfg.rms_eps)
+        f = jax.nn.gelu(weights.linear(h, lp["w_gate"]), approximate=True) * weights.linear(h, lp["w_up"])
+        x = x + common.rms_norm(weights.linear(f, lp["w_down"]), lp["post_ffw_norm"], cfg.rms_eps)
 
     if not all_logits:
         x = common.last_valid(x, n_new)
     x = common.rms_norm(x, params["norm"], cfg.rms_eps)
     head = params["embed"] if params["head"] is None else params["head"]
-    logits = common.linear(x, head).astype(jnp.float32)
+    logits = weights.linear(x, head).astype(jnp.float32)
     if cfg.final_softcap:
         logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return logits, {"k": kc, "v": vc}

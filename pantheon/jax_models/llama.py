@@ -1,8 +1,9 @@
 """The llama family: llama (SmolLM2, Llama 2/3), mistral, qwen2 (q/k/v biases), qwen3 (q/k norm),
 and the MoE variants mixtral / qwen3moe (router top-k over stacked experts).
 
-Pure functions of (params, state, inputs) -> (outputs, state). Layer weights are stacked on a
-leading axis and the layer loop is a `lax.scan` (fast to compile, one code path for any depth).
+Pure functions of (params, state, inputs) -> (outputs, state). The layer loop is a `lax.scan` (fast
+to compile, one code path for any depth) over the stacked vectors (norms, biases); matrices are one
+QuantWeight per layer, which the scan body switches over (weights.pick_linear).
 """
 
 from __future__ import annotations
@@ -13,144 +14,98 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import native
+from .. import native, weights
 from ..gguf_loader import ModelConfig, TensorSource
+from ..weights import XLA, Kernels, QuantWeight
 from . import common, moe_kernels
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
 
 
-def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[str, Any]:
-    """Dequantize every tensor to `dtype` numpy arrays, layers stacked on axis 0."""
+def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
+    """Host params: every matrix as the file stores it (a tuple of per-layer QuantWeights, views of
+    the mapped file), vectors (norms, biases) as f32 stacks [L, ...] for the layer scan."""
     H, nh, nkv, hd, L = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
-    emb = src.get("token_embd.weight", (cfg.vocab, H))
     params: dict[str, Any] = {
-        "embed": emb.astype(dtype),
+        "embed": src.matrix("token_embd.weight", (cfg.vocab, H)),
         "norm": src.get("output_norm.weight", (H,)),
-        "head": None if cfg.tied_output else src.get("output.weight", (cfg.vocab, H)).astype(dtype),
+        "head": None if cfg.tied_output else src.matrix("output.weight", (cfg.vocab, H)),
     }
     if src.has("output.bias"):
         params["head_bias"] = src.get("output.bias", (cfg.vocab,))
     if src.has("rope_freqs.weight"):
         params["rope_freqs"] = src.get("rope_freqs.weight", (cfg.n_rot // 2,))
 
-    def per_layer(fmt: str, shape: tuple[int, ...], wdtype=np.float32, optional: bool = False):
-        arrs = []
-        for i in range(L):
-            name = fmt.format(i)
-            if optional and not src.has(name):
-                return None
-            arrs.append(src.get(name, shape).astype(wdtype))
-        return np.stack(arrs)
+    def vectors(fmt: str, shape: tuple[int, ...], optional: bool = False) -> np.ndarray | None:
+        if optional and not src.has(fmt.format(0)):
+            return None
+        return np.stack([src.get(fmt.format(i), shape) for i in range(L)])
+
+    def matrices(fmt: str, shape: tuple[int, ...]) -> tuple[QuantWeight, ...]:
+        return tuple(src.matrix(fmt.format(i), shape) for i in range(L))
 
     layers: dict[str, Any] = {
-        "attn_norm": per_layer("blk.{}.attn_norm.weight", (H,)),
-        "wq": per_layer("blk.{}.attn_q.weight", (nh * hd, H), dtype),
-        "wk": per_layer("blk.{}.attn_k.weight", (nkv * hd, H), dtype),
-        "wv": per_layer("blk.{}.attn_v.weight", (nkv * hd, H), dtype),
-        "wo": per_layer("blk.{}.attn_output.weight", (H, nh * hd), dtype),
-        "ffn_norm": per_layer("blk.{}.ffn_norm.weight", (H,)),
+        "attn_norm": vectors("blk.{}.attn_norm.weight", (H,)),
+        "wq": matrices("blk.{}.attn_q.weight", (nh * hd, H)),
+        "wk": matrices("blk.{}.attn_k.weight", (nkv * hd, H)),
+        "wv": matrices("blk.{}.attn_v.weight", (nkv * hd, H)),
+        "wo": matrices("blk.{}.attn_output.weight", (H, nh * hd)),
+        "ffn_norm": vectors("blk.{}.ffn_norm.weight", (H,)),
     }
     for name, t, shape in (("bq", "attn_q", nh * hd), ("bk", "attn_k", nkv * hd), ("bv", "attn_v", nkv * hd),
                            ("bo", "attn_output", H)):
-        b = per_layer("blk.{}." + t + ".bias", (shape,), optional=True)
+        b = vectors("blk.{}." + t + ".bias", (shape,), optional=True)
         if b is not None:
             layers[name] = b
     if cfg.qk_norm:
-        layers["q_norm"] = per_layer("blk.{}.attn_q_norm.weight", (hd,))
-        layers["k_norm"] = per_layer("blk.{}.attn_k_norm.weight", (hd,))
+        layers["q_norm"] = vectors("blk.{}.attn_q_norm.weight", (hd,))
+        layers["k_norm"] = vectors("blk.{}.attn_k_norm.weight", (hd,))
     if cfg.n_experts:
         E, F = cfg.n_experts, cfg.expert_ffn or cfg.ffn
-        layers["router"] = per_layer("blk.{}.ffn_gate_inp.weight", (E, H))
-        layers["w_gate_e"] = per_layer("blk.{}.ffn_gate_exps.weight", (E, F, H), dtype)
-        layers["w_up_e"] = per_layer("blk.{}.ffn_up_exps.weight", (E, F, H), dtype)
-        layers["w_down_e"] = per_layer("blk.{}.ffn_down_exps.weight", (E, H, F), dtype)
+        layers["router"] = vectors("blk.{}.ffn_gate_inp.weight", (E, H))
+        layers["w_gate_e"] = matrices("blk.{}.ffn_gate_exps.weight", (E, F, H))
+        layers["w_up_e"] = matrices("blk.{}.ffn_up_exps.weight", (E, F, H))
+        layers["w_down_e"] = matrices("blk.{}.ffn_down_exps.weight", (E, H, F))
     else:
-        layers["w_gate"] = per_layer("blk.{}.ffn_gate.weight", (cfg.ffn, H), dtype)
-        layers["w_up"] = per_layer("blk.{}.ffn_up.weight", (cfg.ffn, H), dtype)
-        layers["w_down"] = per_layer("blk.{}.ffn_down.weight", (H, cfg.ffn), dtype)
+        layers["w_gate"] = matrices("blk.{}.ffn_gate.weight", (cfg.ffn, H))
+        layers["w_up"] = matrices("blk.{}.ffn_up.weight", (cfg.ffn, H))
+        layers["w_down"] = matrices("blk.{}.ffn_down.weight", (H, cfg.ffn))
     params["layers"] = layers
     return params
+
+
+def _fused(parts: list[tuple[QuantWeight, ...]]) -> tuple[QuantWeight, ...] | None:
+    """Per layer, the parts' rows in one weight; None unless every layer's parts share a format."""
+    out = tuple(weights.concat_rows([p[i] for p in parts]) for i in range(len(parts[0])))
+    return None if any(w is None for w in out) else out
 
 
 def fuse_projections(params: dict[str, Any]) -> dict[str, Any]:
     """Concatenate q/k/v into "wqkv" and gate/up into "w_gu" (their biases likewise), along the output axis.
 
-    Why: matrices that read the same input become one larger matmul per layer, which XLA:CPU runs
-    faster than two or three small ones (about 1.4x at 8 rows). Only for a single die: the tensor-
-    parallel rules in pantheon.sharding split q, k and v by their own heads.
+    Why: matrices that read the same input become one larger product per layer, which runs faster
+    than two or three small ones (the input is read once, one kernel call). Only when every layer's
+    parts share a format (a Q4_K_M file's Q6_K attn_v keeps q, k, v apart), and only for a single
+    die: the tensor-parallel rules in pantheon.sharding split q, k and v by their own heads.
     """
     lay = dict(params["layers"])
-    if all(k in lay for k in ("wq", "wk", "wv")):
-        lay["wqkv"] = np.concatenate([lay.pop("wq"), lay.pop("wk"), lay.pop("wv")], axis=-2)
+    qkv = _fused([lay["wq"], lay["wk"], lay["wv"]]) if all(k in lay for k in ("wq", "wk", "wv")) else None
+    if qkv is not None:
+        lay["wqkv"] = qkv
+        del lay["wq"], lay["wk"], lay["wv"]
         if all(k in lay for k in ("bq", "bk", "bv")):
             lay["bqkv"] = np.concatenate([lay.pop("bq"), lay.pop("bk"), lay.pop("bv")], axis=-1)
-    if "w_gate" in lay and "w_up" in lay:
-        lay["w_gu"] = np.concatenate([lay.pop("w_gate"), lay.pop("w_up")], axis=-2)
+    gu = _fused([lay["w_gate"], lay["w_up"]]) if "w_gate" in lay and "w_up" in lay else None
+    if gu is not None:
+        lay["w_gu"] = gu
+        del lay["w_gate"], lay["w_up"]
     return {**params, "layers": lay}
-
-
-_MATRICES = ("wqkv", "wq", "wk", "wv", "wo", "w_gu", "w_gate", "w_up", "w_down")
-
-
-def unstack_matrices(params: dict[str, Any]) -> dict[str, Any]:
-    """Each layer's projection matrices as their own arrays (a tuple over layers), not one [L, ...] stack.
-
-    Why: inside the layer scan a stacked weight is read through a dynamic slice, and XLA:CPU
-    materialises that slice: a copy of every weight matrix on every step (about half of a batch-1
-    step). With one array per layer the scan body picks the layer's matmul with `lax.switch`
-    (`matmul` below): no copy, and the program stays one loop body. Single die only, like fusion.
-    """
-    lay = dict(params["layers"])
-    for k in _MATRICES:
-        if k in lay:
-            lay[k] = tuple(lay[k][i] for i in range(lay[k].shape[0]))
-    return {**params, "layers": lay}
-
-
-# Where each (fused) per-layer matrix comes from in a GGUF file, for its block-format twin.
-GGUF_PARTS = {"wq": ("attn_q",), "wk": ("attn_k",), "wv": ("attn_v",), "wo": ("attn_output",),
-              "wqkv": ("attn_q", "attn_k", "attn_v"), "w_gate": ("ffn_gate",), "w_up": ("ffn_up",),
-              "w_gu": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
-
-
-def attach_blocks(params: dict[str, Any], src: Any, cfg: ModelConfig) -> dict[str, Any]:
-    """Add "<matrix>_q" twins: each per-layer matrix (and the LM head) in its GGUF block format.
-
-    Why: a decode step streams every weight once, and f32 weights are 4-7x the bytes of their
-    Q4/Q5/Q8 blocks. pantheon.native's quantized product reads the blocks and expands them to exactly
-    the f32 values `load_params` dequantized, so decode steps read a fraction of the bytes for the
-    same results; prefill chunks (compute-bound) keep XLA's f32 GEMM. Only matrices stored whole in
-    a format the kernel reads get a twin (a fused matrix needs all its parts in one format).
-    """
-    lay = dict(params["layers"])
-    for name, parts in GGUF_PARTS.items():
-        if not isinstance(lay.get(name), tuple):
-            continue
-        per_layer = []
-        for i in range(cfg.n_layers):
-            found = [src.blocks(f"blk.{i}.{part}.weight", native.QUANT_FORMATS) for part in parts]
-            if any(f is None for f in found) or len({f[0] for f in found}) != 1:
-                break
-            per_layer.append(np.concatenate([f[1] for f in found]) if len(found) > 1 else np.asarray(found[0][1]))
-        else:
-            lay[name + "_q"] = tuple(per_layer)
-    out = {**params, "layers": lay}
-    head = src.blocks("token_embd.weight" if cfg.tied_output else "output.weight", native.QUANT_FORMATS)
-    if head is not None:
-        out["head_q"] = np.asarray(head[1])
-    return out
 
 
 def matmul(lp: dict[str, Any], name: str, h: jax.Array, li: jax.Array, bias: str | None = None,
            skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """common.linear with layer li's weight `name`: stacked (already sliced by the scan) or per layer."""
-    w, b = lp[name], lp.get(bias) if bias else None
-    if isinstance(w, tuple):  # single die: the native kernels may take it (blocks: its GGUF twin)
-        blocks = lp.get(name + "_q") or (None,) * len(w)
-        return jax.lax.switch(li, [lambda x, wi=wi, qi=qi: common.linear(x, wi, b, native=True, blocks=qi, skip=skip)
-                                   for wi, qi in zip(w, blocks)], h)
-    return common.linear(h, w, b)
+    """weights.linear with layer li's weight `name` (a tuple over layers: a switch reads it in place)."""
+    return weights.pick_linear(lp[name], li, h, lp.get(bias) if bias else None, skip)
 
 
 def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
@@ -161,12 +116,16 @@ def state_bytes_per_token(cfg: ModelConfig) -> int:
     return cfg.kv_bytes_per_token
 
 
-_EXPERT_KEYS = ("w_gate_e", "w_up_e", "w_down_e")
+def moe(h: jax.Array, lp: dict[str, Any], li: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Softmax router -> top-k -> renormalise -> weighted SwiGLU experts (the shared MoE kernels),
+    with layer li's experts (per-layer tuples: one branch per layer reads its own in place)."""
+    def run(h: jax.Array, wg: Any, wu: Any, wd: Any) -> jax.Array:
+        return moe_kernels.moe_ffn(h, lp["router"], wg, wu, wd, cfg.n_experts_used)
 
-
-def moe(h: jax.Array, lp: dict[str, Any], cfg: ModelConfig) -> jax.Array:
-    """Softmax router -> top-k -> renormalise -> weighted SwiGLU experts (the shared MoE kernels)."""
-    return moe_kernels.moe_ffn(h, lp["router"], lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"], cfg.n_experts_used)
+    wg, wu, wd = lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"]
+    if not isinstance(wg, tuple):
+        return run(h, wg, wu, wd)
+    return jax.lax.switch(li, [lambda v, i=i: run(v, wg[i], wu[i], wd[i]) for i in range(len(wg))], h)
 
 
 Group = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # tokens [B, T], slots [B], start [B], n_new [B]
@@ -174,7 +133,7 @@ Group = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # tokens [B, T], slot
 
 def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One step over B rows of T tokens each.
 
     tokens [B, T] (row b holds n_new[b] real tokens, then padding), slots [B] cache slot of each row,
@@ -182,7 +141,8 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     a bucket at least as large as every row's start + T. Returns logits [B, V] of each row's last
     real token (or [B, T, V] with all_logits) and the updated state.
     """
-    return forward_groups(params, state, ((tokens, slots, start, n_new),), cfg=cfg, span=span, all_logits=all_logits)
+    return forward_groups(params, state, ((tokens, slots, start, n_new),), cfg=cfg, span=span, all_logits=all_logits,
+                          kernels=kernels)
 
 
 def _chunk_padding(groups: tuple[Group, ...], shapes: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array] | None:
@@ -201,7 +161,8 @@ def _chunk_padding(groups: tuple[Group, ...], shapes: list[tuple[int, int]]) -> 
 
 
 def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: tuple[Group, ...], *,
-                   cfg: ModelConfig, span: int, all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   cfg: ModelConfig, span: int, all_logits: bool = False,
+                   kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One step over several groups of rows, each group with its own tokens-per-row.
 
     Why groups: a prefill chunk ([1, T]) and the decode rows of every other slot ([B, 1]) can share
@@ -219,7 +180,10 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
     positions = [st[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :] for (_, _, st, _), (_, t) in zip(groups, shapes)]
     ropes = [common.rope_angles(p, cfg.n_rot, cfg.rope_base, cfg.rope_scale, params.get("rope_freqs"))
              for p in positions]
-    x = jnp.concatenate([params["embed"][g[0].reshape(-1)] for g in groups]).astype(jnp.float32)  # [N, H]
+    if cfg.arch == "phi3" and cfg.rope_attn_factor != 1.0:  # LongRoPE: q and k's rotated dims scaled
+        f = np.float32(cfg.rope_attn_factor)
+        ropes = [(c * f, s * f) for c, s in ropes]
+    x = weights.embed(params["embed"], jnp.concatenate([g[0].reshape(-1) for g in groups]))  # [N, H] f32
     skip = _chunk_padding(groups, shapes)
 
     def per_group(a: jax.Array, heads: int) -> list[jax.Array]:
@@ -244,7 +208,7 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
             vc = common.write_kv(vc, li, vg, slots, start)
         outs = []
         for (_, slots, start, _), qg, pos in zip(groups, qs, positions):
-            if native.attention_applies(qg, kc):  # decode rows, one CPU die: read the slots in place
+            if kernels.attention and native.attention_applies(qg, kc):  # decode rows, one CPU die: in place
                 o = native.decode_attention(qg, kc, vc, li, slots, start, cfg.attn_scale)
             else:
                 kspan = common.gather_span(kc, li, slots, span)
@@ -255,7 +219,7 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
         x = x + matmul(lp, "wo", o, li, "bo", skip)
         h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
         if cfg.n_experts:
-            x = x + moe(h, lp, cfg)
+            x = x + moe(h, lp, li, cfg)
         else:
             if "w_gu" in lp:
                 g, u = jnp.split(matmul(lp, "w_gu", h, li, skip=skip), 2, axis=-1)
@@ -264,16 +228,14 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
             x = x + matmul(lp, "w_down", jax.nn.silu(g) * u, li, skip=skip)
         return (x, kc, vc), None
 
-    # Expert stacks stay out of the scan's inputs: the MoE tile loop reads (layer, expert) slices of
-    # them directly instead of copying every expert of the layer each step.
-    # Per-layer matrix tuples (unstack_matrices) likewise: the body switches over them by layer.
-    stacked = {k: a for k, a in params["layers"].items() if k in _EXPERT_KEYS}
+    # Per-layer weight tuples stay out of the scan's inputs: the body switches over them by layer
+    # (weights.pick_linear) instead of slicing a stack, which would copy every matrix each step.
     listed = {k: a for k, a in params["layers"].items() if isinstance(a, tuple)}
-    per_layer = {k: a for k, a in params["layers"].items() if k not in _EXPERT_KEYS and k not in listed}
+    per_layer = {k: a for k, a in params["layers"].items() if k not in listed}
 
     def scanned(carry, inputs):
         lp, li = inputs
-        return layer(carry, ({**lp, **listed, **{k: (a, (li,)) for k, a in stacked.items()}}, li))
+        return layer(carry, ({**lp, **listed}, li))
 
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
     carry, _ = jax.lax.scan(scanned, (x, state["k"], state["v"]), (per_layer, layer_ids))
@@ -285,7 +247,5 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
         x = jnp.concatenate([common.last_valid(xg, g[3]) for xg, g in zip(xs, groups)])
     x = common.rms_norm(x, params["norm"], cfg.rms_eps)
     head = params["embed"] if params["head"] is None else params["head"]
-    whole = isinstance(params["layers"].get("wo"), tuple)  # unstacked: the model sits on one die
-    logits = common.linear(x, head, params.get("head_bias"), native=whole,
-                           blocks=params.get("head_q")).astype(jnp.float32)
+    logits = weights.linear(x, head, params.get("head_bias")).astype(jnp.float32)
     return logits, {"k": kc, "v": vc}

@@ -34,6 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .. import weights
+from ..weights import QuantWeight
+
 IMPLS = ("auto", "dense", "capacity", "tiles", "pallas", "pallas_interpret", "pallas_prefetch",
          "pallas_prefetch_interpret")
 
@@ -128,47 +131,35 @@ def _combine(out_rows: jax.Array, dest: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("nkh,nk->nh", out_rows[dest].reshape(n, k, -1), w)
 
 
-# Expert weights may arrive as one layer's [E, F, H] array or as (stack, lead): the model's whole
-# stacked weights plus the index of this layer in its leading axes. The second form lets the tile
-# loop read only the experts it uses; slicing a layer out first makes XLA copy every expert of it
-# per step (measured: 268 ms -> 13 ms for 8 qwen35moe layers at decode).
-Experts = jax.Array | tuple[jax.Array, tuple[Any, ...]]
+# One layer's experts: a QuantWeight [E, out, in] in the file's format (what the engine loads), or a
+# plain [E, out, in] array (tests, benchmarks). The tile loop multiplies one expert at a time with
+# weights.linear, so it reads quantized experts as they are stored; the other paths expand the layer.
+Experts = QuantWeight | jax.Array
 
 
 def layer_experts(w: Experts) -> jax.Array:
-    """The [E, ...] weights of this layer (a copy when given as (stack, lead))."""
-    if isinstance(w, tuple):
-        stack, lead = w
-        return stack[lead]
-    return w
+    """The [E, out, in] weights of this layer as an array (expanded when quantized)."""
+    return w.expand() if isinstance(w, QuantWeight) else w
 
 
-def _one_expert(w: Experts, e: jax.Array) -> jax.Array:
-    if isinstance(w, tuple):
-        stack, lead = w
-        return stack[lead + (e,)]
-    return w[e]
+def _one_expert(w: Experts, e: jax.Array) -> Experts:
+    return w.at(e) if isinstance(w, QuantWeight) else w[e]
 
 
 def _n_experts(w: Experts) -> int:
-    if isinstance(w, tuple):
-        stack, lead = w
-        return stack.shape[len(lead)]
-    return w.shape[0]
+    return int(w.shape[0])
 
 
 def _tiles(x, w, idx, wg, wu, wd, *, tm: int):
     """XLA twin of the grouped-matmul kernel: a while loop over the used row tiles only."""
-    rows, dest, te = _sorted_rows(x, idx, _n_experts(wg), tm)
-    wd_dtype = (wd[0] if isinstance(wd, tuple) else wd).dtype
+    rows, dest, te = _sorted_rows(x.astype(jnp.float32), idx, _n_experts(wg), tm)
 
     def body(i, out):
         e = te[i]
         xt = jax.lax.dynamic_slice_in_dim(rows, i * tm, tm)
-        g = jnp.einsum("th,fh->tf", xt, _one_expert(wg, e), preferred_element_type=jnp.float32)
-        u = jnp.einsum("th,fh->tf", xt, _one_expert(wu, e), preferred_element_type=jnp.float32)
-        y = jnp.einsum("tf,hf->th", (jax.nn.silu(g) * u).astype(wd_dtype), _one_expert(wd, e),
-                       preferred_element_type=jnp.float32)
+        g = weights.linear(xt, _one_expert(wg, e))
+        u = weights.linear(xt, _one_expert(wu, e))
+        y = weights.linear(jax.nn.silu(g) * u, _one_expert(wd, e))
         return jax.lax.dynamic_update_slice_in_dim(out, y, i * tm, axis=0)
 
     used = jnp.sum(te >= 0)  # unused tiles are all at the end: a dynamic trip count skips them
@@ -343,8 +334,10 @@ def experts(x: jax.Array, w: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up:
     w_down [E, H, F] in the GGUF (out, in) layout.
     """
     if impl == "auto":
-        impl = "tiles" if jax.default_backend() == "cpu" else pick_impl(idx.size, layer_experts(w_gate))
-    if not impl.startswith("tiles"):  # only the tile loop reads experts straight from the stack
+        spec = (jax.ShapeDtypeStruct(w_gate.shape, jnp.dtype(w_gate.compute)) if isinstance(w_gate, QuantWeight)
+                else w_gate)
+        impl = "tiles" if jax.default_backend() == "cpu" else pick_impl(idx.size, spec)
+    if not impl.startswith("tiles"):  # only the tile loop reads experts as they are stored
         w_gate, w_up, w_down = layer_experts(w_gate), layer_experts(w_up), layer_experts(w_down)
     w = w.astype(jnp.float32)
     if impl == "dense":

@@ -8,8 +8,8 @@ what llama.forward does. Only LongRoPE needs two more facts:
 * the per-pair frequency divisors: ``rope_factors_long`` when the context this state was built for
   exceeds ``rope.scaling.original_context_length`` (llama.cpp's choice, fixed per context so cached keys
   and new queries always agree), else ``rope_factors_short``;
-* the cos/sin multiplier ``attn_factor``. RoPE is linear, so multiplying the rotated rows of W_q and
-  W_k by it at load time is the same thing and leaves llama.forward untouched.
+* the cos/sin multiplier ``attn_factor``: llama.forward scales cos and sin by
+  ``cfg.rope_attn_factor`` (the weights stay in their blocks, so it cannot be folded into W_q, W_k).
 
 llama.cpp disables sliding-window attention for phi3, and so do we.
 """
@@ -23,11 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ModelLoadError
+from .. import weights
 from ..gguf_loader import ModelConfig, TensorSource
+from ..weights import XLA, Kernels, QuantWeight
 from . import llama
 
 fuse_projections = llama.fuse_projections  # the forward is llama.forward
-unstack_matrices = llama.unstack_matrices
 
 ARCHS = ("phi3",)
 
@@ -46,7 +47,6 @@ class _SplitFused:
             "ffn_gate.weight": ("ffn_up.weight", 0, cfg.ffn),
             "ffn_up.weight": ("ffn_up.weight", cfg.ffn, 2 * cfg.ffn),
         }
-        self._last: tuple[str, np.ndarray] | None = None  # the fused tensor is sliced 2-3 times in a row
 
     def _fused(self, name: str) -> str | None:
         """The fused tensor that holds llama-name `name`, when the file is fused for that layer."""
@@ -65,35 +65,29 @@ class _SplitFused:
         return self._fused(name) is not None or self._src.has(name)
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        if self._fused(name) is not None:
+            raise ModelLoadError(self.path, f"{name!r} is part of a fused matrix; read it with matrix()")
+        return self._src.get(name, shape)
+
+    def matrix(self, name: str, shape: tuple[int, ...] | None = None) -> QuantWeight:
+        """The matrix `name`, as a row range of its fused tensor when the file fuses it (a view:
+        rows are runs of whole blocks)."""
         fused = self._fused(name)
         if fused is None:
-            return self._src.get(name, shape)
-        if self._last is None or self._last[0] != fused:
-            self._last = (fused, self._src.get(fused))
+            return self._src.matrix(name, shape)
         _, lo, hi = self._parts[name.split(".", 2)[2]]
-        part = self._last[1][lo:hi]
+        part = weights.row_slice(self._src.matrix(fused), lo, hi)
         if shape is not None and part.shape != tuple(shape):
             raise ModelLoadError(self.path, f"fused tensor {fused!r} gives {name!r} shape {part.shape}, "
                                             f"expected {tuple(shape)}")
         return part
 
 
-def _scale_rotated_rows(w: np.ndarray, n_heads: int, head_dim: int, n_rot: int, factor: float) -> np.ndarray:
-    """Multiply the first n_rot output rows of every head (the dims RoPE rotates) by `factor`."""
-    w = w.reshape(w.shape[0], n_heads, head_dim, -1).copy()
-    w[:, :, :n_rot] *= factor
-    return w.reshape(w.shape[0], n_heads * head_dim, -1)
-
-
-def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[str, Any]:
-    params = llama.load_params(_SplitFused(src, cfg), cfg, dtype)
+def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
+    params = llama.load_params(_SplitFused(src, cfg), cfg)
     if src.has("rope_factors_long.weight"):
         params["rope_factors_long"] = src.get("rope_factors_long.weight", (cfg.n_rot // 2,))
         params["rope_factors_short"] = src.get("rope_factors_short.weight", (cfg.n_rot // 2,))
-    if cfg.rope_attn_factor != 1.0:
-        lay = params["layers"]
-        lay["wq"] = _scale_rotated_rows(lay["wq"], cfg.n_heads, cfg.head_dim, cfg.n_rot, cfg.rope_attn_factor)
-        lay["wk"] = _scale_rotated_rows(lay["wk"], cfg.n_kv_heads, cfg.head_dim, cfg.n_rot, cfg.rope_attn_factor)
     return params
 
 
@@ -116,14 +110,15 @@ def _long_or_short(params: dict[str, Any], state: dict[str, jax.Array], cfg: Mod
 
 def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
     """llama.forward with LongRoPE's divisors."""
     return llama.forward(_long_or_short(params, state, cfg), state, tokens, slots, start, n_new, cfg=cfg,
-                         span=span, all_logits=all_logits)
+                         span=span, all_logits=all_logits, kernels=kernels)
 
 
 def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: tuple[llama.Group, ...], *,
-                   cfg: ModelConfig, span: int, all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   cfg: ModelConfig, span: int, all_logits: bool = False,
+                   kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
     """llama.forward_groups with LongRoPE's divisors."""
     return llama.forward_groups(_long_or_short(params, state, cfg), state, groups, cfg=cfg, span=span,
-                                all_logits=all_logits)
+                                all_logits=all_logits, kernels=kernels)

@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ModelLoadError
+from .. import weights
 from ..gguf_loader import ModelConfig, TensorSource
+from ..weights import XLA, Kernels, QuantWeight
 from . import common, moe_kernels
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next")
@@ -113,97 +115,106 @@ def hybrid_dims(cfg: ModelConfig) -> HybridDims:
 
 
 # ---- parameters ------------------------------------------------------------------------------------
-def _split_ssm_in(w: np.ndarray, d: HybridDims) -> tuple[np.ndarray, np.ndarray]:
+def _split_ssm_in(w: QuantWeight, d: HybridDims) -> tuple[QuantWeight, QuantWeight]:
     """Legacy qwen3next `ssm_in` [(2 key + 2 value dims), H] packed per k-head group as
-    [q, k, v (r heads), z (r heads)] -> (attn_qkv rows [all q | all k | all v], attn_gate rows)."""
+    [q, k, v (r heads), z (r heads)] -> (attn_qkv rows [all q | all k | all v], attn_gate rows).
+    A row permutation, so it works on the file's blocks as they are."""
     r = d.n_v // d.n_k
-    per = w.reshape(d.n_k, 2 * d.d_k + 2 * r * d.d_v, -1)
-    q, k = per[:, : d.d_k], per[:, d.d_k: 2 * d.d_k]
-    v, z = per[:, 2 * d.d_k: 2 * d.d_k + r * d.d_v], per[:, 2 * d.d_k + r * d.d_v:]
-    H = w.shape[-1]
-    qkv = np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)], axis=0)
-    return qkv, z.reshape(-1, H)
+    rows = np.arange(w.rows).reshape(d.n_k, 2 * d.d_k + 2 * r * d.d_v)
+    q, k = rows[:, : d.d_k], rows[:, d.d_k: 2 * d.d_k]
+    v, z = rows[:, 2 * d.d_k: 2 * d.d_k + r * d.d_v], rows[:, 2 * d.d_k + r * d.d_v:]
+    return weights.take_rows(w, np.concatenate([q.ravel(), k.ravel(), v.ravel()])), weights.take_rows(w, z.ravel())
 
 
-def _linear_layer(src: TensorSource, i: int, cfg: ModelConfig, d: HybridDims, dtype) -> dict[str, np.ndarray]:
+def _linear_layer(src: TensorSource, i: int, cfg: ModelConfig, d: HybridDims) -> dict[str, Any]:
     """One Gated DeltaNet block's tensors, with qwen3next's packed forms unpacked (section 9)."""
     H, p = cfg.hidden, f"blk.{i}."
     if src.has(p + "attn_qkv.weight"):
-        w_qkv = src.get(p + "attn_qkv.weight", (d.conv_dim, H))
-        w_z = src.get(p + "attn_gate.weight", (d.value_dim, H))
+        w_qkv = src.matrix(p + "attn_qkv.weight", (d.conv_dim, H))
+        w_z = src.matrix(p + "attn_gate.weight", (d.value_dim, H))
     else:
-        w_qkv, w_z = _split_ssm_in(src.get(p + "ssm_in.weight", (d.conv_dim + d.value_dim, H)), d)
+        w_qkv, w_z = _split_ssm_in(src.matrix(p + "ssm_in.weight", (d.conv_dim + d.value_dim, H)), d)
     if src.has(p + "ssm_ba.weight"):  # per k-head group [b (r), a (r)]
         r = d.n_v // d.n_k
-        ba = src.get(p + "ssm_ba.weight", (2 * d.n_v, H)).reshape(d.n_k, 2 * r, H)
-        w_beta, w_alpha = ba[:, :r].reshape(d.n_v, H), ba[:, r:].reshape(d.n_v, H)
+        ba = src.matrix(p + "ssm_ba.weight", (2 * d.n_v, H))
+        rows = np.arange(2 * d.n_v).reshape(d.n_k, 2 * r)
+        w_beta, w_alpha = weights.take_rows(ba, rows[:, :r].ravel()), weights.take_rows(ba, rows[:, r:].ravel())
     else:
-        w_beta = src.get(p + "ssm_beta.weight", (d.n_v, H))
-        w_alpha = src.get(p + "ssm_alpha.weight", (d.n_v, H))
+        w_beta = src.matrix(p + "ssm_beta.weight", (d.n_v, H))
+        w_alpha = src.matrix(p + "ssm_alpha.weight", (d.n_v, H))
     return {
-        "w_qkv": w_qkv.astype(dtype), "w_z": w_z.astype(dtype),
-        "w_beta": w_beta.astype(dtype), "w_alpha": w_alpha.astype(dtype),
+        "w_qkv": w_qkv, "w_z": w_z, "w_beta": w_beta, "w_alpha": w_alpha,
         "a": src.get(p + "ssm_a", (d.n_v,)), "dt_bias": src.get(p + "ssm_dt.bias", (d.n_v,)),
         "conv": src.get(p + "ssm_conv1d.weight", (d.conv_dim, d.conv_k)),
         "ssm_norm": src.get(p + "ssm_norm.weight", (d.d_v,)),
-        "w_out": src.get(p + "ssm_out.weight", (H, d.value_dim)).astype(dtype),
+        "w_out": src.matrix(p + "ssm_out.weight", (H, d.value_dim)),
     }
 
 
-def _attn_layer(src: TensorSource, i: int, cfg: ModelConfig, dtype) -> dict[str, np.ndarray]:
+def _attn_layer(src: TensorSource, i: int, cfg: ModelConfig) -> dict[str, Any]:
     H, nh, nkv, hd, p = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, f"blk.{i}."
     if src.has(p + "attn_q.weight"):
-        wq = src.get(p + "attn_q.weight", (2 * nh * hd, H))
-        wk = src.get(p + "attn_k.weight", (nkv * hd, H))
-        wv = src.get(p + "attn_v.weight", (nkv * hd, H))
+        wq = src.matrix(p + "attn_q.weight", (2 * nh * hd, H))
+        wk = src.matrix(p + "attn_k.weight", (nkv * hd, H))
+        wv = src.matrix(p + "attn_v.weight", (nkv * hd, H))
     else:  # fused Q(+gate)/K/V rows
-        fused = src.get(p + "attn_qkv.weight", (2 * nh * hd + 2 * nkv * hd, H))
-        wq, wk, wv = np.split(fused, [2 * nh * hd, 2 * nh * hd + nkv * hd])
+        fused = src.matrix(p + "attn_qkv.weight", (2 * nh * hd + 2 * nkv * hd, H))
+        q_end, k_end = 2 * nh * hd, 2 * nh * hd + nkv * hd
+        wq, wk, wv = (weights.row_slice(fused, lo, hi) for lo, hi in ((0, q_end), (q_end, k_end),
+                                                                     (k_end, fused.rows)))
     return {
-        "wq": wq.astype(dtype), "wk": wk.astype(dtype), "wv": wv.astype(dtype),
-        "wo": src.get(p + "attn_output.weight", (H, nh * hd)).astype(dtype),
+        "wq": wq, "wk": wk, "wv": wv,
+        "wo": src.matrix(p + "attn_output.weight", (H, nh * hd)),
         "q_norm": src.get(p + "attn_q_norm.weight", (hd,)),
         "k_norm": src.get(p + "attn_k_norm.weight", (hd,)),
     }
 
 
-def _ffn_layer(src: TensorSource, i: int, cfg: ModelConfig, d: HybridDims, dtype) -> dict[str, np.ndarray]:
+def _ffn_layer(src: TensorSource, i: int, cfg: ModelConfig, d: HybridDims) -> dict[str, Any]:
     H, p = cfg.hidden, f"blk.{i}."
-    out = {"attn_norm": src.get(p + "attn_norm.weight", (H,)),
-           "post_norm": src.get(p + "post_attention_norm.weight", (H,))}
+    out: dict[str, Any] = {"attn_norm": src.get(p + "attn_norm.weight", (H,)),
+                           "post_norm": src.get(p + "post_attention_norm.weight", (H,))}
     if not cfg.n_experts:
-        out.update(w_gate=src.get(p + "ffn_gate.weight", (cfg.ffn, H)).astype(dtype),
-                   w_up=src.get(p + "ffn_up.weight", (cfg.ffn, H)).astype(dtype),
-                   w_down=src.get(p + "ffn_down.weight", (H, cfg.ffn)).astype(dtype))
+        out.update(w_gate=src.matrix(p + "ffn_gate.weight", (cfg.ffn, H)),
+                   w_up=src.matrix(p + "ffn_up.weight", (cfg.ffn, H)),
+                   w_down=src.matrix(p + "ffn_down.weight", (H, cfg.ffn)))
         return out
     E, F = cfg.n_experts, cfg.expert_ffn or cfg.ffn
     if src.has(p + "ffn_gate_up_exps.weight"):  # merged: rows [0, F) gate, [F, 2F) up
-        gu = src.get(p + "ffn_gate_up_exps.weight", (E, 2 * F, H))
-        wg, wu = gu[:, :F], gu[:, F:]
+        gu = src.matrix(p + "ffn_gate_up_exps.weight", (E, 2 * F, H))
+        wg, wu = weights.row_slice(gu, 0, F), weights.row_slice(gu, F, 2 * F)
     else:
-        wg = src.get(p + "ffn_gate_exps.weight", (E, F, H))
-        wu = src.get(p + "ffn_up_exps.weight", (E, F, H))
-    out.update(router=src.get(p + "ffn_gate_inp.weight", (E, H)), w_gate_e=wg.astype(dtype),
-               w_up_e=wu.astype(dtype), w_down_e=src.get(p + "ffn_down_exps.weight", (E, H, F)).astype(dtype))
+        wg = src.matrix(p + "ffn_gate_exps.weight", (E, F, H))
+        wu = src.matrix(p + "ffn_up_exps.weight", (E, F, H))
+    out.update(router=src.get(p + "ffn_gate_inp.weight", (E, H)), w_gate_e=wg, w_up_e=wu,
+               w_down_e=src.matrix(p + "ffn_down_exps.weight", (E, H, F)))
     if src.has(p + "ffn_gate_shexp.weight"):
-        Fs = d.shared_ffn or int(src.get(p + "ffn_gate_shexp.weight").shape[0])
+        gate = src.matrix(p + "ffn_gate_shexp.weight")
+        Fs = d.shared_ffn or gate.rows
         out.update(sh_gate_inp=src.get(p + "ffn_gate_inp_shexp.weight").reshape(H),  # {H} or {H, 1}
-                   sh_gate=src.get(p + "ffn_gate_shexp.weight", (Fs, H)).astype(dtype),
-                   sh_up=src.get(p + "ffn_up_shexp.weight", (Fs, H)).astype(dtype),
-                   sh_down=src.get(p + "ffn_down_shexp.weight", (H, Fs)).astype(dtype))
+                   sh_gate=src.matrix(p + "ffn_gate_shexp.weight", (Fs, H)),
+                   sh_up=src.matrix(p + "ffn_up_shexp.weight", (Fs, H)),
+                   sh_down=src.matrix(p + "ffn_down_shexp.weight", (H, Fs)))
     return out
 
 
-def _stack_groups(layers: list[dict[str, np.ndarray]], groups: int) -> dict[str, np.ndarray]:
-    """Per-layer dicts (in layer order) -> arrays [groups, per_group, ...] for the period scan."""
+def _stack_groups(layers: list[dict[str, Any]], groups: int) -> dict[str, Any]:
+    """Per-layer dicts (in layer order) -> vectors stacked [groups, per_group, ...] for the period
+    scan, matrices as a tuple over the layers in order (the scan body switches over them)."""
     if not layers:
         return {}
-    return {k: np.stack([lp[k] for lp in layers]).reshape((groups, len(layers) // groups) + layers[0][k].shape)
-            for k in layers[0]}
+    out: dict[str, Any] = {}
+    for k in layers[0]:
+        if isinstance(layers[0][k], QuantWeight):
+            out[k] = tuple(lp[k] for lp in layers)
+        else:
+            out[k] = np.stack([lp[k] for lp in layers]).reshape((groups, len(layers) // groups) + layers[0][k].shape)
+    return out
 
 
-def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[str, Any]:
-    """Dequantized numpy params: embedding/head, and per-type layer stacks shaped [G, per, ...]."""
+def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
+    """Host params: embedding/head and matrices as the file stores them (QuantWeight), vectors in
+    per-type f32 stacks shaped [G, per, ...]."""
     try:
         d = hybrid_dims(cfg)
     except ValueError as exc:
@@ -211,13 +222,13 @@ def load_params(src: TensorSource, cfg: ModelConfig, dtype=np.float32) -> dict[s
     if d.n_v % d.n_k:
         raise ModelLoadError(src.path, f"ssm.time_step_rank {d.n_v} is not a multiple of ssm.group_count {d.n_k}")
     H = cfg.hidden
-    lin = [_linear_layer(src, i, cfg, d, dtype) for i in range(d.n_main) if d.recurrent[i]]
-    attn = [_attn_layer(src, i, cfg, dtype) for i in range(d.n_main) if not d.recurrent[i]]
-    per_layer = [_ffn_layer(src, i, cfg, d, dtype) for i in range(d.n_main)]
+    lin = [_linear_layer(src, i, cfg, d) for i in range(d.n_main) if d.recurrent[i]]
+    attn = [_attn_layer(src, i, cfg) for i in range(d.n_main) if not d.recurrent[i]]
+    per_layer = [_ffn_layer(src, i, cfg, d) for i in range(d.n_main)]
     return {
-        "embed": src.get("token_embd.weight", (cfg.vocab, H)).astype(dtype),
+        "embed": src.matrix("token_embd.weight", (cfg.vocab, H)),
         "norm": src.get("output_norm.weight", (H,)),
-        "head": None if cfg.tied_output else src.get("output.weight", (cfg.vocab, H)).astype(dtype),
+        "head": None if cfg.tied_output else src.matrix("output.weight", (cfg.vocab, H)),
         "lin": _stack_groups(lin, d.groups),
         "attn": _stack_groups(attn, d.groups),
         "layer": _stack_groups(per_layer, d.groups),
@@ -356,15 +367,16 @@ def delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: 
     return O, S
 
 
-def _delta_mixer(h: jax.Array, mp: dict[str, jax.Array], conv_state: jax.Array, S: jax.Array,
+def _delta_mixer(h: jax.Array, mp: dict[str, Any], g: jax.Array, conv_state: jax.Array, S: jax.Array,
                  valid: jax.Array, n_new: jax.Array, d: HybridDims,
                  eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gated DeltaNet token mixer of h [B, T, H]; returns (output, new conv state, new S)."""
+    """Gated DeltaNet token mixer of h [B, T, H]; returns (output, new conv state, new S).
+    mp's matrices are this layer position's weights over the periods, picked by period g."""
     B, T, _ = h.shape
-    mix = common.linear(h, mp["w_qkv"]).astype(jnp.float32)  # [B, T, conv_dim]
-    z = common.linear(h, mp["w_z"]).astype(jnp.float32)
-    b = common.linear(h, mp["w_beta"]).astype(jnp.float32)
-    a = common.linear(h, mp["w_alpha"]).astype(jnp.float32)
+    mix = weights.pick_linear(mp["w_qkv"], g, h).astype(jnp.float32)  # [B, T, conv_dim]
+    z = weights.pick_linear(mp["w_z"], g, h).astype(jnp.float32)
+    b = weights.pick_linear(mp["w_beta"], g, h).astype(jnp.float32)
+    a = weights.pick_linear(mp["w_alpha"], g, h).astype(jnp.float32)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(b), 0.0)
     g = jnp.where(valid[..., None], mp["a"] * jax.nn.softplus(a + mp["dt_bias"]), 0.0)
 
@@ -393,21 +405,21 @@ def _delta_mixer(h: jax.Array, mp: dict[str, jax.Array], conv_state: jax.Array, 
     o, S = delta(qh, kh, vh, bh, gh, S)
     o = jnp.swapaxes(o, 1, 2)  # [B, T, n_v, d_v]
     o = common.rms_norm(o, mp["ssm_norm"], eps) * jax.nn.silu(z.reshape(B, T, d.n_v, d.d_v))
-    y = common.linear(o.reshape(B, T, d.value_dim).astype(h.dtype), mp["w_out"])
+    y = weights.pick_linear(mp["w_out"], g, o.reshape(B, T, d.value_dim).astype(h.dtype))
     return y, new_conv, S
 
 
 # ---- gated attention -------------------------------------------------------------------------------
-def _attn_mixer(h: jax.Array, mp: dict[str, jax.Array], kc: jax.Array, vc: jax.Array, layer: jax.Array,
+def _attn_mixer(h: jax.Array, mp: dict[str, Any], g: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array,
                 slots: jax.Array, start: jax.Array, positions: jax.Array, cos: jax.Array, sin: jax.Array,
                 span: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Full attention with per-head q/k RMSNorm, partial NEOX RoPE and a sigmoid output gate."""
     B, T, _ = h.shape
     nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qg = common.linear(h, mp["wq"]).reshape(B, T, nh, 2 * hd)  # per head [q | gate]
+    qg = weights.pick_linear(mp["wq"], g, h).reshape(B, T, nh, 2 * hd)  # per head [q | gate]
     q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
-    k = common.linear(h, mp["wk"]).reshape(B, T, nkv, hd)
-    v = common.linear(h, mp["wv"]).reshape(B, T, nkv, hd)
+    k = weights.pick_linear(mp["wk"], g, h).reshape(B, T, nkv, hd)
+    v = weights.pick_linear(mp["wv"], g, h).reshape(B, T, nkv, hd)
     q = common.apply_rope(common.rms_norm(q, mp["q_norm"], cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
     k = common.apply_rope(common.rms_norm(k, mp["k_norm"], cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
     kc = common.write_kv(kc, layer, k, slots, start)
@@ -415,33 +427,41 @@ def _attn_mixer(h: jax.Array, mp: dict[str, jax.Array], kc: jax.Array, vc: jax.A
     o = common.attention(q, common.gather_span(kc, layer, slots, span), common.gather_span(vc, layer, slots, span),
                          positions, cfg.attn_scale)
     o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
-    return common.linear(o, mp["wo"]), kc, vc
+    return weights.pick_linear(mp["wo"], g, o), kc, vc
 
 
 # ---- FFN -------------------------------------------------------------------------------------------
-_EXPERT_KEYS = ("w_gate_e", "w_up_e", "w_down_e")
+def _swiglu(h: jax.Array, wg: Any, wu: Any, wd: Any, g: jax.Array) -> jax.Array:
+    gate, up = weights.pick_linear(wg, g, h), weights.pick_linear(wu, g, h)
+    return weights.pick_linear(wd, g, jax.nn.silu(gate) * up)
 
-def _swiglu(h: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Array:
-    return common.linear(jax.nn.silu(common.linear(h, wg)) * common.linear(h, wu), wd)
 
-
-def _ffn(h: jax.Array, lp: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
-    """Dense SwiGLU (qwen35) or routed experts + sigmoid-gated shared expert (section 5.6)."""
+def _ffn(h: jax.Array, lp: dict[str, Any], g: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Dense SwiGLU (qwen35) or routed experts + sigmoid-gated shared expert (section 5.6).
+    The experts of this layer position over the periods are a tuple: one branch per period."""
     if "router" not in lp:
-        return _swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+        return _swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], g)
     scale = float(cfg.extra.get("expert_weights_scale", 0.0) or 0.0)
-    y = moe_kernels.moe_ffn(h, lp["router"], lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"], cfg.n_experts_used,
-                            scale=scale if scale not in (0.0, 1.0) else 1.0)
+    scale = scale if scale not in (0.0, 1.0) else 1.0
+
+    def routed(v: jax.Array, wg: Any, wu: Any, wd: Any) -> jax.Array:
+        return moe_kernels.moe_ffn(v, lp["router"], wg, wu, wd, cfg.n_experts_used, scale=scale)
+
+    wg, wu, wd = lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"]
+    if isinstance(wg, tuple):
+        y = jax.lax.switch(g, [lambda v, i=i: routed(v, wg[i], wu[i], wd[i]) for i in range(len(wg))], h)
+    else:
+        y = routed(h, wg, wu, wd)
     if "sh_gate" in lp:
         s = jax.nn.sigmoid(jnp.einsum("...h,h->...", h.astype(jnp.float32), lp["sh_gate_inp"].astype(jnp.float32)))
-        y = y + (s[..., None] * _swiglu(h, lp["sh_gate"], lp["sh_up"], lp["sh_down"])).astype(y.dtype)
+        y = y + (s[..., None] * _swiglu(h, lp["sh_gate"], lp["sh_up"], lp["sh_down"], g)).astype(y.dtype)
     return y
 
 
 # ---- forward ---------------------------------------------------------------------------------------
 def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One step over B rows of T tokens each; the contract of llama.forward.
 
     Row b feeds n_new[b] real tokens (then padding) into slot slots[b] at positions start[b]...;
@@ -456,7 +476,7 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     valid = jnp.arange(T, dtype=jnp.int32)[None, :] < n_new[:, None]
     cos, sin = common.rope_angles(positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale)
-    x = params["embed"][tokens].astype(jnp.float32)
+    x = weights.embed(params["embed"], tokens)
 
     keep = (start != 0).astype(jnp.float32)  # start 0 = a new sequence: forget the slot's old state
     conv0 = state["conv"][:, slots] * keep[None, :, None, None]
@@ -464,10 +484,20 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     conv0 = conv0.reshape((G, d.n_lin // G) + conv0.shape[1:])
     ssm0 = ssm0.reshape((G, d.n_lin // G) + ssm0.shape[1:])
 
-    # Routed-expert stacks stay outside the scan's inputs: the tile loop indexes them by (period,
-    # layer, expert) so a step reads only the experts it routes to (see moe_kernels.Experts).
-    stacked = {k: a for k, a in params["layer"].items() if k in _EXPERT_KEYS}
-    per_layer = {k: a for k, a in params["layer"].items() if k not in _EXPERT_KEYS}
+    # Matrices (tuples over the layers of a kind, in layer order) stay outside the scan's inputs:
+    # position j of a period reads entries j, j + per, ... and the body switches over the period
+    # (weights.pick_linear), so no step copies a weight out of a stack.
+    def split(group: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        return ({k: a for k, a in group.items() if not isinstance(a, tuple)},
+                {k: a for k, a in group.items() if isinstance(a, tuple)})
+
+    per_layer, layer_w = split(params["layer"])
+    lin_v, lin_w = split(params["lin"])
+    attn_v, attn_w = split(params["attn"])
+    n_lin_per, n_attn_per = sum(pattern), attn_per
+
+    def position(ws: dict[str, tuple], j: int, per: int) -> dict[str, tuple]:
+        return {k: a[j::per] for k, a in ws.items()}
 
     def period(carry, xs):
         x, kc, vc = carry
@@ -475,25 +505,26 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
         convs, ssms = [], []
         for p in range(P):
             lp = {k: a[p] for k, a in lyr.items()}
-            lp.update({k: (a, (g, p)) for k, a in stacked.items()})
+            lp.update(position(layer_w, p, P))
             h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
             if pattern[p]:
                 j = len(convs)
-                y, c, s = _delta_mixer(h, {k: a[j] for k, a in lin.items()}, conv_g[j], ssm_g[j], valid, n_new,
-                                       d, cfg.rms_eps)
+                mp = {**{k: a[j] for k, a in lin.items()}, **position(lin_w, j, n_lin_per)}
+                y, c, s = _delta_mixer(h, mp, g, conv_g[j], ssm_g[j], valid, n_new, d, cfg.rms_eps)
                 convs.append(c)
                 ssms.append(s)
             else:
                 j = p - len(convs)
-                y, kc, vc = _attn_mixer(h, {k: a[j] for k, a in attn.items()}, kc, vc, g * attn_per + j, slots,
-                                        start, positions, cos, sin, span, cfg)
+                mp = {**{k: a[j] for k, a in attn.items()}, **position(attn_w, j, n_attn_per)}
+                y, kc, vc = _attn_mixer(h, mp, g, kc, vc, g * attn_per + j, slots, start, positions, cos, sin,
+                                        span, cfg)
             x = x + y
-            x = x + _ffn(common.rms_norm(x, lp["post_norm"], cfg.rms_eps), lp, cfg)
+            x = x + _ffn(common.rms_norm(x, lp["post_norm"], cfg.rms_eps), lp, g, cfg)
         if not convs:  # a period without DeltaNet layers passes its (empty) state through
             return (x, kc, vc), (conv_g, ssm_g)
         return (x, kc, vc), (jnp.stack(convs), jnp.stack(ssms))
 
-    xs = (per_layer, params["lin"], params["attn"], conv0, ssm0, jnp.arange(G, dtype=jnp.int32))
+    xs = (per_layer, lin_v, attn_v, conv0, ssm0, jnp.arange(G, dtype=jnp.int32))
     (x, kc, vc), (conv1, ssm1) = jax.lax.scan(period, (x, state["k"], state["v"]), xs)
     new_state = {
         "k": kc, "v": vc,
@@ -504,5 +535,5 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
         x = common.last_valid(x, n_new)
     x = common.rms_norm(x, params["norm"], cfg.rms_eps)
     head = params["embed"] if params["head"] is None else params["head"]
-    return common.linear(x, head).astype(jnp.float32), new_state
+    return weights.linear(x, head).astype(jnp.float32), new_state
 

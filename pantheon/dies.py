@@ -300,8 +300,8 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
     """Bytes a model will hold once loaded with `opts` (engine.LoadOptions; defaults if None).
 
     `source`: a GGUF path, an HF checkpoint directory, or an already loaded Model. Weights are the
-    tensor element counts at the on-die dtype (f32 on CPU with dtype "auto" -- what the engine
-    dequantizes to -- else 2 bytes), from headers only; state is (n_slots + 1) slots x capacity x
+    tensors' bytes on the die (weights.device_bytes: what the loader keeps, a GGUF format as it is
+    stored), from headers only; state is (n_slots + 1) slots x capacity x
     the arch's bytes/token (+ its per-sequence recurrent bytes); scratch is SCRATCH_MIN_BYTES plus
     SCRATCH_FRACTION of the rest plus a prefill chunk's logits.
 

@@ -1,8 +1,9 @@
-"""GGUF → (ModelConfig, dequantized numpy tensors).
+"""GGUF → (ModelConfig, tensors as the file stores them).
 
 The loader reads a memory-mapped GGUF with `gguf.GGUFReader`, turns its metadata into a frozen
-`ModelConfig`, and hands architecture files a `TensorSource` that dequantizes on demand with
-`gguf.quants.dequantize`. Every failure (unknown arch, missing tensor, wrong shape, truncated file)
+`ModelConfig`, and hands architecture files a `TensorSource`: matrices come out as views of the
+mapped file in their own format (`matrix`, a pantheon.weights.QuantWeight), small vectors as f32
+(`get`, via `gguf.quants.dequantize`). Every failure (unknown arch, missing tensor, wrong shape, truncated file)
 becomes a `ModelLoadError` naming the file, so callers never see a raw traceback or keep a
 half-built model.
 """
@@ -89,7 +90,7 @@ class ModelConfig:
 
 
 class TensorSource:
-    """Named tensors of an open GGUF, dequantized to float32 on request with shape checks."""
+    """Named tensors of an open GGUF with shape checks: matrices as stored, vectors as float32."""
 
     def __init__(self, path: Path, reader: gguf.GGUFReader):
         self.path = path

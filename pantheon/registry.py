@@ -287,7 +287,7 @@ class Registry:
             if uploading:  # not for a 400/404/507 answered before any weight was read: those stay fast
                 release_freed_memory()
             raise
-        # The upload's host transients (dequantized f32 copies, the warm-up's compile scratch) are
+        # The upload's host transients (copies of misaligned tensors, the warm-up's compile scratch) are
         # freed by now but sit in malloc's arenas: give them back, or every reload grows the process.
         # (A full gc and trim cost up to seconds in a large process: only for a model that uploaded.)
         if _holds_memory(model):

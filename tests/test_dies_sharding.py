@@ -189,7 +189,7 @@ def test_param_specs():
 
 # ---- several dies, in a subprocess ---------------------------------------------------------------
 MULTI_DIE_SCRIPT = textwrap.dedent(r"""
-    import json, os, sys
+    import json, os, re, sys
     assert "--xla_force_host_platform_device_count=4" in os.environ["XLA_FLAGS"]
     import jax
     import numpy as np
@@ -215,7 +215,9 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
         g2 = list(many.generate(ids, max_tokens=gen)) if gen else []
         argmax_equal = bool((l1.argmax(-1) == l2.argmax(-1)).all())
         leaves = jax.tree_util.tree_leaves_with_path(many.params)
-        split = sorted(jax.tree_util.keystr(p) for p, x in leaves if any(s is not None for s in x.sharding.spec))
+        # one name per weight: a layer's index in its tuple and a quantized weight's `.data` dropped
+        split = sorted({re.sub(r"\[\d+\]|\.data$", "", jax.tree_util.keystr(p)) for p, x in leaves
+                        if any(s is not None for s in x.sharding.spec)})
         state = many.new_state()
         out[f"{name}@{len(dies)}"] = {
             "max_diff": float(np.abs(l1 - l2).max()),

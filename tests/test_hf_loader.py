@@ -26,7 +26,7 @@ from pantheon.sampler import SamplingParams
 HF = FIXTURES / "tiny-hf"
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "qwen35moe"]
 TOL = 1e-3
-OPTS = engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16)
+OPTS = engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, kv_dtype="float32")  # oracle parity: f32 KV
 _models: dict[str, engine.Model] = {}
 
 
@@ -80,7 +80,7 @@ def test_single_file_with_config_path(tmp_path):
     _, j, ref = tiny_fixture("qwen2")
     weights = tmp_path / "weights.safetensors"
     shutil.copy(HF / "qwen2" / "model.safetensors", weights)
-    m = engine.load(weights, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16,
+    m = engine.load(weights, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, kv_dtype="float32",
                                                 config_path=str(HF / "qwen2" / "config.json")))
     assert np.abs(centered(m.logits(j["prompt_ids"])) - centered(ref)).max() < TOL
 
@@ -151,7 +151,7 @@ def _phi3_with_rope(tmp_path, rope: dict, max_seq: int) -> engine.Model:
     cfg["rope_parameters"] = {"rope_theta": 10000.0, "partial_rotary_factor": 1.0, **rope}
     cfg["max_position_embeddings"] = 512  # twice original_max_position_embeddings (256)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return engine.load(tmp_path, engine.LoadOptions(n_slots=1, max_seq=max_seq, prefill_chunk=16))
+    return engine.load(tmp_path, engine.LoadOptions(n_slots=1, max_seq=max_seq, prefill_chunk=16, kv_dtype="float32"))
 
 
 def test_phi3_longrope_picks_factors_by_context(tmp_path):
@@ -178,7 +178,7 @@ def test_phi3_longrope_attention_factor_scales_cos_and_sin(tmp_path):
     rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "attention_factor": m,
             "original_max_position_embeddings": 256}
     scaled = _phi3_with_rope(tmp_path, rope, max_seq=64)
-    plain = engine.load(HF / "phi3", engine.LoadOptions(n_slots=1, max_seq=64, prefill_chunk=16))
+    plain = engine.load(HF / "phi3", engine.LoadOptions(n_slots=1, max_seq=64, prefill_chunk=16, kv_dtype="float32"))
     plain.config = dataclasses.replace(plain.config, attn_scale=plain.config.attn_scale * m * m)  # before tracing
     assert np.abs(scaled.logits(j["prompt_ids"]) - plain.logits(j["prompt_ids"])).max() < 1e-4
 

@@ -54,7 +54,8 @@ def test_skipped_rows_cost_nothing_and_the_others_keep_their_bits(kernel):
     w = rng.standard_normal((300, 576)).astype(np.float32)
     blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
     x = jnp.asarray(rng.standard_normal((72, 576), np.float32))
-    for product, weights in ((native.matmul, jnp.asarray(w)), (native.quant_matmul, jnp.asarray(blocks))):
+    quant = partial(native.weight_matmul, qtype="Q4_1")
+    for product, weights in ((native.matmul, jnp.asarray(w)), (quant, jnp.asarray(blocks))):
         fn = jax.jit(lambda x, wt, a, b: product(x, wt, (a, b)))
         full = np.asarray(jax.jit(product)(x, weights))
         for first, end in ((45, 64), (21, 32), (3, 67), (0, 72), (70, 72), (10, 10), (60, 99)):
@@ -72,14 +73,27 @@ def test_leading_axes_are_kept(kernel):
     assert float(kernel(x, w)[1, 2, 4]) == 16.0
 
 
-def test_only_a_model_that_opts_in_uses_it(kernel):
+def test_the_kernel_serves_the_shapes_it_can(kernel):
     w = jnp.ones((8, 64), jnp.float32)
-    assert not native.applies(8, w)  # outside a model's trace
-    with native.used(True):
-        assert native.applies(1, w) and native.applies(512, w)  # decode rows and prefill chunks
-        assert not native.applies(0, w)
-        assert not native.applies(8, jnp.ones((8, 60), jnp.float32))  # K not a multiple of 8
-        assert not native.applies(8, w.astype(jnp.bfloat16))
+    assert native.applies(1, w) and native.applies(512, w)  # decode rows and prefill chunks
+    assert not native.applies(0, w)
+    assert not native.applies(8, jnp.ones((8, 60), jnp.float32))  # K not a multiple of 8
+    assert not native.applies(8, w.astype(jnp.bfloat16))  # the f32 kernel; 16-bit weights have their own
+
+
+def _lowered(model, rows: int, t: int) -> str:
+    fn = jax.jit(partial(model._forward_impl, span=64, all_logits=False, kernels=model.kernels))
+    z = jnp.zeros((rows,), jnp.int32)
+    return fn.lower(model.params, model.new_state(), jnp.zeros((rows, t), jnp.int32), z, z,
+                    jnp.ones((rows,), jnp.int32)).as_text()
+
+
+def test_only_a_model_that_opts_in_uses_it(kernel):
+    """The kernels are a load-time decision (engine.choose_kernels), static in every step."""
+    path, _, _ = tiny_fixture("llama")
+    model = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, native_matmul=False))
+    assert not model.native_matmul and not model.kernels.attention
+    assert "call @pantheon" not in _lowered(model, 2, 1)
 
 
 def test_decode_steps_and_prefill_chunks_run_the_kernels(kernel):
@@ -87,14 +101,8 @@ def test_decode_steps_and_prefill_chunks_run_the_kernels(kernel):
     model = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, native_matmul=True))
     assert model.native_matmul
 
-    def lowered(rows: int, t: int) -> str:
-        fn = jax.jit(partial(model._forward_impl, span=64, all_logits=False))
-        z = jnp.zeros((rows,), jnp.int32)
-        return fn.lower(model.params, model.new_state(), jnp.zeros((rows, t), jnp.int32), z, z,
-                        jnp.ones((rows,), jnp.int32)).as_text()
-
     n_layers = model.config.n_layers
-    decode, chunk = lowered(2, 1), lowered(1, 64)
+    decode, chunk = _lowered(model, 2, 1), _lowered(model, 1, 64)
     # decode: qkv, o, gate-up and down of every layer (one switch branch each) and the LM head
     assert decode.count("call @" + native.TARGET) == 4 * n_layers + 1
     assert decode.count("call @" + native.ATTENTION_TARGET) == 1  # in the layer scan's body
@@ -140,9 +148,8 @@ def test_decode_attention_equals_the_gathered_masked_form(kernel):
     slots = jnp.asarray([3, 1, 0, 8, 5, 2, 7, 6], jnp.int32)
     pos = jnp.asarray([0, 5, 100, 299, 17, 3, 64, 200], jnp.int32)  # first and last position included
     layer = jnp.int32(2)
-    with native.used(True):
-        assert native.attention_applies(q, kc)
-        got = jax.jit(partial(native.decode_attention, scale=0.125))(q, kc, vc, layer, slots, pos)
+    assert native.attention_applies(q, kc)
+    got = jax.jit(partial(native.decode_attention, scale=0.125))(q, kc, vc, layer, slots, pos)
     want = common.attention(q, common.gather_span(kc, layer, slots, 300), common.gather_span(vc, layer, slots, 300),
                             pos[:, None], 0.125)
     assert got.shape == want.shape == (8, 1, 6 * 64)
@@ -178,7 +185,7 @@ def test_the_block_format_product_equals_the_f32_product_over_ggufs_dequantized_
     """Bit for bit: the kernel expands each block to exactly the f32 values gguf's dequantizer gives."""
     rng = np.random.default_rng(2)
     qtype = gguf.GGMLQuantizationType[fmt]
-    quant = jax.jit(native.quant_matmul)
+    quant = jax.jit(partial(native.weight_matmul, qtype=fmt))
     # K = 1536 (w_down) and 600 columns: more than 5 rows are cut into parts of K that fit L1, with
     # partial sums carried over more columns than one carry group holds
     for n, k in ((333, 576), (600, 1536)):
@@ -189,11 +196,10 @@ def test_the_block_format_product_equals_the_f32_product_over_ggufs_dequantized_
         for m in (*range(1, 10), 13, 32):  # up to 8 rows the blocks are expanded in registers, above in a scratch
             assert np.array_equal(np.asarray(quant(x[:m], jnp.asarray(blocks))), full[:m]), (n, k, m)
     # 12 rows with [2, 10) skipped leave 4 live rows: the register path, rows on both sides of the gap
-    skipped = np.asarray(native.quant_matmul(x[:12], jnp.asarray(blocks), (2, 10)))
+    skipped = np.asarray(native.weight_matmul(x[:12], jnp.asarray(blocks), fmt, (2, 10)))
     assert np.array_equal(skipped[[0, 1, 10, 11]], full[[0, 1, 10, 11]]) and not skipped[2:10].any()
-    with native.used(True):
-        assert native.quant_applies(8, 1536, jnp.asarray(blocks))
-        assert not native.quant_applies(8, 1504, jnp.asarray(blocks))  # bytes per row do not fit 1504 inputs
+    assert native.weight_matmul_applies(8, 1536, jnp.asarray(blocks), fmt)
+    assert not native.weight_matmul_applies(8, 1504, jnp.asarray(blocks), fmt)  # bytes per row do not fit 1504
 
 
 def _write_quantized_llama(path, formats: dict[str, str]) -> None:
@@ -235,12 +241,13 @@ def test_a_quantized_file_decodes_from_its_blocks_with_the_f32_results(kernel, t
     opts = dict(n_slots=2, max_seq=64, prefill_chunk=16)
     on = engine.load(path, engine.LoadOptions(native_matmul=True, **opts))
     off = engine.load(path, engine.LoadOptions(native_matmul=False, **opts))
-    assert {k for k in on.params["layers"] if k.endswith("_q")} == {"wqkv_q", "wo_q", "w_gu_q", "w_down_q"}
-    assert on.params["head_q"].dtype == np.uint8 and "head_q" not in off.params
-    fn = jax.jit(partial(on._forward_impl, span=64, all_logits=False))
-    z = jnp.zeros((2,), jnp.int32)
-    text = fn.lower(on.params, on.new_state(), jnp.zeros((2, 1), jnp.int32), z, z, jnp.ones((2,), jnp.int32)).as_text()
+    lay = on.params["layers"]
+    assert {k for k in lay if isinstance(lay[k], tuple)} == {"wqkv", "wo", "w_gu", "w_down"}  # fused in place
+    assert [w.qtype for w in lay["wqkv"]] == ["Q4_1"] * 2 and on.params["embed"].qtype == "Q8_0"
+    text = _lowered(on, 2, 1)
+    # every layer's 4 matmuls (one switch branch each) and the tied LM head read their blocks
     assert text.count("call @" + native.QUANT_TARGET) == 4 * on.config.n_layers + 1
+    assert "call @pantheon" not in _lowered(off, 2, 1)
     ids = list(range(5, 25))
     got = [np.asarray(m.logits(ids, chunk=1)) for m in (on, off)]
     assert np.abs(got[0] - got[1]).max() < 1e-4
@@ -248,12 +255,14 @@ def test_a_quantized_file_decodes_from_its_blocks_with_the_f32_results(kernel, t
     assert greedy[0] == greedy[1]
 
 
-def test_a_fused_matrix_whose_parts_differ_in_format_keeps_the_f32_kernel(kernel, tmp_path):
+def test_matrices_whose_formats_differ_stay_apart_each_in_its_own_format(kernel, tmp_path):
     path = tmp_path / "mixed.gguf"
     _write_quantized_llama(path, {"attn_q": "Q4_1", "attn_k": "Q8_0", "ffn_gate": "Q4_0", "ffn_up": "Q4_0"})
     model = engine.load(path, engine.LoadOptions(native_matmul=True, n_slots=1, max_seq=32, prefill_chunk=16))
-    assert {k for k in model.params["layers"] if k.endswith("_q")} == {"w_gu_q"}  # q/k/v differ; v is f32
-    assert "head_q" not in model.params  # an f32 embedding has no blocks
+    lay = model.params["layers"]
+    assert "wqkv" not in lay and "w_gu" in lay  # q/k/v differ (v is F32); gate/up share Q4_0
+    assert (lay["wq"][0].qtype, lay["wk"][0].qtype, lay["wv"][0].qtype) == ("Q4_1", "Q8_0", "F32")
+    assert model.params["embed"].qtype == "F32"
     assert len(list(model.generate([5, 6, 7], max_tokens=3, stop_ids=[]))) == 3
 
 
@@ -266,7 +275,6 @@ def test_a_failed_build_leaves_xla_in_place(tmp_path, monkeypatch, caplog):
     assert native.enable(tmp_path / "cache") is False
     assert "failed" in native.unavailable_reason()
     assert "native matmul unavailable" in caplog.text
-    with native.used(True):
-        assert not native.applies(8, jnp.ones((8, 64), jnp.float32))
-        assert not native.attention_applies(*_cache_and_queries(0, 1)[:2])
+    assert not native.applies(8, jnp.ones((8, 64), jnp.float32))
+    assert not native.attention_applies(*_cache_and_queries(0, 1)[:2])
     assert native.enable(tmp_path / "cache") is False  # not retried on every load

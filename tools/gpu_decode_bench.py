@@ -1,0 +1,78 @@
+"""Decode throughput of a real-size quantized model on a GPU: GB/s of weights read per step.
+
+A decode step streams every weight once, so its floor is weight bytes / HBM bandwidth (an H200:
+~4.8 TB/s). This script writes the 7B-shaped random Q4_K_M-layout GGUF (tools/make_sized_gguf.py)
+unless one is given, loads it on the first GPU (weights stay in their blocks; XLA expands them
+inside the step in bf16), and times batch-1 and batch-8 decode steps after warm-up. It prints one
+JSON line per batch size: ms per step (median of `--steps`), tokens/s, and the GB/s of weights a
+step reads against the device's bandwidth.
+
+    python tools/gpu_decode_bench.py [--gguf /tmp/qwen2-7b.gguf] [--steps 20] [--layers 28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HBM_TB_S = 4.8  # H200
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", default="/tmp/sized/qwen2-7b.gguf")
+    ap.add_argument("--layers", type=int, default=None, help="write a shallower file (quick check)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batches", default="1,8")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+    import jax
+    import numpy as np
+
+    from pantheon import engine
+
+    path = Path(args.gguf)
+    if not path.exists():
+        from tools.make_sized_gguf import write_sized_gguf
+        overrides = {"layers": args.layers} if args.layers else {}
+        t0 = time.perf_counter()
+        write_sized_gguf(path, "qwen2-7b", **overrides)
+        print(json.dumps({"wrote": str(path), "bytes": path.stat().st_size, "s": round(time.perf_counter() - t0, 1)}),
+              flush=True)
+    print(json.dumps({"devices": [str(d) for d in jax.devices()]}), flush=True)
+    t0 = time.perf_counter()
+    model = engine.load(path, engine.LoadOptions(n_slots=8, max_seq=1024, prefill_chunk=128))
+    load_s = time.perf_counter() - t0
+    weight_bytes = model.weight_bytes
+    print(json.dumps({"load_s": round(load_s, 1), "weight_gb": round(weight_bytes / 1e9, 3),
+                      "kernels": str(model.kernels)}), flush=True)
+    state = model.new_state()
+    for b in (int(x) for x in args.batches.split(",")):
+        slots = list(range(b))
+        for s in slots:  # a short prompt per slot
+            _, _, state = model.prefill(state, s, [1 + s, 2, 3, 4])
+        pos = [4] * b
+        times = []
+        for i in range(args.steps + 3):
+            t = time.perf_counter()
+            h, state = model.step_begin(state, [[5]] * b, slots, pos)
+            ids = model.step_wait(h)
+            dt = time.perf_counter() - t
+            pos = [p + 1 for p in pos]
+            if i >= 3:  # the first steps compile
+                times.append(dt)
+        ms = statistics.median(times) * 1e3
+        gbs = weight_bytes / (ms / 1e3) / 1e9
+        print(json.dumps({"batch": b, "ms_per_step": round(ms, 2), "tok_s": round(b * 1e3 / ms, 1),
+                          "weights_gb_s": round(gbs, 1), "of_hbm": round(gbs / (HBM_TB_S * 1e3), 3),
+                          "finite": bool(np.all(np.isfinite(np.asarray(ids))))}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

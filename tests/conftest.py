@@ -80,9 +80,14 @@ def load_real(real_model_path):
     """load_real(name) -> a Model loaded once per test session (shared by every test that asks)."""
     from pantheon import engine
 
-    def get(name: str):
-        if name not in _loaded:
-            _loaded[name] = engine.load(real_model_path(name), engine.LoadOptions(name=name, max_seq=1024, n_slots=8))
-        return _loaded[name]
+    def get(name: str, kv_dtype: str | None = None):
+        """kv_dtype None: the default KV cache (float16 on CPU), 8 slots; "float32": a one-slot instance
+        for parity with an f32 oracle (its weights are the same file pages as the default's)."""
+        key = (name, kv_dtype)
+        if key not in _loaded:
+            slots = 8 if kv_dtype is None else 1
+            _loaded[key] = engine.load(real_model_path(name), engine.LoadOptions(name=name, max_seq=1024, n_slots=slots,
+                                                                                 kv_dtype=kv_dtype))
+        return _loaded[key]
 
     return get

@@ -14,7 +14,10 @@ from conftest import REAL, real_fixture
 from pantheon.sampler import SamplingParams
 
 MODELS = ["smollm2-135m", "qwen-0.5b"]
-LOGIT_TOL = {"smollm2-135m": 2e-3, "qwen-0.5b": 2e-3}
+LOGIT_TOL = {"smollm2-135m": 2e-3, "qwen-0.5b": 2e-3}  # f32 KV cache, like the oracle
+# The default KV cache is float16 (as llama.cpp's): every cached key and value is rounded to 11
+# significant bits, which moves the last position's log-softmax by up to ~7e-3 (measured on SmolLM2).
+F16_KV_LOGIT_TOL = 1.5e-2
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -24,14 +27,16 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.real
 @pytest.mark.parametrize("name", MODELS)
-def test_logits_and_top1_match_hf(name, load_real):
+@pytest.mark.parametrize("kv", ["float32", None])
+def test_logits_and_top1_match_hf(name, kv, load_real):
     fx = real_fixture(name)
-    model = load_real(name)
+    model = load_real(name, kv)
+    tol = LOGIT_TOL[name] if kv == "float32" else F16_KV_LOGIT_TOL
     for case in fx["chat_cases"]:
         ids = case["prompt_ids"]
         logits = model.logits(ids)
         ref = np.load(REAL / case["last_logits_file"])
-        assert np.abs(log_softmax(logits[-1]) - log_softmax(ref)).max() < LOGIT_TOL[name]
+        assert np.abs(log_softmax(logits[-1]) - log_softmax(ref)).max() < tol
         for row in case["top_logits"]:
             assert int(np.argmax(logits[row["pos"]])) == row["ids"][0], f"top-1 differs at {row['pos']}"
 

@@ -367,16 +367,16 @@ def delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: 
     return O, S
 
 
-def _delta_mixer(h: jax.Array, mp: dict[str, Any], g: jax.Array, conv_state: jax.Array, S: jax.Array,
+def _delta_mixer(h: jax.Array, mp: dict[str, Any], period: jax.Array, conv_state: jax.Array, S: jax.Array,
                  valid: jax.Array, n_new: jax.Array, d: HybridDims,
                  eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated DeltaNet token mixer of h [B, T, H]; returns (output, new conv state, new S).
-    mp's matrices are this layer position's weights over the periods, picked by period g."""
+    mp's matrices are this layer position's weights over the periods, picked by `period`."""
     B, T, _ = h.shape
-    mix = weights.pick_linear(mp["w_qkv"], g, h).astype(jnp.float32)  # [B, T, conv_dim]
-    z = weights.pick_linear(mp["w_z"], g, h).astype(jnp.float32)
-    b = weights.pick_linear(mp["w_beta"], g, h).astype(jnp.float32)
-    a = weights.pick_linear(mp["w_alpha"], g, h).astype(jnp.float32)
+    mix = weights.pick_linear(mp["w_qkv"], period, h).astype(jnp.float32)  # [B, T, conv_dim]
+    z = weights.pick_linear(mp["w_z"], period, h).astype(jnp.float32)
+    b = weights.pick_linear(mp["w_beta"], period, h).astype(jnp.float32)
+    a = weights.pick_linear(mp["w_alpha"], period, h).astype(jnp.float32)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(b), 0.0)
     g = jnp.where(valid[..., None], mp["a"] * jax.nn.softplus(a + mp["dt_bias"]), 0.0)
 
@@ -405,7 +405,7 @@ def _delta_mixer(h: jax.Array, mp: dict[str, Any], g: jax.Array, conv_state: jax
     o, S = delta(qh, kh, vh, bh, gh, S)
     o = jnp.swapaxes(o, 1, 2)  # [B, T, n_v, d_v]
     o = common.rms_norm(o, mp["ssm_norm"], eps) * jax.nn.silu(z.reshape(B, T, d.n_v, d.d_v))
-    y = weights.pick_linear(mp["w_out"], g, o.reshape(B, T, d.value_dim).astype(h.dtype))
+    y = weights.pick_linear(mp["w_out"], period, o.reshape(B, T, d.value_dim).astype(h.dtype))
     return y, new_conv, S
 
 

@@ -16,8 +16,9 @@ from pantheon.sampler import SamplingParams
 MODELS = ["smollm2-135m", "qwen-0.5b"]
 LOGIT_TOL = {"smollm2-135m": 2e-3, "qwen-0.5b": 2e-3}  # f32 KV cache, like the oracle
 # The default KV cache is float16 (as llama.cpp's): every cached key and value is rounded to 11
-# significant bits, which moves the last position's log-softmax by up to ~7e-3 (measured on SmolLM2).
-F16_KV_LOGIT_TOL = 1.5e-2
+# significant bits, which moves the last position's log-softmax by up to 7.4e-3 on SmolLM2 and
+# 2.5e-2 on Qwen2.5 (measured; its q/k biases make large keys). Top-1 and greedy must still agree.
+F16_KV_LOGIT_TOL = {"smollm2-135m": 1.5e-2, "qwen-0.5b": 5e-2}
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -31,7 +32,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def test_logits_and_top1_match_hf(name, kv, load_real):
     fx = real_fixture(name)
     model = load_real(name, kv)
-    tol = LOGIT_TOL[name] if kv == "float32" else F16_KV_LOGIT_TOL
+    tol = LOGIT_TOL[name] if kv == "float32" else F16_KV_LOGIT_TOL[name]
     for case in fx["chat_cases"]:
         ids = case["prompt_ids"]
         logits = model.logits(ids)

@@ -8,12 +8,25 @@ masked batched matmuls. `native/cpu_kernels.cc` does both directly, and keeps ea
 independent of the other rows in the call (see its header). The matmul takes every row count on one
 CPU die, prefill chunks included: from 64 rows up it still matches or beats XLA's GEMM (a 64-row
 SmolLM2 step 137-151 vs 189-199 ms; 128 rows level), and a decode row's products are then the same
-bits in a decode step or beside a prefill chunk. They serve x86 CPUs with AVX2 and FMA;
-anywhere else, or when the build fails, or with PANTHEON_NATIVE_MATMUL=0, the XLA forms stay and
-nothing else changes.
+bits in a decode step or beside a prefill chunk.
+
+Weights stay in their GGUF format on the device (pantheon.weights), and `weight_matmul` multiplies
+every format of `quant_formats.FORMATS` where it lies: F32 through the f32 kernel, F16/BF16 and all
+block formats (Q4_0 .. Q8_0, the K-quants Q2_K .. Q6_K, IQ4_NL, IQ4_XS) through one kernel that widens
+each weight to exactly the f32 value `gguf.quants.dequantize` gives. So a product over stored weights
+has the same bits as the f32 kernel's over the dequantized matrix: the format changes what is
+streamed (a Q4_K matrix is 1/7 of its f32 bytes), never the result. The decode attention reads f32,
+f16 or bf16 caches in place, widening keys and values on the fly.
+
+Whether a forward uses the kernels is the caller's static decision (a weight's placement records it);
+`applies`, `weight_matmul_applies` and `attention_applies` only say whether the kernels *can* serve a
+call: built and registered here, and the shapes and dtypes fit. They serve x86 CPUs with AVX2, FMA and
+F16C; anywhere else, or when the build fails, `enable` returns False and callers keep XLA's forms
+(as they do with PANTHEON_NATIVE_MATMUL=0).
 
 The shared library is cached in `$PANTHEON_HOME/native/`, named by a hash of the source, the flags
-and the jaxlib version, so a changed kernel or jaxlib rebuilds it (a few seconds of g++).
+and the jaxlib version, so a changed kernel or jaxlib rebuilds it (under a minute of g++ on two busy
+cores: each format at each decode row count 1-8 is its own fully unrolled loop).
 
 The build runs wherever the first model loads, which under `pantheon serve` is a real OS thread of a
 gevent-monkey-patched gunicorn worker. There gevent's `subprocess` needs the default loop's child
@@ -31,7 +44,6 @@ run) are removed whenever the kernels are enabled.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import ctypes
 import hashlib
 import logging
@@ -41,7 +53,6 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -49,25 +60,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import osthread
+from .quant_formats import FORMATS
 
 log = logging.getLogger(__name__)
 
-TARGET = "pantheon_rows_matmul"
-QUANT_TARGET = "pantheon_rows_matmul_q"
-# GGUF block formats the quantized product reads: name -> (ggml type id, bytes per 32 weights).
-QUANT_FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q5_0": (6, 22), "Q5_1": (7, 24), "Q8_0": (8, 34)}
+TARGET = "pantheon_rows_matmul"  # x f32 times w [N, K] f32
+QUANT_TARGET = "pantheon_rows_matmul_q"  # x f32 times w stored in any other format (attr qtype: ggml id)
 ATTENTION_TARGET = "pantheon_decode_attention"
+# Every format the kernels multiply (today all of quant_formats.FORMATS): F32 by TARGET, all others
+# by QUANT_TARGET. Spelled out, not derived: a format added to the table is not read by the kernels
+# until cpu_kernels.cc learns it.
+NATIVE_FORMATS: frozenset[str] = frozenset(
+    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+     "IQ4_NL", "IQ4_XS"}) & frozenset(FORMATS)
+# The dtype a float format's [N, K] weights are stored in (block formats: uint8 [N, row bytes]).
+_FLOAT_DTYPES = {"F32": jnp.dtype(jnp.float32), "F16": jnp.dtype(jnp.float16), "BF16": jnp.dtype(jnp.bfloat16)}
+# The 32-weight formats `quant_matmul` tells apart by bytes per block (the API before `weight_matmul`,
+# which names the format: IQ4_NL has Q4_0's 18 bytes).
+_LEGACY_BLOCKS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 SOURCE = Path(__file__).with_name("native") / "cpu_kernels.cc"
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-w")
-BUILD_TIMEOUT_S = 300.0  # a cold g++ of cpu_kernels.cc takes seconds; a hung one is killed after this
+# -ffp-contract=off: GCC would otherwise fuse a separate multiply and add into an fma (its C++
+# default, ISO mode or not), rounding once where gguf's numpy rounds twice; the kernels write every
+# fma they mean explicitly, and their results must have numpy's bits.
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
+BUILD_TIMEOUT_S = 300.0  # a cold g++ of cpu_kernels.cc takes under a minute; a hung one is killed then
 TEMP_PREFIX = ".building-"  # in-progress builds: .building-<host>-<pid>-<random>.so
 
 _build_lock = osthread.Lock()  # serialises build/registration; guards _ready and _failed
 _ready = False  # the FFI targets are registered in this process
 _failed: str | None = None  # why the kernels are unavailable (set once; not retried)
-# Whether the forward being traced may use the kernels: a model opts in around its own trace
-# (engine.Model), so two models in one process can differ and plain calls keep XLA's dot.
-_in_use: contextvars.ContextVar[bool] = contextvars.ContextVar("pantheon_native_in_use", default=False)
 
 
 def _cpu_supported() -> bool:
@@ -167,7 +189,7 @@ def _compile(out: Path) -> None:
 
 
 def enable(cache_dir: Path) -> bool:
-    """Build (once per source/jaxlib) and register the kernels; True when the forwards may use them.
+    """Build (once per source/jaxlib) and register the kernels; True when the kernels can be used.
 
     Idempotent and safe from several threads. A failure is logged once and leaves XLA's forms in place.
     """
@@ -199,19 +221,9 @@ def unavailable_reason() -> str | None:
     return _failed
 
 
-@contextlib.contextmanager
-def used(on: bool) -> Iterator[None]:
-    """Trace the enclosed forward with (on=True) or without the kernels."""
-    token = _in_use.set(on)
-    try:
-        yield
-    finally:
-        _in_use.reset(token)
-
-
 def applies(rows: int, w: jax.Array) -> bool:
-    """Whether `linear(..., native=True)` runs the kernel for `rows` rows times this weight (at trace time)."""
-    return (_ready and _in_use.get() and rows > 0 and w.ndim == 2 and w.dtype == jnp.float32
+    """Whether `matmul` can serve `rows` rows times this f32 weight [N, K] (at trace time)."""
+    return (_ready and rows > 0 and w.ndim == 2 and w.dtype == jnp.float32 and w.shape[1] > 0
             and w.shape[1] % 8 == 0)
 
 
@@ -235,51 +247,92 @@ def matmul(x: jax.Array, w: jax.Array, skip: tuple[jax.Array, jax.Array] | None 
     return y.reshape(lead + (w.shape[0],))
 
 
-def _quant_type(k: int, wq: jax.Array) -> int | None:
-    """The ggml type id of blocks wq [N, bytes] holding rows of k weights, from the bytes per row."""
-    if wq.ndim != 2 or wq.dtype != jnp.uint8 or k % 32:
+def _fits(k: int, data: jax.Array, qtype: str) -> bool:
+    """Whether `data` holds an [N, k] matrix stored in format `qtype` the kernels read."""
+    fmt = FORMATS.get(qtype)
+    if fmt is None or qtype not in NATIVE_FORMATS or k <= 0 or k % fmt.block_weights or data.ndim != 2:
+        return False
+    if fmt.is_block:
+        return data.dtype == jnp.uint8 and data.shape[1] == fmt.row_bytes(k)
+    return k % 8 == 0 and data.dtype == _FLOAT_DTYPES.get(qtype) and data.shape[1] == k
+
+
+def weight_matmul_applies(rows: int, k: int, data: jax.Array, qtype: str) -> bool:
+    """Whether `weight_matmul` can serve `rows` rows of k inputs times `data` in format `qtype` (at trace time).
+
+    True when the kernels are built and registered here, rows > 0, k is a multiple of the format's block
+    (and of 8 for float formats) and `data` has the stored shape and dtype of an [N, k] matrix.
+    """
+    return _ready and rows > 0 and _fits(k, data, qtype)
+
+
+def weight_matmul(x: jax.Array, data: jax.Array, qtype: str,
+                  skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """x [..., K] f32 @ W.T -> [..., N] f32 for the matrix W [N, K] stored as `data` in format `qtype`.
+
+    data: uint8 blocks [N, K / block_weights * block_bytes] for block formats, the [N, K] array itself
+    (f32, f16, bf16) for float formats. Every weight is widened to the f32 value gguf's dequantizer
+    gives, so the result has the bits `matmul(x, dequantized W)` has. skip: as for `matmul`.
+    CPU only: callers check `weight_matmul_applies`.
+    """
+    k = x.shape[-1]
+    if not _fits(k, data, qtype):
+        raise ValueError(f"{qtype} data {data.dtype}{list(data.shape)} is no matrix of {k} inputs the kernels read")
+    if qtype == "F32":
+        return matmul(x, data, skip)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], data.shape[0]), jnp.float32)
+    y = jax.ffi.ffi_call(QUANT_TARGET, out)(x2, data, _skip_rows(x2.shape[0], skip),
+                                            qtype=np.int32(FORMATS[qtype].type_id))
+    return y.reshape(lead + (data.shape[0],))
+
+
+def _legacy_format(k: int, wq: jax.Array) -> str | None:
+    """Which of _LEGACY_BLOCKS blocks wq [N, bytes] holding rows of k weights are in, from the bytes per row."""
+    if wq.ndim != 2 or wq.dtype != jnp.uint8 or k <= 0 or k % 32:
         return None
-    for type_id, block in QUANT_FORMATS.values():
-        if wq.shape[1] == k // 32 * block:
-            return type_id
-    return None
+    return next((name for name in _LEGACY_BLOCKS if wq.shape[1] == FORMATS[name].row_bytes(k)), None)
 
 
 def quant_applies(rows: int, k: int, wq: jax.Array) -> bool:
-    """Whether `quant_matmul` serves `rows` rows of k inputs times the GGUF blocks wq (at trace time)."""
-    return _ready and _in_use.get() and rows > 0 and _quant_type(k, wq) is not None
+    """Whether `quant_matmul` can serve `rows` rows of k inputs times the blocks wq (at trace time)."""
+    return _ready and rows > 0 and _legacy_format(k, wq) is not None
 
 
 def quant_matmul(x: jax.Array, wq: jax.Array, skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """x [..., K] @ W.T where W [N, K] is stored as its GGUF blocks wq [N, K/32 * block bytes] (CPU only).
+    """`weight_matmul` for blocks wq of one of _LEGACY_BLOCKS, told apart by their bytes per row.
 
-    skip: as for `matmul`.
+    Kept for call sites that hold blocks without their format name; new code names the format.
     """
-    lead, k = x.shape[:-1], x.shape[-1]
-    qtype = _quant_type(k, wq)
-    if qtype is None:
-        raise ValueError(f"weights of shape {wq.shape} are no GGUF block format for {k} inputs")
-    x2 = x.reshape(-1, k).astype(jnp.float32)
-    out = jax.ShapeDtypeStruct((x2.shape[0], wq.shape[0]), jnp.float32)
-    y = jax.ffi.ffi_call(QUANT_TARGET, out)(x2, wq, _skip_rows(x2.shape[0], skip), qtype=np.int32(qtype))
-    return y.reshape(lead + (wq.shape[0],))
+    fmt = _legacy_format(x.shape[-1], wq)
+    if fmt is None:
+        raise ValueError(f"weights of shape {wq.shape} are no 32-weight GGUF block format for {x.shape[-1]} inputs")
+    return weight_matmul(x, wq, fmt, skip)
 
 
 def attention_applies(q: jax.Array, cache: jax.Array) -> bool:
-    """Whether `decode_attention` serves q [B, 1, N, D] over cache [L, S, K, C, D] (at trace time)."""
+    """Whether `decode_attention` can serve q [B, 1, N, D] over cache [L, S, K, C, D] (at trace time).
+
+    The cache may be f32, f16 or bf16 (the values cache must match it).
+    """
     d = q.shape[-1]
-    return (_ready and _in_use.get() and q.ndim == 4 and q.shape[1] == 1 and cache.ndim == 5
-            and cache.dtype == jnp.float32 and cache.shape[-1] == d and d % 8 == 0 and d <= 256
-            and q.shape[2] % cache.shape[2] == 0)
+    return (_ready and q.ndim == 4 and q.shape[1] == 1 and cache.ndim == 5
+            and cache.dtype in _CACHE_DTYPES and cache.shape[-1] == d and d % 8 == 0 and d <= 256
+            and cache.shape[2] > 0 and q.shape[2] % cache.shape[2] == 0)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                      slots: jax.Array, pos: jax.Array, scale: float) -> jax.Array:
     """Causal attention of one query token per row, read in place from the slot caches.
 
-    q [B, 1, N, D]; caches [L, S, K, C, D]; row b attends to positions 0..pos[b] of slot slots[b] in
+    q [B, 1, N, D]; caches [L, S, K, C, D], both f32, f16 or bf16 (keys and values are widened to f32
+    as they are read; the arithmetic is f32); row b attends to positions 0..pos[b] of slot slots[b] in
     layer `layer`. Returns [B, 1, N * D] like common.attention. CPU only (callers check `attention_applies`).
     """
+    if k_cache.dtype != v_cache.dtype or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k and v caches differ: {k_cache.dtype}{list(k_cache.shape)} vs "
+                         f"{v_cache.dtype}{list(v_cache.shape)}")
     b, _, n, d = q.shape
     out = jax.ShapeDtypeStruct((b, n, d), jnp.float32)
     o = jax.ffi.ffi_call(ATTENTION_TARGET, out)(

@@ -6,13 +6,17 @@
 //   decode rows cost twice one row although both stream the same weights. Here each group of 6
 //   weight rows is loaded once and multiplied into every activation row in 4 x 3 tiles (60-70
 //   GFLOP/s a core from 8 rows up, prefill chunks included).
-// * rows_matmul_q: the same product reading the weights in their GGUF block format (Q4_0, Q4_1,
-//   Q5_0, Q5_1, Q8_0): 4-7x fewer bytes to stream than f32, while every weight is the exact f32
-//   value the f32 path multiplies by, so results are identical. Up to 8 rows (decode) widen each
-//   block in registers and use it at once; more rows expand a few weight rows at a time into L1.
-// * decode_attention: one query token per row against its own slot of the KV cache, read in place
-//   up to the row's position. The XLA form gathers a bucketed span of every row's slot into a new
-//   array first and masks the unused tail; this reads only the filled positions and copies nothing.
+// * rows_matmul_q: the same product reading the weights as the GGUF file stores them, every format
+//   but F32: the 32-weight blocks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL, the 256-weight K-quants
+//   Q2_K .. Q6_K and IQ4_XS, and F16 / BF16 arrays. 2-7x fewer bytes to stream than f32, while every
+//   weight is widened to the exact f32 value gguf's dequantizer gives (see Format<T>), so results
+//   are identical to rows_matmul's over the dequantized matrix. Up to 8 rows (decode) widen each
+//   block in registers, a 32-weight sub-block at a time, and use it at once; more rows expand a few
+//   weight rows at a time into L1 and run rows_matmul's tiles over them.
+// * decode_attention: one query token per row against its own slot of the KV cache (f32, f16 or
+//   bf16, widened as it is read), in place up to the row's position. The XLA form gathers a bucketed
+//   span of every row's slot into a new array first and masks the unused tail; this reads only the
+//   filled positions and copies nothing.
 //
 // All compute every output element in an order that does not depend on the other rows of the call
 // (fixed 8-lane accumulation, then one fixed horizontal sum), so a row's result is the same alone
@@ -153,19 +157,25 @@ void SkipRange(ffi::Buffer<ffi::S32>& skip, int64_t M, int64_t* skip0, int64_t* 
   *skip1 = b;
 }
 
-// GGUF block formats the quantized product reads (ggml type ids), 32 weights a block.
-constexpr int32_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8;
+// ---- GGUF formats -------------------------------------------------------------------------------
+//
+// Format<T> for each ggml type id T the stored-weight product reads: kWeights and kBytes of one
+// block, and Expand(blk, use), which calls use(p, v) for p = 0, 1, ..., kWeights / 8 - 1 in order,
+// v being weights 8p .. 8p + 7 of the block as f32. Every value is the f32 number gguf's numpy
+// dequantizer (gguf/quants.py) gives, computed with its operations in its order; where one fma
+// stands for numpy's product and sum, the product is exact in f32 (its operands' significands
+// together have at most 24 bits), so the fma rounds once where numpy rounds once. A product over
+// these weights therefore equals the f32 kernel's over `gguf.quants.dequantize`d weights bit for
+// bit. Every fma is written out: the build passes -ffp-contract=off, so the compiler fuses nothing.
+// The 256-weight formats are expanded one 32-weight sub-block at a time, each with its own scale,
+// so no more than a handful of vectors is ever live: the decode path stays in registers.
+//
+// The nibble formats share one layout: byte i of a run of 16 (or 32) bytes holds weight i in its
+// low nibble and weight i + 16 (or i + 32) in its high one, so widening 8 bytes to 32-bit lanes
+// gives 8 consecutive weights masked and the 8 at +16 (+32) shifted.
 
-constexpr int64_t BlockBytes(int32_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return 18;  // f16 d, 16 bytes of nibbles: (q - 8) * d
-    case kQ4_1: return 20;  // f16 d, f16 m, 16 bytes of nibbles: q * d + m
-    case kQ5_0: return 22;  // f16 d, u32 fifth bits, 16 bytes of nibbles: (q - 16) * d
-    case kQ5_1: return 24;  // f16 d, f16 m, u32 fifth bits, 16 bytes of nibbles: q * d + m
-    case kQ8_0: return 34;  // f16 d, 32 int8: q * d
-    default: return 0;
-  }
-}
+constexpr int32_t kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11,
+                  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30;
 
 inline float HalfAt(const uint8_t* p) {
   uint16_t h;
@@ -173,59 +183,284 @@ inline float HalfAt(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// The 32 weights of one block as four vectors of 8, in order. Every value is the same f32 number
-// gguf's numpy dequantizer gives (each product is exact in f32 and each value is rounded once), so
-// a product over these weights equals the f32 kernel's over `gguf.quants.dequantize`d weights bit
-// for bit. One instance per format, so the per-block format tests fold away.
-//
-// Byte i of the 16 nibble bytes holds weight i (low nibble) and weight i + 16 (high nibble), so
-// widening bytes 0-7 and 8-15 to 32-bit lanes gives weights 0-15 masked and 16-31 shifted.
-template <int32_t qtype>
-inline void ExpandBlock(const uint8_t* blk, __m256 out[4]) {
-  constexpr bool has_min = qtype == kQ4_1 || qtype == kQ5_1;
-  constexpr bool fifth_bit = qtype == kQ5_0 || qtype == kQ5_1;
-  const __m256 d = _mm256_set1_ps(HalfAt(blk));
-  if constexpr (qtype == kQ8_0) {
+// Bytes p[0..7] as eight 32-bit lanes.
+inline __m256i Widen8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 ToFloat(__m256i v) { return _mm256_cvtepi32_ps(v); }
+
+template <int32_t T>
+struct Format;
+
+// Q4_0 (f16 d, 16 nibble bytes: (q - 8) * d), Q4_1 (f16 d, f16 m: q * d + m), Q5_0 (f16 d, u32 of
+// fifth bits, nibbles: (q - 16) * d), Q5_1 (f16 d, f16 m, u32, nibbles: q * d + m): 32 weights.
+template <int32_t T>
+struct Legacy32 {
+  static constexpr bool kMin = T == kQ4_1 || T == kQ5_1;
+  static constexpr bool kFifth = T == kQ5_0 || T == kQ5_1;
+  static constexpr int kWeights = 32, kBytes = 18 + (kMin ? 2 : 0) + (kFifth ? 4 : 0);
+
+  template <class Use>
+  static inline void Expand(const uint8_t* blk, Use&& use) {
+    const __m256 d = _mm256_set1_ps(HalfAt(blk));
+    const __m256 m = _mm256_set1_ps(kMin ? HalfAt(blk + 2) : 0.0f);
+    const uint8_t* qs = blk + 2 + (kMin ? 2 : 0) + (kFifth ? 4 : 0);
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    const __m256i r0 = Widen8(qs), r1 = Widen8(qs + 8);
+    __m256i q[4] = {_mm256_and_si256(r0, low), _mm256_and_si256(r1, low), _mm256_srli_epi32(r0, 4),
+                    _mm256_srli_epi32(r1, 4)};
+    if constexpr (kFifth) {  // bit i of qh is bit 4 of weight i
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2 + (kMin ? 2 : 0), 4);
+      const __m256i bits = _mm256_set1_epi32(static_cast<int>(qh));
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i one = _mm256_set1_epi32(1);
+      for (int p = 0; p < 4; ++p) {
+        const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * p))), one);
+        q[p] = _mm256_or_si256(q[p], _mm256_slli_epi32(bit, 4));
+      }
+    }
+    const __m256i offset = _mm256_set1_epi32(T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : 0);
+    for (int p = 0; p < 4; ++p) {
+      const __m256 v = ToFloat(_mm256_sub_epi32(q[p], offset));
+      // d * q is exact in f32, so fma rounds once, as numpy's (d * q) + m does
+      use(p, kMin ? _mm256_fmadd_ps(d, v, m) : _mm256_mul_ps(d, v));
+    }
+  }
+};
+template <> struct Format<kQ4_0> : Legacy32<kQ4_0> {};
+template <> struct Format<kQ4_1> : Legacy32<kQ4_1> {};
+template <> struct Format<kQ5_0> : Legacy32<kQ5_0> {};
+template <> struct Format<kQ5_1> : Legacy32<kQ5_1> {};
+
+// Q8_0: f16 d, 32 int8 q: q * d.
+template <>
+struct Format<kQ8_0> {
+  static constexpr int kWeights = 32, kBytes = 34;
+  template <class Use>
+  static inline void Expand(const uint8_t* blk, Use&& use) {
+    const __m256 d = _mm256_set1_ps(HalfAt(blk));
     for (int p = 0; p < 4; ++p) {
       const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * p));
-      out[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
-    }
-    return;
-  }
-  const __m256 m = _mm256_set1_ps(has_min ? HalfAt(blk + 2) : 0.0f);
-  const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (fifth_bit ? 4 : 0);
-  const __m256i low = _mm256_set1_epi32(0x0F);
-  const __m256i r0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
-  const __m256i r1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
-  __m256i q[4] = {_mm256_and_si256(r0, low), _mm256_and_si256(r1, low), _mm256_srli_epi32(r0, 4),
-                  _mm256_srli_epi32(r1, 4)};
-  if constexpr (fifth_bit) {  // bit i of qh is bit 4 of weight i
-    uint32_t qh;
-    std::memcpy(&qh, blk + 2 + (has_min ? 2 : 0), 4);
-    const __m256i bits = _mm256_set1_epi32(static_cast<int>(qh));
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i one = _mm256_set1_epi32(1);
-    for (int p = 0; p < 4; ++p) {
-      const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * p))), one);
-      q[p] = _mm256_or_si256(q[p], _mm256_slli_epi32(bit, 4));
+      use(p, _mm256_mul_ps(ToFloat(_mm256_cvtepi8_epi32(q8)), d));
     }
   }
-  const __m256i offset = _mm256_set1_epi32(qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : 0);
-  for (int p = 0; p < 4; ++p) {
-    const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[p], offset));
-    // d * q is exact in f32, so fma rounds once, as numpy's (d * q) + m does
-    out[p] = has_min ? _mm256_fmadd_ps(d, v, m) : _mm256_mul_ps(d, v);
+};
+
+// The non-linear 4-bit grid of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
+inline __m128i Iq4Grid() {
+  return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+}
+
+// 32 weights d * grid[q] from 16 nibble bytes, vectors base .. base + 3: one byte shuffle looks
+// up 16 weights at once.
+template <class Use>
+inline void Iq4Run(const uint8_t* qs, __m256 d, int base, Use& use) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_shuffle_epi8(Iq4Grid(), _mm_and_si128(raw, low));
+  const __m128i hi = _mm_shuffle_epi8(Iq4Grid(), _mm_and_si128(_mm_srli_epi16(raw, 4), low));
+  use(base, _mm256_mul_ps(d, ToFloat(_mm256_cvtepi8_epi32(lo))));
+  use(base + 1, _mm256_mul_ps(d, ToFloat(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
+  use(base + 2, _mm256_mul_ps(d, ToFloat(_mm256_cvtepi8_epi32(hi))));
+  use(base + 3, _mm256_mul_ps(d, ToFloat(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+}
+
+// IQ4_NL: f16 d, 16 nibble bytes: d * grid[q].
+template <>
+struct Format<kIQ4_NL> {
+  static constexpr int kWeights = 32, kBytes = 18;
+  template <class Use>
+  static inline void Expand(const uint8_t* blk, Use&& use) {
+    Iq4Run(blk + 2, _mm256_set1_ps(HalfAt(blk)), 0, use);
+  }
+};
+
+// IQ4_XS: f16 d, u16 of 2-bit scale highs, 4 bytes of 4-bit scale lows, 8 x 16 nibble bytes.
+// Sub-block j: (d * (scale_j - 32)) * grid[q].
+template <>
+struct Format<kIQ4_XS> {
+  static constexpr int kWeights = 256, kBytes = 136;
+  template <class Use>
+  static inline void Expand(const uint8_t* blk, Use&& use) {
+    const float d = HalfAt(blk);
+    uint16_t high;
+    std::memcpy(&high, blk + 2, 2);
+    const uint8_t* low = blk + 4;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const int scale = ((low[j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
+      Iq4Run(blk + 8 + 16 * j, _mm256_set1_ps(d * static_cast<float>(scale - 32)), 4 * j, use);
+    }
+  }
+};
+
+// Q2_K: 16 bytes of scales (low nibble: scale, high nibble: min, one per 16 weights), 64 bytes of
+// 2-bit q, f16 d, f16 dmin. Weight 128g + 32s + i is bits 2s, 2s+1 of byte 32g + i; its value is
+// (d * scale) * q - dmin * min. d * scale has at most 15 significant bits and q 2: exact, one fma.
+template <>
+struct Format<kQ2_K> {
+  static constexpr int kWeights = 256, kBytes = 84;
+  template <class Use>
+  static inline void Expand(const uint8_t* blk, Use&& use) {
+    const uint8_t* qs = blk + 16;
+    const float d = HalfAt(blk + 80), dmin = HalfAt(blk + 82);
+    const __m256i three = _mm256_set1_epi32(3);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t sc = blk[2 * j + half];
+        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc & 0x0F));
+        const __m256 ml = _mm256_set1_ps(-(dmin * static_cast<float>(sc >> 4)));
+        for (int p = 2 * half; p < 2 * half + 2; ++p) {
+          const __m256i q = _mm256_and_si256(_mm256_srli_epi32(Widen8(qs + 32 * (j / 4) + 8 * p), 2 * (j % 4)), three);
+          use(4 * j + p, _mm256_fmadd_ps(dl, ToFloat(q), ml));
+        }
+      }
+    }
+  }
+};
+
+// Q3_K: 32 bytes of high-bit masks, 64 bytes of 2-bit low q, 12 bytes of 6-bit scales (one per 16
+// weights), f16 d. Weight 32j + i: low bits as in Q2_K, high bit = bit j of mask byte i, and
+// q = low - 4 when that bit is clear; its value is (d * (scale - 32)) * q.
+template <>
+struct Format<kQ3_K> {
+  static constexpr int kWeights = 256, kBytes = 110;
+  template <class Use>
+  static inline void Expand(const uint8_t* blk, Use&& use) {
+    const uint8_t* hmask = blk;
+    const uint8_t* qs = blk + 32;
+    const uint8_t* sc = blk + 96;
+    const float d = HalfAt(blk + 108);
+    const __m256i three = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1), four = _mm256_set1_epi32(4);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      for (int half = 0; half < 2; ++half) {
+        const int s = 2 * j + half;
+        const int scale = ((s < 8 ? sc[s] : sc[s - 8] >> 4) & 0x0F) | (((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4);
+        const __m256 dl = _mm256_set1_ps(d * static_cast<float>(scale - 32));
+        for (int p = 2 * half; p < 2 * half + 2; ++p) {
+          const __m256i raw = Widen8(qs + 32 * (j / 4) + 8 * p);
+          const __m256i low = _mm256_and_si256(_mm256_srli_epi32(raw, 2 * (j % 4)), three);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi32(Widen8(hmask + 8 * p), j), one);
+          const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 2)), four);
+          use(4 * j + p, _mm256_mul_ps(dl, ToFloat(q)));
+        }
+      }
+    }
+  }
+};
+
+// The eight 6-bit scales and mins of a Q4_K / Q5_K super-block (12 packed bytes), times d and dmin.
+// Each product has at most 17 significant bits, and times a 5-bit q still fits f32: exact.
+inline void ScalesAndMins(const uint8_t* s, float d, float dmin, float scale[8], float min[8]) {
+  for (int j = 0; j < 4; ++j) {
+    scale[j] = d * static_cast<float>(s[j] & 63);
+    min[j] = dmin * static_cast<float>(s[j + 4] & 63);
+    scale[j + 4] = d * static_cast<float>((s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30));
+    min[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
   }
 }
 
-// One weight row of K values from its blocks.
-template <int32_t qtype>
-void DequantRowOf(const uint8_t* row, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / 32; ++b, out += 32) {
-    __m256 v[4];
-    ExpandBlock<qtype>(row + b * BlockBytes(qtype), v);
-    for (int p = 0; p < 4; ++p) _mm256_storeu_ps(out + 8 * p, v[p]);
+// Q4_K: f16 d, f16 dmin, 12 scale bytes, 4 x 32 nibble bytes (sub-blocks 2g, 2g + 1 are the low and
+// high nibbles of run g). Sub-block j: (d * scale_j) * q - dmin * min_j.
+// Q5_K: the same with 32 bytes of fifth bits before the nibbles (bit j of byte i: weight 32j + i).
+template <int32_t T>
+struct KQuant45 {
+  static constexpr bool kFifth = T == kQ5_K;
+  static constexpr int kWeights = 256, kBytes = kFifth ? 176 : 144;
+  template <class Use>
+  static inline void Expand(const uint8_t* blk, Use&& use) {
+    float scale[8], min[8];
+    ScalesAndMins(blk + 4, HalfAt(blk), HalfAt(blk + 2), scale, min);
+    const uint8_t* qh = blk + 16;
+    const uint8_t* qs = blk + (kFifth ? 48 : 16);
+    const __m256i low = _mm256_set1_epi32(0x0F), one = _mm256_set1_epi32(1);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256 d = _mm256_set1_ps(scale[j]), m = _mm256_set1_ps(-min[j]);
+      for (int p = 0; p < 4; ++p) {
+        const __m256i raw = Widen8(qs + 32 * (j / 2) + 8 * p);
+        __m256i q = j % 2 ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, low);
+        if constexpr (kFifth)
+          q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(Widen8(qh + 8 * p), j), one), 4));
+        use(4 * j + p, _mm256_fmadd_ps(d, ToFloat(q), m));
+      }
+    }
   }
+};
+template <> struct Format<kQ4_K> : KQuant45<kQ4_K> {};
+template <> struct Format<kQ5_K> : KQuant45<kQ5_K> {};
+
+// Four vectors of 8 from 32 signed bytes q (weights 0-7, 8-15, 16-23, 24-31), each times its
+// 16-weight scale: vectors base, base + 1 take d0, base + 2, base + 3 take d1.
+template <class Use>
+inline void SignedBytes32(__m256i q, __m256 d0, __m256 d1, int base, Use& use) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  use(base, _mm256_mul_ps(d0, ToFloat(_mm256_cvtepi8_epi32(lo))));
+  use(base + 1, _mm256_mul_ps(d0, ToFloat(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
+  use(base + 2, _mm256_mul_ps(d1, ToFloat(_mm256_cvtepi8_epi32(hi))));
+  use(base + 3, _mm256_mul_ps(d1, ToFloat(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+}
+
+// Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 weights),
+// f16 d. Weight 128g + 32r + i: low nibble (r / 2) of byte 64g + 32(r % 2) + i, high bits 2r, 2r+1
+// of byte 32g + i; value (d * scale) * (q - 32). A sub-block's 32 q are formed as bytes in one
+// register, then widened: half the integer work of forming them 8 lanes at a time (8 rows: 25-33
+// against 21-28 GFLOP/s a core, measured).
+template <>
+struct Format<kQ6_K> {
+  static constexpr int kWeights = 256, kBytes = 210;
+  template <class Use>
+  static inline void Expand(const uint8_t* blk, Use&& use) {
+    const uint8_t* ql = blk;
+    const uint8_t* qh = blk + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = HalfAt(blk + 208);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), high_bits = _mm256_set1_epi8(0x30), offset = _mm256_set1_epi8(32);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const int g = j / 4, r = j % 4;
+      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * g + 32 * (r % 2)));
+      if (r / 2) lo = _mm256_srli_epi16(lo, 4);
+      __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * g));
+      hi = r < 2 ? _mm256_slli_epi16(hi, 4 - 2 * r) : r == 2 ? hi : _mm256_srli_epi16(hi, 2);  // bits 2r, 2r+1 to 4, 5
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lo, nibble), _mm256_and_si256(hi, high_bits)),
+                                        offset);
+      const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(sc[2 * j]));
+      const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(sc[2 * j + 1]));
+      SignedBytes32(q, d0, d1, 4 * j, use);
+    }
+  }
+};
+
+// F16 and BF16 weights [N, K], taken 8 at a time: F16C's exact widening, and bf16's 16-bit shift
+// (numpy's (int16 << 16) viewed as f32: the same bits).
+template <>
+struct Format<kF16> {
+  static constexpr int kWeights = 8, kBytes = 16;
+  template <class Use>
+  static inline void Expand(const uint8_t* blk, Use&& use) {
+    use(0, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk))));
+  }
+};
+template <>
+struct Format<kBF16> {
+  static constexpr int kWeights = 8, kBytes = 16;
+  template <class Use>
+  static inline void Expand(const uint8_t* blk, Use&& use) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    use(0, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+  }
+};
+
+// One weight row of K values from its blocks.
+template <class F>
+void DequantRowOf(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / F::kWeights; ++b, out += F::kWeights)
+    F::Expand(row + b * F::kBytes, [out](int p, __m256 v) { _mm256_storeu_ps(out + 8 * p, v); });
 }
 
 // Bytes of activation rows a pass over K keeps in L1 beside the weights streaming through. Eight
@@ -239,17 +474,28 @@ constexpr int64_t kCarryColumns = 64;
 // interleaved strides (which the hardware prefetcher follows poorly: ~50 GFLOP/s instead of ~70).
 constexpr int64_t kPrefetchAhead = 2;
 
-// y[i, j] = x[i] . w[j] for MB <= 8 rows of x and `count` weight rows in block format, each block
+// y[i, j] = x[i] . w[j] for MB <= 8 rows of x and `count` weight rows in format F, each block
 // expanded in registers and used at once by every row: a decode step's few rows would spend as
 // long storing and reloading an expanded scratch row as multiplying it (1.15-1.45x faster at 4-8
-// rows on one core). K is walked in parts that keep x in L1; each lane's partial sum is carried
-// from part to part, so every output is still one k-ordered chain: the same bits as Tile.
-template <int32_t qtype, int MB>
+// rows on one core). K is walked in parts (whole blocks) that keep x in L1; each lane's partial sum
+// is carried from part to part, so every output is still one k-ordered chain: the same bits as Tile.
+template <class F, int MB>
 void ExpandedRows(const float* x, const uint8_t* w, float* y, int64_t K, int64_t ldy, int64_t count) {
-  constexpr int64_t bb = BlockBytes(qtype);
-  const int64_t row_bytes = K / 32 * bb;
+  constexpr int64_t bw = F::kWeights, bb = F::kBytes;
+  const int64_t row_bytes = K / bw * bb;
   const int64_t parts = (MB * K * int64_t{sizeof(float)} + kRowsL1Bytes - 1) / kRowsL1Bytes;
-  const int64_t kc = (K / 32 + parts - 1) / parts * 32;
+  const int64_t kc = (K / bw + parts - 1) / parts * bw;
+  // x interleaved by 8 lanes, xi[k / 8][i] = x[i, k .. k + 8]: every row's operand for weights k
+  // is then at a fixed offset from one pointer. Read from MB row pointers, the fully unrolled
+  // 256-weight blocks made GCC keep one address per (row, vector) and reload it from the stack
+  // before every fma (8 rows: half the speed of the 32-weight formats).
+  std::vector<__m256> interleaved(MB > 1 ? MB * K / 8 : 0);
+  const float* xs = x;
+  if constexpr (MB > 1) {
+    for (int64_t k = 0; k < K; k += 8)
+      for (int i = 0; i < MB; ++i) interleaved[k / 8 * MB + i] = _mm256_loadu_ps(x + i * K + k);
+    xs = reinterpret_cast<const float*>(interleaved.data());
+  }
   __m256 carry[kCarryColumns][MB];
   for (int64_t j0 = 0; j0 < count; j0 += kCarryColumns) {
     const int64_t jn = count - j0 < kCarryColumns ? count - j0 : kCarryColumns;
@@ -262,12 +508,12 @@ void ExpandedRows(const float* x, const uint8_t* w, float* y, int64_t K, int64_t
         }
         __m256 acc[MB];
         for (int i = 0; i < MB; ++i) acc[i] = k0 == 0 ? _mm256_setzero_ps() : carry[j][i];
-        const uint8_t* blk = w + (j0 + j) * row_bytes + k0 / 32 * bb;
-        for (int64_t k = k0; k < k1; k += 32, blk += bb) {
-          __m256 wv[4];
-          ExpandBlock<qtype>(blk, wv);
-          for (int p = 0; p < 4; ++p)
-            for (int i = 0; i < MB; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + k + 8 * p), wv[p], acc[i]);
+        const uint8_t* blk = w + (j0 + j) * row_bytes + k0 / bw * bb;
+        for (int64_t k = k0; k < k1; k += bw, blk += bb) {
+          const float* xk = xs + k * MB;
+          F::Expand(blk, [&acc, xk](int p, __m256 v) {
+            for (int i = 0; i < MB; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + (p * MB + i) * 8), v, acc[i]);
+          });
         }
         if (k1 < K) {
           for (int i = 0; i < MB; ++i) carry[j][i] = acc[i];
@@ -281,17 +527,17 @@ void ExpandedRows(const float* x, const uint8_t* w, float* y, int64_t K, int64_t
 
 constexpr int64_t kExpandedMaxRows = 8;
 
-template <int32_t qtype>
+template <class F>
 void ExpandedRowsOf(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t count) {
   switch (M) {
-    case 1: return ExpandedRows<qtype, 1>(x, w, y, K, ldy, count);
-    case 2: return ExpandedRows<qtype, 2>(x, w, y, K, ldy, count);
-    case 3: return ExpandedRows<qtype, 3>(x, w, y, K, ldy, count);
-    case 4: return ExpandedRows<qtype, 4>(x, w, y, K, ldy, count);
-    case 5: return ExpandedRows<qtype, 5>(x, w, y, K, ldy, count);
-    case 6: return ExpandedRows<qtype, 6>(x, w, y, K, ldy, count);
-    case 7: return ExpandedRows<qtype, 7>(x, w, y, K, ldy, count);
-    case 8: return ExpandedRows<qtype, 8>(x, w, y, K, ldy, count);
+    case 1: return ExpandedRows<F, 1>(x, w, y, K, ldy, count);
+    case 2: return ExpandedRows<F, 2>(x, w, y, K, ldy, count);
+    case 3: return ExpandedRows<F, 3>(x, w, y, K, ldy, count);
+    case 4: return ExpandedRows<F, 4>(x, w, y, K, ldy, count);
+    case 5: return ExpandedRows<F, 5>(x, w, y, K, ldy, count);
+    case 6: return ExpandedRows<F, 6>(x, w, y, K, ldy, count);
+    case 7: return ExpandedRows<F, 7>(x, w, y, K, ldy, count);
+    case 8: return ExpandedRows<F, 8>(x, w, y, K, ldy, count);
     default: return;
   }
 }
@@ -358,17 +604,17 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return ffi::Error::Success();
 }
 
-// The output columns [n0, n1) of x [M, K] f32 times w [N, K/32 blocks] in block format qtype,
+// The output columns [n0, n1) of x [M, K] f32 times w [N, K / F::kWeights blocks] in format F,
 // rows [skip0, skip1) left out. Up to 8 live rows (decode) take each block straight from
 // registers; more rows (prefill) amortise an expanded scratch: 6 weight rows at a time are
 // expanded into L1, then multiplied into every row of x in 4 x 3 tiles.
-template <int32_t qtype>
+template <class F>
 void QuantColumns(const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t K, int64_t N, int64_t n0,
                   int64_t n1, int64_t skip0, int64_t skip1) {
-  const int64_t row_bytes = K / 32 * BlockBytes(qtype);
+  const int64_t row_bytes = K / F::kWeights * F::kBytes;
   if (M - (skip1 - skip0) <= kExpandedMaxRows) {  // a decode step: no scratch rows at all
     LiveRows(xp, yp + n0, M, K, N, n1 - n0, skip0, skip1, [&](const float* xr, float* yr, int64_t rows) {
-      ExpandedRowsOf<qtype>(xr, wp + n0 * row_bytes, yr, rows, K, N, n1 - n0);
+      ExpandedRowsOf<F>(xr, wp + n0 * row_bytes, yr, rows, K, N, n1 - n0);
     });
     return;
   }
@@ -378,34 +624,65 @@ void QuantColumns(const float* xp, const uint8_t* wp, float* yp, int64_t M, int6
   float* scratch = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
   for (int64_t n = n0; n < n1; n += kGroupRows) {
     const int64_t count = n + kGroupRows <= n1 ? kGroupRows : n1 - n;
-    for (int64_t j = 0; j < count; ++j) DequantRowOf<qtype>(wp + (n + j) * row_bytes, K, scratch + j * K);
+    for (int64_t j = 0; j < count; ++j) DequantRowOf<F>(wp + (n + j) * row_bytes, K, scratch + j * K);
     LiveRows(xp, yp + n, M, K, N, count, skip0, skip1, [&](const float* xr, float* yr, int64_t rows) {
       Rows(xr, scratch, yr, rows, K, N, count);
     });
   }
 }
 
-ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+using ColumnsFn = decltype(&QuantColumns<Format<kQ4_0>>);
+
+// The product for ggml type `qtype`, the dtype its weights are stored in, its block geometry.
+struct StoredFormat {
+  ColumnsFn columns = nullptr;
+  ffi::DataType dtype = ffi::DataType::U8;
+  int64_t weights = 0, bytes = 0;
+};
+
+template <int32_t T>
+StoredFormat Stored(ffi::DataType dtype = ffi::DataType::U8) {
+  return {QuantColumns<Format<T>>, dtype, Format<T>::kWeights, Format<T>::kBytes};
+}
+
+StoredFormat StoredFormatOf(int32_t qtype) {
+  switch (qtype) {
+    case kF16: return Stored<kF16>(ffi::DataType::F16);
+    case kBF16: return Stored<kBF16>(ffi::DataType::BF16);
+    case kQ4_0: return Stored<kQ4_0>();
+    case kQ4_1: return Stored<kQ4_1>();
+    case kQ5_0: return Stored<kQ5_0>();
+    case kQ5_1: return Stored<kQ5_1>();
+    case kQ8_0: return Stored<kQ8_0>();
+    case kQ2_K: return Stored<kQ2_K>();
+    case kQ3_K: return Stored<kQ3_K>();
+    case kQ4_K: return Stored<kQ4_K>();
+    case kQ5_K: return Stored<kQ5_K>();
+    case kQ6_K: return Stored<kQ6_K>();
+    case kIQ4_NL: return Stored<kIQ4_NL>();
+    case kIQ4_XS: return Stored<kIQ4_XS>();
+    default: return {};
+  }
+}
+
+// x [..., K] f32 times w in ggml type qtype: uint8 blocks [N, K / weights * bytes], or for F16 and
+// BF16 the [N, K] array itself (its 8-weight "blocks" are 16 bytes of it).
+ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                                ffi::Buffer<ffi::S32> skip, ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+  const StoredFormat f = StoredFormatOf(qtype);  // the format is chosen once per call
+  if (!f.columns) return ffi::Error::InvalidArgument("rows_matmul_q: unsupported format");
+  if (w.element_type() != f.dtype) return ffi::Error::InvalidArgument("rows_matmul_q: w has the wrong dtype");
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  decltype(&QuantColumns<kQ4_0>) columns = nullptr;  // the format is chosen once per call
-  switch (qtype) {
-    case kQ4_0: columns = QuantColumns<kQ4_0>; break;
-    case kQ4_1: columns = QuantColumns<kQ4_1>; break;
-    case kQ5_0: columns = QuantColumns<kQ5_0>; break;
-    case kQ5_1: columns = QuantColumns<kQ5_1>; break;
-    case kQ8_0: columns = QuantColumns<kQ8_0>; break;
-    default: return ffi::Error::InvalidArgument("rows_matmul_q: unsupported block format");
-  }
-  const int64_t bb = BlockBytes(qtype);
-  if (wd.size() != 2 || xd.size() < 1) return ffi::Error::InvalidArgument("rows_matmul_q: w must be [N, bytes]");
+  if (wd.size() != 2 || xd.size() < 1) return ffi::Error::InvalidArgument("rows_matmul_q: w must be 2-D");
   const int64_t N = wd[0], K = xd[xd.size() - 1];
-  if (K % 32 != 0 || wd[1] != K / 32 * bb) return ffi::Error::InvalidArgument("rows_matmul_q: K does not match w");
+  const int64_t cols = f.dtype == ffi::DataType::U8 ? K / f.weights * f.bytes : K;
+  if (K % f.weights != 0 || wd[1] != cols) return ffi::Error::InvalidArgument("rows_matmul_q: K does not match w");
   const int64_t M = K ? x.element_count() / K : 0;
   const float* xp = x.typed_data();
-  const uint8_t* wp = w.typed_data();
+  const uint8_t* wp = static_cast<const uint8_t*>(w.untyped_data());
   float* yp = y->typed_data();
+  const ColumnsFn columns = f.columns;
   OverColumns(pool, skip, xp, yp, M, N, K,
               [=](const float* xc, float* yc, int64_t m, int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
                 columns(xc, wp, yc, m, K, N, n0, n1, skip0, skip1);
@@ -415,18 +692,34 @@ ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
 
 // ---- decode_attention ---------------------------------------------------------------------------
 
+// Eight cached values as f32, for the three cache dtypes: f32 as is, f16 through F16C (exact), bf16
+// by the 16-bit shift (exact). The dots and sums are the f32 ones either way.
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+struct Half {
+  uint16_t bits;
+};
+struct Brain {
+  uint16_t bits;
+};
+inline __m256 Load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 Load8(const Brain* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
 // Dot products of one query [D] with keys [n, D], 4 keys at a time for independent FMA chains.
-void Scores(const float* q, const float* keys, int64_t n, int64_t D, float scale, float* s) {
+template <typename T>
+void Scores(const float* q, const T* keys, int64_t n, int64_t D, float scale, float* s) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    const float* k0 = keys + j * D;
+    const T* k0 = keys + j * D;
     for (int64_t d = 0; d < D; d += 8) {
       __m256 qd = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
-      a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + D + d), a1);
-      a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 2 * D + d), a2);
-      a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 3 * D + d), a3);
+      a0 = _mm256_fmadd_ps(qd, Load8(k0 + d), a0);
+      a1 = _mm256_fmadd_ps(qd, Load8(k0 + D + d), a1);
+      a2 = _mm256_fmadd_ps(qd, Load8(k0 + 2 * D + d), a2);
+      a3 = _mm256_fmadd_ps(qd, Load8(k0 + 3 * D + d), a3);
     }
     s[j] = HorizontalSum(a0) * scale;
     s[j + 1] = HorizontalSum(a1) * scale;
@@ -435,48 +728,34 @@ void Scores(const float* q, const float* keys, int64_t n, int64_t D, float scale
   }
   for (; j < n; ++j) {
     __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(keys + j * D + d), a);
+    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), Load8(keys + j * D + d), a);
     s[j] = HorizontalSum(a) * scale;
   }
 }
 
 // out[D] = sum_j p[j] * values[j] / total, D a multiple of 8 and at most 256.
-void Mix(const float* p, const float* values, int64_t n, int64_t D, float total, float* out) {
+template <typename T>
+void Mix(const float* p, const T* values, int64_t n, int64_t D, float total, float* out) {
   __m256 acc[32];
   const int64_t lanes = D / 8;
   for (int64_t i = 0; i < lanes; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     __m256 pj = _mm256_set1_ps(p[j]);
-    const float* vj = values + j * D;
-    for (int64_t i = 0; i < lanes; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), acc[i]);
+    const T* vj = values + j * D;
+    for (int64_t i = 0; i < lanes; ++i) acc[i] = _mm256_fmadd_ps(pj, Load8(vj + 8 * i), acc[i]);
   }
   __m256 inv = _mm256_set1_ps(1.0f / total);
   for (int64_t i = 0; i < lanes; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
 }
 
-// q [B, N, D]; k, v caches [L, S, KH, C, D]; layer []; slots, pos [B]; out [B, N, D].
 // Row b's query heads h*G .. h*G+G-1 attend to positions 0..pos[b] of slot slots[b], kv head h.
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
-                               ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale) {
-  auto qd = q.dimensions();
-  auto cd = k.dimensions();
-  if (qd.size() != 3 || cd.size() != 5) return ffi::Error::InvalidArgument("decode_attention: bad ranks");
-  const int64_t B = qd[0], N = qd[1], D = qd[2];
-  const int64_t L = cd[0], S = cd[1], KH = cd[2], C = cd[3];
-  if (cd[4] != D || D % 8 != 0 || D > 256 || KH == 0 || N % KH != 0)
-    return ffi::Error::InvalidArgument("decode_attention: bad head shapes");
+template <typename T>
+void Attend(ffi::ThreadPool& pool, const float* qp, const T* kp, const T* vp, int64_t li, const int32_t* sp,
+            const int32_t* pp, float* op, int64_t B, int64_t N, int64_t D, int64_t S, int64_t KH, int64_t C,
+            float scale) {
   const int64_t G = N / KH;
-  const int64_t li = layer.typed_data()[0];
-  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
-  const float* qp = q.typed_data();
-  const float* kp = k.typed_data();
-  const float* vp = v.typed_data();
-  const int32_t* sp = slots.typed_data();
-  const int32_t* pp = pos.typed_data();
-  float* op = out->typed_data();
   int64_t work = 0;  // multiply-adds: every row's filled positions, keys and values, all heads
-  for (int64_t b = 0; b < B; ++b) work += (int64_t(pp[b]) + 1) * 2 * N * D * kWeightWork;  // each cached value read once
+  for (int64_t b = 0; b < B; ++b) work += (int64_t(pp[b]) + 1) * 2 * N * D * kWeightWork;  // each value read once
   ParallelFor(pool, B * KH, work, [=](int64_t task) {
     const int64_t b = task / KH, h = task % KH;
     int64_t slot = sp[b], n = int64_t(pp[b]) + 1;
@@ -499,6 +778,43 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       Mix(s.data(), vp + base, n, D, total, op + (b * N + head) * D);
     }
   });
+}
+
+// q [B, N, D] f32; k, v caches [L, S, KH, C, D], both f32, f16 or bf16; layer []; slots, pos [B];
+// out [B, N, D] f32.
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos,
+                               ffi::ResultBuffer<ffi::F32> out, float scale) {
+  auto qd = q.dimensions();
+  auto cd = k.dimensions();
+  auto vd = v.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || vd.size() != 5)
+    return ffi::Error::InvalidArgument("decode_attention: bad ranks");
+  for (int i = 0; i < 5; ++i)
+    if (cd[i] != vd[i]) return ffi::Error::InvalidArgument("decode_attention: k and v caches differ in shape");
+  const ffi::DataType dtype = k.element_type();
+  if (v.element_type() != dtype) return ffi::Error::InvalidArgument("decode_attention: k and v caches differ in dtype");
+  const int64_t B = qd[0], N = qd[1], D = qd[2];
+  const int64_t L = cd[0], S = cd[1], KH = cd[2], C = cd[3];
+  if (cd[4] != D || D % 8 != 0 || D > 256 || KH == 0 || N % KH != 0)
+    return ffi::Error::InvalidArgument("decode_attention: bad head shapes");
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
+  const float* qp = q.typed_data();
+  const int32_t* sp = slots.typed_data();
+  const int32_t* pp = pos.typed_data();
+  float* op = out->typed_data();
+  const auto attend = [&](auto tag) {
+    using T = decltype(tag);
+    Attend(pool, qp, static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()), li, sp, pp, op,
+           B, N, D, S, KH, C, scale);
+  };
+  switch (dtype) {
+    case ffi::DataType::F32: attend(float{}); break;
+    case ffi::DataType::F16: attend(Half{}); break;
+    case ffi::DataType::BF16: attend(Brain{}); break;
+    default: return ffi::Error::InvalidArgument("decode_attention: caches must be f32, f16 or bf16");
+  }
   return ffi::Error::Success();
 }
 
@@ -516,7 +832,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonRowsMatmulQuant, RowsMatmulQuantImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype"));
@@ -525,8 +841,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

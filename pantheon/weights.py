@@ -20,8 +20,10 @@ structure, hence of every jit cache key. No context variable, no name sniffing.
 Placement never widens a block: a tensor goes from the memory-mapped file to the device as its
 bytes. On CPU `jax.device_put` aliases a 64-byte-aligned host array instead of copying it, so an
 aligned tensor is served straight from the file mapping (its pages are the page cache's, as with
-llama.cpp's mmap); a misaligned one is copied once and the file pages the copy touched are dropped
-from this process (`MADV_DONTNEED`), so the load's peak stays at about the file's size.
+llama.cpp's mmap); a misaligned one (GGUF aligns tensors to 32 bytes, so in a file whose data
+section starts at 32 mod 64 every tensor is) is copied once, the copy awaited, and the file pages
+it read dropped from this process (`MADV_DONTNEED`), so the load's peak stays at about the file's
+size plus one tensor.
 """
 
 from __future__ import annotations
@@ -288,7 +290,8 @@ def put_leaf(a: Any, target: Any) -> Any:
             aliased = out.unsafe_buffer_pointer() == host.ctypes.data
         except Exception:  # sharded or non-CPU: always a copy
             aliased = False
-        if not aliased:
+        if not aliased:  # a copy, made asynchronously: wait for it, then drop the pages it read
+            out.block_until_ready()
             drop_file_pages(host)
     return out
 

@@ -267,25 +267,38 @@ def weight_matmul_applies(rows: int, k: int, data: jax.Array, qtype: str) -> boo
 
 
 def weight_matmul(x: jax.Array, data: jax.Array, qtype: str,
-                  skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                  skip: tuple[jax.Array, jax.Array] | None = None, index: jax.Array | None = None) -> jax.Array:
     """x [..., K] f32 @ W.T -> [..., N] f32 for the matrix W [N, K] stored as `data` in format `qtype`.
 
     data: uint8 blocks [N, K / block_weights * block_bytes] for block formats, the [N, K] array itself
     (f32, f16, bf16) for float formats. Every weight is widened to the f32 value gguf's dequantizer
     gives, so the result has the bits `matmul(x, dequantized W)` has. skip: as for `matmul`.
-    CPU only: callers check `weight_matmul_applies`.
+    index: with data a stack [E, ...] of such matrices (an MoE layer's experts), the product with
+    matrix `index` (clamped into [0, E)), read in place: slicing it out first would make XLA copy it.
+    CPU only: callers check `weight_matmul_applies` (on the stack: `stacked_matmul_applies`).
     """
     k = x.shape[-1]
-    if not _fits(k, data, qtype):
+    if index is not None and qtype == "F32":  # the f32 kernel reads one matrix: slice it out
+        data, index = jax.lax.dynamic_index_in_dim(data, index, axis=0, keepdims=False), None
+    matrix = data if index is None else jax.ShapeDtypeStruct(data.shape[1:], data.dtype)
+    if not _fits(k, matrix, qtype):
         raise ValueError(f"{qtype} data {data.dtype}{list(data.shape)} is no matrix of {k} inputs the kernels read")
     if qtype == "F32":
         return matmul(x, data, skip)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
-    out = jax.ShapeDtypeStruct((x2.shape[0], data.shape[0]), jnp.float32)
-    y = jax.ffi.ffi_call(QUANT_TARGET, out)(x2, data, _skip_rows(x2.shape[0], skip),
+    n = matrix.shape[0]
+    out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
+    which = jnp.zeros((1,), jnp.int32) if index is None else jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
+    y = jax.ffi.ffi_call(QUANT_TARGET, out)(x2, data, _skip_rows(x2.shape[0], skip), which,
                                             qtype=np.int32(FORMATS[qtype].type_id))
-    return y.reshape(lead + (data.shape[0],))
+    return y.reshape(lead + (n,))
+
+
+def stacked_matmul_applies(rows: int, k: int, data: jax.Array, qtype: str) -> bool:
+    """Whether `weight_matmul(..., index=e)` can serve one matrix of the stack data [E, N, ...] (trace time)."""
+    return _ready and rows > 0 and data.ndim == 3 and _fits(k, jax.ShapeDtypeStruct(data.shape[1:], data.dtype),
+                                                            qtype)
 
 
 def _legacy_format(k: int, wq: jax.Array) -> str | None:

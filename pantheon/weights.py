@@ -122,6 +122,19 @@ def linear(x: jax.Array, w: Weight, b: jax.Array | None = None,
     return y.astype(x.dtype)
 
 
+def linear_at(x: jax.Array, w: QuantWeight, index: jax.Array) -> jax.Array:
+    """`linear(x, w.at(index))` for a stack of matrices w [E, out, in] (an MoE layer's experts).
+
+    The native kernels read matrix `index` of the stack in place; any other path slices it out
+    (a copy of one matrix's bytes, which a dynamic slice costs in XLA).
+    """
+    rows = math.prod(x.shape[:-1])
+    if (w.kernel == "native" and w.qtype != "F32"
+            and native.stacked_matmul_applies(rows, w.cols, w.data, w.qtype)):
+        return native.weight_matmul(x, w.data, w.qtype, index=index).astype(x.dtype)
+    return linear(x, w.at(index))
+
+
 def embed(w: Weight, ids: jax.Array) -> jax.Array:
     """Rows `ids` of an embedding table, expanded to f32: only the gathered rows are widened."""
     if not isinstance(w, QuantWeight):

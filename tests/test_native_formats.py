@@ -210,3 +210,19 @@ def test_attention_takes_float_caches_only_and_both_of_one_dtype(f32_product):
     with pytest.raises(ValueError):
         native.decode_attention(q, kc, vc.astype(jnp.bfloat16), jnp.int32(0), jnp.zeros(1, jnp.int32),
                                 jnp.zeros(1, jnp.int32), 0.125)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "BF16", "F32"])
+def test_a_matrix_of_a_stack_is_read_in_place_with_the_bits_of_the_matrix_alone(f32_product, fmt):
+    """An MoE layer's experts [E, N, ...]: weight_matmul(index=e) equals the product with matrix e,
+    for every e and with an index out of range clamped (as XLA clamps a dynamic index)."""
+    rng = np.random.default_rng(7)
+    mats = [stored_weights(fmt, 24, 512, rng)[0] for _ in range(3)]
+    stack = jnp.stack(mats)
+    x = jnp.asarray(rng.standard_normal((5, 512), np.float32))
+    fn = jax.jit(lambda x, s, e: native.weight_matmul(x, s, fmt, index=e))
+    for e, want in ((0, 0), (1, 1), (2, 2), (7, 2), (-3, 0)):
+        got = np.asarray(fn(x, stack, jnp.int32(e)))
+        assert np.array_equal(got, np.asarray(product(fmt)(x, mats[want]))), (fmt, e)
+    assert native.stacked_matmul_applies(5, 512, stack, fmt)
+    assert not native.stacked_matmul_applies(5, 512, mats[0], fmt)  # not a stack

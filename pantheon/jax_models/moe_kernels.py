@@ -142,8 +142,11 @@ def layer_experts(w: Experts) -> jax.Array:
     return w.expand() if isinstance(w, QuantWeight) else w
 
 
-def _one_expert(w: Experts, e: jax.Array) -> Experts:
-    return w.at(e) if isinstance(w, QuantWeight) else w[e]
+def _expert_linear(x: jax.Array, w: Experts, e: jax.Array) -> jax.Array:
+    """x @ expert e's matrix.T: read in place from a quantized stack (weights.linear_at)."""
+    if isinstance(w, QuantWeight):
+        return weights.linear_at(x, w, e)
+    return weights.linear(x, w[e])
 
 
 def _n_experts(w: Experts) -> int:
@@ -157,9 +160,9 @@ def _tiles(x, w, idx, wg, wu, wd, *, tm: int):
     def body(i, out):
         e = te[i]
         xt = jax.lax.dynamic_slice_in_dim(rows, i * tm, tm)
-        g = weights.linear(xt, _one_expert(wg, e))
-        u = weights.linear(xt, _one_expert(wu, e))
-        y = weights.linear(jax.nn.silu(g) * u, _one_expert(wd, e))
+        g = _expert_linear(xt, wg, e)
+        u = _expert_linear(xt, wu, e)
+        y = _expert_linear(jax.nn.silu(g) * u, wd, e)
         return jax.lax.dynamic_update_slice_in_dim(out, y, i * tm, axis=0)
 
     used = jnp.sum(te >= 0)  # unused tiles are all at the end: a dynamic trip count skips them

@@ -667,20 +667,30 @@ StoredFormat StoredFormatOf(int32_t qtype) {
 
 // x [..., K] f32 times w in ggml type qtype: uint8 blocks [N, K / weights * bytes], or for F16 and
 // BF16 the [N, K] array itself (its 8-weight "blocks" are 16 bytes of it).
+// w is one matrix [N, cols], or a stack of them [E, N, cols] of which `index` picks one (an MoE
+// layer's experts): reading the chosen matrix in place spares XLA the copy a slice of the stack costs
+// (as many bytes again as the product streams).
 ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                               ffi::Buffer<ffi::S32> skip, ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+                               ffi::Buffer<ffi::S32> skip, ffi::Buffer<ffi::S32> index,
+                               ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
   const StoredFormat f = StoredFormatOf(qtype);  // the format is chosen once per call
   if (!f.columns) return ffi::Error::InvalidArgument("rows_matmul_q: unsupported format");
   if (w.element_type() != f.dtype) return ffi::Error::InvalidArgument("rows_matmul_q: w has the wrong dtype");
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (wd.size() != 2 || xd.size() < 1) return ffi::Error::InvalidArgument("rows_matmul_q: w must be 2-D");
-  const int64_t N = wd[0], K = xd[xd.size() - 1];
+  if ((wd.size() != 2 && wd.size() != 3) || xd.size() < 1)
+    return ffi::Error::InvalidArgument("rows_matmul_q: w must be [N, cols] or [E, N, cols]");
+  const int64_t E = wd.size() == 3 ? wd[0] : 1;
+  const int64_t N = wd[wd.size() - 2], K = xd[xd.size() - 1];
   const int64_t cols = f.dtype == ffi::DataType::U8 ? K / f.weights * f.bytes : K;
-  if (K % f.weights != 0 || wd[1] != cols) return ffi::Error::InvalidArgument("rows_matmul_q: K does not match w");
+  if (K % f.weights != 0 || wd[wd.size() - 1] != cols)
+    return ffi::Error::InvalidArgument("rows_matmul_q: K does not match w");
+  int64_t e = index.element_count() ? index.typed_data()[0] : 0;
+  e = e < 0 ? 0 : e >= E ? E - 1 : e;  // as XLA clamps a dynamic index
+  const int64_t elem = f.dtype == ffi::DataType::U8 ? 1 : 2;
   const int64_t M = K ? x.element_count() / K : 0;
   const float* xp = x.typed_data();
-  const uint8_t* wp = static_cast<const uint8_t*>(w.untyped_data());
+  const uint8_t* wp = static_cast<const uint8_t*>(w.untyped_data()) + e * N * cols * elem;
   float* yp = y->typed_data();
   const ColumnsFn columns = f.columns;
   OverColumns(pool, skip, xp, yp, M, N, K,
@@ -833,6 +843,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonRowsMatmulQuant, RowsMatmulQuantImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype"));

@@ -8,7 +8,8 @@ from conftest import centered, tiny_fixture
 from pantheon.cli import main
 
 
-def test_logits_command_writes_teacher_forced_logits(tmp_path):
+def test_logits_command_writes_teacher_forced_logits(tmp_path, monkeypatch):
+    monkeypatch.setenv("PANTHEON_KV_DTYPE", "float32")  # parity with the f32 oracle
     path, j, ref = tiny_fixture("qwen2")
     out = tmp_path / "l.npy"
     assert main(["logits", "--model", str(path), "--ids", ",".join(map(str, j["prompt_ids"])), "--out", str(out),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_fixture
-from pantheon import engine
+from pantheon import engine, weights
 from pantheon.sampler import SamplingParams
 
 
@@ -36,11 +36,17 @@ def test_fused_projections_compute_what_the_separate_ones_do():
     fused = model.logits(ids)
     cfg = model.config
     nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    sep = {k: np.asarray(v) for k, v in lay.items()}
-    w, b = sep.pop("wqkv"), sep.pop("bqkv")
-    sep.update(wq=w[:, :nq], wk=w[:, nq:nq + nk], wv=w[:, nq + nk:], bq=b[:, :nq], bk=b[:, nq:nq + nk], bv=b[:, nq + nk:])
+    sep = dict(lay)
+    w, b = sep.pop("wqkv"), sep.pop("bqkv")  # per layer: rows [q | k | v] of one weight
+
+    def rows(ws, lo, hi):
+        return tuple(weights.row_slice(x, lo, hi) for x in ws)
+
+    sep.update(wq=rows(w, 0, nq), wk=rows(w, nq, nq + nk), wv=rows(w, nq + nk, nq + 2 * nk),
+               bq=b[:, :nq], bk=b[:, nq:nq + nk], bv=b[:, nq + nk:])
     gu = sep.pop("w_gu")
-    sep.update(w_gate=gu[:, : gu.shape[1] // 2], w_up=gu[:, gu.shape[1] // 2:])
+    half = gu[0].rows // 2
+    sep.update(w_gate=rows(gu, 0, half), w_up=rows(gu, half, 2 * half))
     model.params = {**model.params, "layers": sep}
     separate = model.logits(ids)
     assert np.abs(fused - separate).max() < 1e-4

@@ -193,7 +193,7 @@ def test_decode_attention_over_a_16_bit_cache_equals_the_gathered_cast_form(f32_
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 def test_decode_attention_of_a_row_does_not_depend_on_the_other_rows(f32_product, dtype):
     q, kc, vc = _caches(1, 8, dtype)
     slots, pos = jnp.arange(8, dtype=jnp.int32), jnp.asarray([7, 70, 140, 210, 280, 9, 99, 199], jnp.int32)

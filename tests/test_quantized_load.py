@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import gguf
 import jax
@@ -113,34 +114,38 @@ MIXES = {  # every block format the engine holds, a few at a time (a Q4_K_M file
 }
 
 
-def _bf16_file(path: Path, formats: dict[str, str]) -> Path:
-    """write_llama, except that BF16 matrices are written as real BF16 tensors."""
-    plain = {k: ("F32" if v == "BF16" else v) for k, v in formats.items()}
-    write_llama(path, plain)
-    if "BF16" not in formats.values():
-        return path
+def rewrite(path: Path, tensor: Any) -> Path:
+    """Rewrite the GGUF at `path` in place, every tensor passed through `tensor(t) -> (data, type)`."""
     r = gguf.GGUFReader(str(path))
-    w = gguf.GGUFWriter(str(path) + ".bf16", "llama")
+    w = gguf.GGUFWriter(str(path) + ".new", "llama")
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         vtype = f.types[0]
-        sub = f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), vtype, sub)
+        w.add_key_value(key, f.contents(), vtype, f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
     for t in r.tensors:
-        fmt = next((f for part, f in formats.items() if part in t.name), None) if len(t.shape) == 2 else None
-        data = np.asarray(t.data)
-        if fmt == "BF16":
-            w.add_tensor(t.name, gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.BF16),
-                         raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+        data, qtype = tensor(t)
+        w.add_tensor(t.name, data, raw_dtype=qtype)  # a quantized tensor's shape comes from its bytes
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    Path(str(path) + ".bf16").replace(path)
+    Path(str(path) + ".new").replace(path)
     return path
+
+
+def _bf16_file(path: Path, formats: dict[str, str]) -> Path:
+    """write_llama, except that BF16 matrices are written as real BF16 tensors."""
+    write_llama(path, {k: ("F32" if v == "BF16" else v) for k, v in formats.items()})
+    bf16 = gguf.GGMLQuantizationType.BF16
+
+    def tensor(t: Any) -> tuple[np.ndarray, Any]:
+        fmt = next((f for part, f in formats.items() if part in t.name), None) if len(t.shape) == 2 else None
+        if fmt == "BF16":
+            return gguf.quants.quantize(np.asarray(t.data, np.float32), bf16), bf16
+        return np.asarray(t.data), t.tensor_type
+
+    return rewrite(path, tensor)
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
@@ -178,25 +183,13 @@ def test_a_type_no_kernel_reads_is_expanded_alone_with_a_log_line(tmp_path, capl
 def _write_with_raw_tensor(path: Path, qtype: gguf.GGMLQuantizationType, nbytes_per_row: int) -> Path:
     """write_llama's file with blk.0.ffn_down stored as `qtype` (raw bytes gguf cannot dequantize)."""
     write_llama(path, {})
-    r = gguf.GGUFReader(str(path))
-    w = gguf.GGUFWriter(str(path) + ".raw", "llama")
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = f.types[0]
-        w.add_key_value(key, f.contents(), vtype, f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    for t in r.tensors:
+
+    def tensor(t: Any) -> tuple[np.ndarray, Any]:
         if t.name == "blk.0.ffn_down.weight":
-            rows = int(t.shape[1])
-            w.add_tensor(t.name, np.zeros((rows, nbytes_per_row), np.uint8), raw_dtype=qtype)
-        else:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    Path(str(path) + ".raw").replace(path)
-    return path
+            return np.zeros((int(t.shape[1]), nbytes_per_row), np.uint8), qtype
+        return np.asarray(t.data), t.tensor_type
+
+    return rewrite(path, tensor)
 
 
 def test_a_type_gguf_cannot_read_either_fails_the_load_naming_it_and_leaves_nothing(tmp_path):

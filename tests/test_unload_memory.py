@@ -84,10 +84,13 @@ def test_rss_is_flat_over_load_unload_cycles_of_the_default_model(real_model_pat
     r = run_cycles(path, {"PANTHEON_WARMUP": "1", "QWEN35_BATCH_SLOTS": "8", "QWEN35_MAX_SEQ": "512",
                           "QWEN35_BS_PREFILL_CHUNK": "32"})
     figures = {k: [round(x / 2 ** 30, 3) for x in v] for k, v in r.items()}  # GiB, shown on failure
-    first, last = r["loaded"][0], r["loaded"][-1]
-    assert last <= first * 1.10, figures
-    # ... and each unload gives the model back: its f32 weights and caches are ~0.9 GB here.
-    assert all(lo - u >= 768 * 2 ** 20 for u, lo in zip(r["unloaded"], r["loaded"])), figures
+    # The first cycle leaves what a reload reuses (the file's parsed header, gguf_meta's reader
+    # cache: ~70 MB with the vocabulary's strings); from the second on, RSS must stay flat.
+    first, second, last = r["loaded"][0], r["loaded"][1], r["loaded"][-1]
+    assert last <= first * 1.15 and last <= second * 1.05, figures
+    # ... and each unload gives the model back: its weights (98 MB of blocks), f16 caches and
+    # compiled programs are ~0.4 GB here.
+    assert all(lo - u >= 256 * 2 ** 20 for u, lo in zip(r["unloaded"], r["loaded"])), figures
 
 
 def test_unload_frees_the_models_buffers_and_programs_even_while_referenced(tmp_path):

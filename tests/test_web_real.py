@@ -36,7 +36,8 @@ def counts(usage: dict) -> tuple[int, int, int]:
 def srv():
     s = start_server(["smol=smollm2-135m"], timeout=400,
                      env={"QWEN35_BATCH_SLOTS": "0", "QWEN35_MAX_SEQ": "512", "PANTHEON_ADMIN_KEY": ADMIN,
-                          "PANTHEON_DIE_BUDGET_MB": "4500"})
+                          # smol (~0.2 GB) and one qwen-0.5b (~0.65 GB: its blocks + f16 caches) fit, two do not
+                          "PANTHEON_DIE_BUDGET_MB": "1300"})
     yield s
     s.stop()
 
@@ -127,7 +128,7 @@ def test_tool_call_on_the_runtime_loaded_model(srv, client, qwen_load):
         assert isinstance(json.loads(call.function.arguments), dict)
     else:
         assert isinstance(choice.message.content, str)
-    # a second copy does not fit the 3500 MiB budget next to the first: 507, nothing reserved
+    # a second copy does not fit the 1300 MiB budget next to the first: 507, nothing reserved
     err = assert_error(admin(srv, "/models/load", {"model": "qwen-0.5b", "name": "qwen-b"}), 507)
     assert err["code"] == "insufficient_memory"
     # unloading qwen does not wait for (or disturb) a stream on smol

@@ -14,10 +14,13 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from pantheon.dies import Die, DieManager, InsufficientMemoryError, LoadEstimate, estimate_load_bytes
 from pantheon.errors import PantheonError, RequestError
+from pantheon.gguf_loader import ModelConfig
 from pantheon.sharding import param_spec, state_spec
 
 from conftest import TINY
@@ -293,3 +296,19 @@ def test_four_dies_replicate_what_does_not_divide(multi_die):
 def test_die_manager_over_four_devices(multi_die):
     assert multi_die["auto_two"] == [0, 1]
     assert multi_die["after_reserve"] == [2, 3]
+
+
+def test_a_quantized_weight_splits_only_on_block_boundaries():
+    """Row-parallel (wo, w_down: the inner axis split) keeps whole blocks on every die, else replicates;
+    column-parallel (rows split) is always block-aligned."""
+    from pantheon.sharding import weight_spec
+    from pantheon.weights import QuantWeight
+    cfg = ModelConfig(arch="llama", n_layers=1, hidden=512, n_heads=8, n_kv_heads=8, head_dim=64, ffn=1024,
+                      vocab=32, rms_eps=1e-6, rope_base=1e4, n_rot=64, rope_type="norm", context_length=64,
+                      attn_scale=0.125)
+    down = QuantWeight(data=jax.ShapeDtypeStruct((512, 1024 // 256 * 144), jnp.uint8), qtype="Q4_K", cols=1024)
+    assert tuple(weight_spec("w_down", down, cfg, 2)) == (None, "tp")  # 512 weights = 2 super-blocks a die
+    assert tuple(weight_spec("w_down", down, cfg, 4)) == (None, "tp")  # 256: one super-block a die
+    assert tuple(weight_spec("w_down", down, cfg, 8)) == ()  # 128 weights would cut a super-block
+    gate = QuantWeight(data=jax.ShapeDtypeStruct((1024, 512 // 256 * 144), jnp.uint8), qtype="Q4_K", cols=512)
+    assert tuple(weight_spec("w_gate", gate, cfg, 8)) == ("tp", None)  # rows split: blocks stay whole

@@ -114,3 +114,23 @@ def test_a_kernel_that_does_not_compile_falls_back_with_a_warning():
     mk.pallas_compiles.cache_clear()
     with pytest.warns(RuntimeWarning, match="tiles"):
         assert not mk.pallas_compiles("pallas", "float32", E, F, H, 16)
+
+
+@pytest.mark.parametrize("impl", ["pallas_interpret", "tiles", "capacity"])
+def test_experts_stored_as_gguf_blocks_give_what_their_expansion_gives(impl):
+    """Quantized experts (QuantWeight [E, out, in] in Q8_0): every path reads them as stored (the
+    tile loop one expert at a time, the kernels after the in-step expansion) and equals the dense
+    product over gguf's dequantized experts."""
+    import gguf
+
+    from pantheon import weights
+
+    wg, wu, wd, _ = _weights(2)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    stored = [weights.QuantWeight(data=jnp.asarray(gguf.quants.quantize(np.asarray(a), q8)), qtype="Q8_0",
+                                  cols=int(a.shape[-1])) for a in (wg, wu, wd)]
+    plain = [jnp.asarray(gguf.quants.dequantize(np.asarray(s.data), q8).reshape(s.shape)) for s in stored]
+    x, w, idx = _skewed_routing(29, seed=2)
+    ref = _run("dense", x, w, idx, *plain)
+    got = np.asarray(jax.jit(functools.partial(mk.experts, impl=impl))(x, w, idx, *stored))
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)

@@ -75,9 +75,6 @@ NATIVE_FORMATS: frozenset[str] = frozenset(
      "IQ4_NL", "IQ4_XS"}) & frozenset(FORMATS)
 # The dtype a float format's [N, K] weights are stored in (block formats: uint8 [N, row bytes]).
 _FLOAT_DTYPES = {"F32": jnp.dtype(jnp.float32), "F16": jnp.dtype(jnp.float16), "BF16": jnp.dtype(jnp.bfloat16)}
-# The 32-weight formats `quant_matmul` tells apart by bytes per block (the API before `weight_matmul`,
-# which names the format: IQ4_NL has Q4_0's 18 bytes).
-_LEGACY_BLOCKS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 _CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 SOURCE = Path(__file__).with_name("native") / "cpu_kernels.cc"
 # -ffp-contract=off: GCC would otherwise fuse a separate multiply and add into an fma (its C++
@@ -299,29 +296,6 @@ def stacked_matmul_applies(rows: int, k: int, data: jax.Array, qtype: str) -> bo
     """Whether `weight_matmul(..., index=e)` can serve one matrix of the stack data [E, N, ...] (trace time)."""
     return _ready and rows > 0 and data.ndim == 3 and _fits(k, jax.ShapeDtypeStruct(data.shape[1:], data.dtype),
                                                             qtype)
-
-
-def _legacy_format(k: int, wq: jax.Array) -> str | None:
-    """Which of _LEGACY_BLOCKS blocks wq [N, bytes] holding rows of k weights are in, from the bytes per row."""
-    if wq.ndim != 2 or wq.dtype != jnp.uint8 or k <= 0 or k % 32:
-        return None
-    return next((name for name in _LEGACY_BLOCKS if wq.shape[1] == FORMATS[name].row_bytes(k)), None)
-
-
-def quant_applies(rows: int, k: int, wq: jax.Array) -> bool:
-    """Whether `quant_matmul` can serve `rows` rows of k inputs times the blocks wq (at trace time)."""
-    return _ready and rows > 0 and _legacy_format(k, wq) is not None
-
-
-def quant_matmul(x: jax.Array, wq: jax.Array, skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """`weight_matmul` for blocks wq of one of _LEGACY_BLOCKS, told apart by their bytes per row.
-
-    Kept for call sites that hold blocks without their format name; new code names the format.
-    """
-    fmt = _legacy_format(x.shape[-1], wq)
-    if fmt is None:
-        raise ValueError(f"weights of shape {wq.shape} are no 32-weight GGUF block format for {x.shape[-1]} inputs")
-    return weight_matmul(x, wq, fmt, skip)
 
 
 def attention_applies(q: jax.Array, cache: jax.Array) -> bool:

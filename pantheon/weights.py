@@ -279,14 +279,12 @@ def stamp(params: Any, kernels: Kernels) -> Any:
     A float F32 matrix is narrowed to BF16 when the step computes in bf16 (GPU), as the f32 loader
     did: otherwise every step would re-cast it.
     """
-    native_formats = getattr(native, "NATIVE_FORMATS", frozenset())
-
     def one(w: Any) -> Any:
         if not is_weight(w):
             return w
         if kernels.compute == "bfloat16" and w.qtype == "F32" and w.data.ndim >= 2:
             w = w.replace(data=np.asarray(w.data).astype(jnp.bfloat16), qtype="BF16")
-        kernel = "native" if kernels.matmul and w.qtype in native_formats else "xla"
+        kernel = "native" if kernels.matmul and w.qtype in native.NATIVE_FORMATS else "xla"
         return w.replace(kernel=kernel, compute=kernels.compute)
 
     return jax.tree.map(one, params, is_leaf=is_weight)

@@ -205,11 +205,13 @@ def test_fast_tokenizer_reader_matches_gguf_reader(small_files):
     assert got == want and len(got) >= 8
 
 
-@pytest.mark.skipif(not _tool().default_tokenizer_gguf().is_file(), reason="catalog Qwen GGUF not downloaded")
-def test_real_qwen_tokenizer_padded_to_profile_vocab(tmp_path):
+@pytest.mark.real
+def test_real_qwen_tokenizer_padded_to_profile_vocab(tmp_path, real_model_path):
     """The catalog's Qwen2.5 BPE and chat template are copied, padded to qwen2-7b's 152064 tokens."""
     m = _tool()
-    src = {k: v for k, v, _, _ in m.read_tokenizer_kv(m.default_tokenizer_gguf())}
+    qwen = real_model_path("qwen-0.5b")  # downloaded once into PANTHEON_HOME, where the tool looks
+    assert m.default_tokenizer_gguf().resolve() == qwen.resolve()
+    src = {k: v for k, v, _, _ in m.read_tokenizer_kv(qwen)}
     dims = {**SMALL["qwen2-7b"], "vocab": 152064}
     path = m.write_sized_gguf(tmp_path / "qwen2-real-tok.gguf", "qwen2-7b", **dims)
     got = {k: v for k, v, _, _ in m.read_tokenizer_kv(path)}

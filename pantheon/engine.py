@@ -1,17 +1,25 @@
-"""The engine seam: load a model onto JAX devices and run jitted, donated, sampled steps.
+"""The engine seam: load a model onto JAX devices and run its verbs over a donated decode state.
 
 `load(path, opts)` / `load_on(path, opts, dies)` return a `Model`. A model owns its params and its
-compiled step; it does not own sequences. Callers (the single-user generator below, the batch
-scheduler) own a state from `new_state()` and pass it to `step_begin`, which dispatches one jitted
-forward over B rows and returns at once (JAX async dispatch); `step_poll` / `step_wait` collect the
-sampled token ids. Only ids (and logits when asked for) cross back to the host.
+compiled programs; it does not own sequences. A caller (the scheduler) owns a `DecodeState` from
+`new_state()` -- the architecture's cache plus a per-slot table (pantheon.decode_state) -- and drives
+it with three verbs, in the manner of JetStream's insert / generate:
 
-Shapes are bucketed so the number of compiled programs is small and known at load: rows B in
-(1, 2, 4, 8), tokens per row T in (1, 32 and quarters of prefill_chunk), attention span doubling
-from 128 up to max_seq (the top bucket also covers the chunk's padding slack). A step whose rows
-are one prompt chunk plus single decode tokens runs as a "mixed" program (one per T and span) when
-the architecture has `forward_groups`. The cache has one extra "scratch" slot that padding rows
-write to.
+    insert(state, SlotInsert)   a request's data into its slot, once (knobs, seed, stop ids, budget)
+    step(state, StepPlan)       one forward + sample over a prompt chunk and the decoding slots;
+                                returns at once (JAX async dispatch) with a handle whose packed
+                                [rows, 2] (id, flag) output is already being copied to the host
+    release(state, slot)        take a slot back early (cancel)
+
+A step's host input is only which slot feeds which prompt chunk and which slots decode: decode rows
+read their token and position from the state, and the sampler, ring, budget and stop checks run
+inside the step. Only ids and flags come back.
+
+Shapes are bucketed so the number of compiled programs is small and known at load: decode rows in
+(1, 2, 4, 8), prompt chunks of 32 and quarters of prefill_chunk tokens, attention spans doubling
+from 128 up to max_seq (the top bucket also covers the chunk's padding slack). A chunk and decode
+rows share one "mixed" program (one per chunk bucket and span) when the architecture declares mixed
+steps. The cache has one extra "scratch" slot that padding and dead rows write to.
 """
 
 from __future__ import annotations
@@ -28,15 +36,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compile_guard, memory, native, osthread, weights
+from . import compile_guard, decode_state, memory, native, osthread, weights
 from .config import load_settings
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
 from .jax_models.common import last_valid
-from .sampler import SamplingParams, make_rows_np, sample
+from .decode_state import DecodeState
+from .gen_types import GREEDY, ModelCard, SamplingParams
 from .weights import XLA, Kernels
 
-PENALTY_WINDOW = 64  # tokens of history each row hands the in-step sampler for penalties
+
+
+@dataclass(frozen=True)
+class _Caps:
+    """What an architecture module can do (stand-in until the modules declare CAPABILITIES)."""
+
+    mixed_steps: bool
+    recurrent_state: bool
+
+
+def capabilities_of(arch: Any) -> Any:
+    declared = getattr(arch, "CAPABILITIES", None)
+    if declared is not None:
+        return declared
+    return _Caps(mixed_steps=hasattr(arch, "forward_groups"), recurrent_state=hasattr(arch, "snapshot_slot"))
 
 
 @dataclass(frozen=True)
@@ -79,21 +102,46 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A prompt chunk a step feeds into one slot: `tokens` at positions start.. (start is the host's own
+    count, used to pick the attention-span bucket; the device reads the slot's position itself)."""
+
+    slot: int
+    tokens: tuple[int, ...]
+    start: int
+    final: bool  # the prompt's last chunk: its row samples the request's first token
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's host input: which slot feeds which prompt chunk, and which slots decode.
+
+    No token, position or sampling parameter of a decode row crosses here: each is in the decode
+    state. `reach` bounds the positions the decode rows write (the highest position + 1), only to pick
+    the span bucket; a bound that is too high costs a wider span, never a wrong result.
+    """
+
+    chunk: Chunk | None = None
+    decode: tuple[int, ...] = ()
+    reach: int = 0
+
+
 @dataclass
 class StepHandle:
-    """A dispatched step: device arrays that become ready asynchronously."""
+    """A dispatched step: its packed [rows, 2] output is being copied to the host asynchronously."""
 
-    ids: jax.Array
+    packed: jax.Array
     logits: jax.Array | None
     n_rows: int
 
     def ready(self) -> bool:
-        return self.ids.is_ready()
+        return self.packed.is_ready()
 
 
 @dataclass
 class _Plan:
-    """One step's compiled forward, its arguments after (params, state), and the sampler's row count."""
+    """One step's compiled forward, its arguments after (params, cache[, table]), and its bucket key."""
 
     fn: Any
     args: tuple
@@ -103,7 +151,12 @@ class _Plan:
 
 
 class Model:
-    """A loaded model: config, tokenizer, chat template, device params and the compiled step."""
+    """A loaded model: its device params and the compiled verbs (`insert`, `step`, `release`).
+
+    A model does not own sequences: callers own a `DecodeState` from `new_state()` and hand it to every
+    verb (it is donated: only the returned state may be used). The card (`self.card`) is the JAX-free
+    description the web layer reads: config, tokenizer, chat template and limits.
+    """
 
     def __init__(self, path: Path, name: str, cfg: ModelConfig, meta: dict[str, Any], arch: Any,
                  params: Any, tokenizer: Any, template: Any, opts: LoadOptions, devices: list[Any],
@@ -113,6 +166,7 @@ class Model:
         self.config = cfg
         self.meta = meta
         self.arch = arch
+        self.caps = capabilities_of(arch)
         self.params = params
         self.tokenizer = tokenizer
         self.template = template
@@ -128,6 +182,9 @@ class Model:
         self.chunk = max(1, min(opts.prefill_chunk, self.max_seq))
         self.capacity = self.max_seq + self.chunk  # a padded chunk never writes past the end
         self.scratch_slot = self.n_slots
+        self.card = ModelCard(name=name, path=str(path), arch=cfg.arch, context_length=self.max_seq,
+                              n_slots=self.n_slots, tokenizer=tokenizer, template=template,
+                              native_kernels=bool(kernels.matmul))
         # Few buckets = few programs to compile at load (each costs seconds on CPU). Rows double,
         # prefill chunks step by a quarter of the full chunk (prefill is compute-bound, so a 70-token
         # prompt padded to 128 would cost almost twice what it needs).
@@ -138,52 +195,58 @@ class Model:
         # The last one stretches to the capacity (the chunk's padding slack) instead of adding a
         # bucket just above max_seq: one program fewer per (rows, tokens) bucket.
         self.span_buckets = (*_geometric_buckets(min(128, self.max_seq), self.max_seq, 2)[:-1], self.capacity)
-        # Two programs per step: the forward (one per (rows, tokens, span) bucket) and the sampler
-        # (one per rows bucket). Keeping the sampler out of the forward compiles it 4 times, not 40.
-        # Several dies: one mesh over them, params and state split tensor-parallel (pantheon.sharding);
-        # the step pins the state it returns to the layout it took, so one program serves every step.
-        self.shard_plan = None
-        impl = self._forward_impl
-        if len(devices) > 1:
-            from .sharding import ShardPlan
-            self.shard_plan = ShardPlan(devices, cfg)
-            impl = self.shard_plan.wrap_forward(self._forward_impl)
-            self._sharded_init = self.shard_plan.state_initializer(
-                lambda: self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.kv_dtype))
-        self._forward = jax.jit(impl, static_argnames=("span", "all_logits", "kernels"), donate_argnums=(1,))
         # Mixed steps: one prefill row of T tokens plus up to n_slots - 1 decode rows in one forward
         # (the architecture's forward_groups), so a new request's prompt does not stall the decoders.
         # The decode group is always padded to n_slots - 1 rows: one program per (T, span), not four.
         self.mixed_rows = self.n_slots - 1
-        self.supports_mixed = hasattr(arch, "forward_groups") and self.mixed_rows >= 1
-        if self.supports_mixed:
-            mixed = self._mixed_impl if self.shard_plan is None else self.shard_plan.wrap_forward(self._mixed_impl)
-            self._forward_mixed = jax.jit(mixed, static_argnames=("span", "kernels"), donate_argnums=(1,))
-        self._sample = jax.jit(sample)
-        if self.shard_plan is not None:
-            self._sample = self.shard_plan.on_first_die(self._sample)
+        self.supports_mixed = self.caps.mixed_steps and self.mixed_rows >= 1
+        # Two programs per step: the forward (one per (kind, rows, tokens, span) bucket) and the
+        # sampler + slot update (one per rows bucket). Keeping the sampler out of the forward compiles
+        # it a handful of times, not once per forward bucket. Several dies: one mesh over them, params
+        # and state split tensor-parallel (pantheon.sharding); the step pins the state it returns to
+        # the layout it took, so one program serves every step.
+        self.shard_plan = None
+        raw, serve = self._forward_impl, self._serve_impl
+        if len(devices) > 1:
+            from .sharding import ShardPlan
+            self.shard_plan = ShardPlan(devices, cfg)
+            raw, serve = self.shard_plan.wrap_forward(raw), self.shard_plan.wrap_forward(serve)
+            self._sharded_init = self.shard_plan.state_initializer(
+                lambda: self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.kv_dtype))
+        self._forward = jax.jit(raw, static_argnames=("span", "all_logits", "kernels"), donate_argnums=(1,))
+        self._serve = jax.jit(serve, static_argnames=("span", "kernels", "kind"), donate_argnums=(1,))
+        max_seq = self.max_seq
+        self._advance = jax.jit(lambda table, logits, rows: decode_state.sample_and_advance(table, logits, rows, max_seq),
+                                donate_argnums=(0,))
+        self._insert = jax.jit(decode_state.insert, donate_argnums=(0,))
+        self._release = jax.jit(decode_state.release, donate_argnums=(0,))
         self._compiled_keys: set[tuple] = set()
         self._keys_lock = osthread.Lock()  # guards _compiled_keys (steps may come from several threads)
-        # The leaves of every state this model handed out (new_state, step_begin), held weakly, so
-        # release() can free the caches' device buffers even if a caller still holds a state.
-        # id(leaf) -> leaf; an entry goes by itself when its leaf dies (donated or dropped).
+        # The leaves of every state this model handed out, held weakly, so free() can free the caches'
+        # device buffers even if a caller still holds a state. id(leaf) -> leaf; an entry goes by
+        # itself when its leaf dies (donated or dropped).
         self._states: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self.released = False
 
     # ---- state ---------------------------------------------------------------------------------
-    def new_state(self) -> Any:
-        """Fresh state for n_slots sequences plus the scratch slot, on the model's device."""
+    def new_state(self) -> DecodeState:
+        """Fresh state for n_slots sequences plus the scratch slot, on the model's device(s)."""
         self._check_live()
-        if self.shard_plan is not None:  # built straight into its shards over the model's dies
-            return self._track(self._sharded_init())
-        with jax.default_device(self.devices[0]):
-            state = self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.kv_dtype)
-        # Committed to the device like every step's output, so the first step and later ones share
-        # one compiled program (an uncommitted input is a different jit cache key).
-        return self._track(jax.device_put(state, self.devices[0]))
+        table = decode_state.empty_table(self.n_slots + 1)
+        if self.shard_plan is not None:  # the cache straight into its shards, the table on every die
+            cache = self._sharded_init()
+            table = jax.device_put(table, self.shard_plan.replicated)
+        else:
+            with jax.default_device(self.devices[0]):
+                cache = self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.kv_dtype)
+            # Committed to the device like every step's output, so the first step and later ones share
+            # one compiled program (an uncommitted input is a different jit cache key).
+            cache = jax.device_put(cache, self.devices[0])
+            table = jax.device_put(table, self.devices[0])
+        return self._track(DecodeState(cache=cache, slots=table))
 
     def _track(self, state: Any) -> Any:
-        """Remember `state`'s leaves weakly (for release); returns it unchanged."""
+        """Remember `state`'s leaves weakly (for free); returns it unchanged."""
         for leaf in jax.tree.leaves(state):
             self._states[id(leaf)] = leaf
         return state
@@ -192,8 +255,8 @@ class Model:
         if self.released:
             raise RuntimeError(f"model {self.name!r} has been released (unloaded)")
 
-    # ---- release ---------------------------------------------------------------------------------
-    def release(self) -> None:
+    # ---- free ------------------------------------------------------------------------------------
+    def free(self) -> None:
         """Free what this model holds on its devices now, whoever still references the Model.
 
         Why explicit: a loaded model's memory is its params, its slot caches and its compiled
@@ -213,7 +276,7 @@ class Model:
         self._states.clear()
         params, self.params = self.params, None
         _delete_arrays(params)
-        for attr in ("_forward", "_forward_mixed", "_sample"):
+        for attr in ("_forward", "_serve", "_advance", "_insert", "_release"):
             fn = getattr(self, attr, None)
             clear = getattr(fn, "clear_cache", None)
             if callable(clear):
@@ -229,52 +292,150 @@ class Model:
         """What one more token of context costs in this model's cache (at its KV dtype)."""
         return kv_bytes(self.arch.state_bytes_per_token(self.config), self.kv_dtype)
 
-    # ---- the jitted step -----------------------------------------------------------------------
-    def _forward_impl(self, params, state, tokens, slots, start, n_new, *, span: int, all_logits: bool,
+    # ---- the verbs -------------------------------------------------------------------------------
+    def insert(self, state: DecodeState, new: decode_state.SlotInsert) -> DecodeState:
+        """Give a slot to a request: its sampling knobs and seed, stop ids, budget, the prompt's tail
+        for penalties, and the position its reused prefix reaches. Written once; steps read it."""
+        self._check_live()
+        if not 0 <= int(new.slot) < self.n_slots:
+            raise ValueError(f"slot {int(new.slot)} is not one of the model's {self.n_slots}")
+        return state.replace(slots=self._track(self._insert(state.slots, new)))
+
+    def release(self, state: DecodeState, slot: int) -> DecodeState:
+        """Take a slot back before its request finished by itself (cancel): later rows for it, even
+        ones already planned, compute into the scratch slot and change nothing."""
+        self._check_live()
+        return state.replace(slots=self._track(self._release(state.slots, np.int32(slot))))
+
+    def step(self, state: DecodeState, plan: StepPlan, want_logits: bool = False) -> tuple[StepHandle, DecodeState]:
+        """Dispatch one step (returns at once); read its result with `read(handle)`.
+
+        Rows: the plan's chunk first (if any), then one per decoding slot, in the plan's order. Each
+        row's packed output is (token id, flag) (decode_state's RUNNING / STOP / LENGTH / IDLE).
+        """
+        self._check_live()
+        p = self._serve_plan(plan)
+        self._note_shape(p.key)
+        logits, rows, cache = p.fn(self.params, state.cache, state.slots, *p.args, **p.kwargs)
+        packed, table = self._advance(state.slots, logits, rows)
+        packed.copy_to_host_async()  # the host reads it after dispatching the next step
+        n = (plan.chunk is not None) + len(plan.decode)
+        state = self._track(DecodeState(cache=cache, slots=table))
+        return StepHandle(packed=packed, logits=logits if want_logits else None, n_rows=n), state
+
+    @staticmethod
+    def read(handle: StepHandle) -> np.ndarray:
+        """The step's packed [rows, 2] (id, flag), waiting for the device if needed."""
+        return np.asarray(handle.packed)[: handle.n_rows]
+
+    @staticmethod
+    def poll(handle: StepHandle) -> np.ndarray | None:
+        """`read` if the step has finished, else None (never blocks)."""
+        return Model.read(handle) if handle.ready() else None
+
+    # ---- the jitted parts --------------------------------------------------------------------------
+    def _forward_impl(self, params, cache, tokens, slots, start, n_new, *, span: int, all_logits: bool,
                       kernels: Kernels):
-        logits, state = self.arch.forward(params, state, tokens, slots, start, n_new, cfg=self.config,
+        logits, cache = self.arch.forward(params, cache, tokens, slots, start, n_new, cfg=self.config,
                                           span=span, all_logits=all_logits, kernels=kernels)
         last = last_valid(logits, n_new) if all_logits else logits
-        return last, (logits if all_logits else None), state
+        return last, (logits if all_logits else None), cache
 
-    def _mixed_impl(self, params, state, prefill, decode, order, *, span: int, kernels: Kernels):
-        logits, state = self.arch.forward_groups(params, state, (prefill, decode), cfg=self.config, span=span,
-                                                 kernels=kernels)
-        return logits[order], None, state
+    def _serve_impl(self, params, cache, table, chunk_tok, chunk_meta, dec_slots, *, span: int, kernels: Kernels,
+                    kind: str):
+        """The forward of a serving step: decode rows take their token and position from `table`.
 
-    def step_begin(self, state: Any, tokens: Sequence[Sequence[int]], slots: Sequence[int],
-                   starts: Sequence[int], params: Sequence[SamplingParams | None] | None = None,
-                   recent: Sequence[Sequence[int]] | None = None, steps: Sequence[int] | None = None,
-                   want_logits: bool = False, all_logits: bool = False) -> tuple[StepHandle, Any]:
-        """Dispatch one forward + sample over len(tokens) rows. Returns (handle, new state).
+        chunk_tok i32[1, T], chunk_meta i32[3] = (slot, real tokens, final), dec_slots i32[D] (padding:
+        the scratch slot). A decode row whose slot is inactive (finished or released while this step
+        was being planned) is sent to the scratch slot, so it changes no cache and no recurrent state.
+        Returns (logits [R, V] of each row's last token, StepRows, cache).
+        """
+        scratch = self.scratch_slot
+        groups, slot, emit, pos, live = [], [], [], [], []
+        if kind in ("prefill", "mixed"):
+            c_slot, c_n, c_final = chunk_meta[0:1], chunk_meta[1:2], chunk_meta[2:3]
+            c_start = table.pos[c_slot]
+            groups.append((chunk_tok, c_slot, c_start, c_n))
+            slot.append(c_slot)
+            emit.append(c_final > 0)
+            pos.append(c_start + c_n)
+            live.append(jnp.ones((1,), bool))
+        if kind in ("decode", "mixed"):
+            on = table.active[dec_slots] & (dec_slots != scratch)
+            d_slot = jnp.where(on, dec_slots, scratch)
+            d_start = jnp.where(on, table.pos[dec_slots], 0)
+            d_tok = jnp.where(on, table.last[dec_slots], 0)[:, None]
+            groups.append((d_tok, d_slot, d_start, jnp.ones_like(d_start)))
+            slot.append(d_slot)
+            emit.append(on)
+            pos.append(d_start + 1)
+            live.append(on)
+        if kind == "mixed":
+            logits, cache = self.arch.forward_groups(params, cache, tuple(groups), cfg=self.config, span=span,
+                                                     kernels=kernels)
+        else:
+            logits, cache = self.arch.forward(params, cache, *groups[0], cfg=self.config, span=span,
+                                              all_logits=False, kernels=kernels)
+        rows = decode_state.StepRows(slot=jnp.concatenate(slot), emit=jnp.concatenate(emit),
+                                     pos=jnp.concatenate(pos), live=jnp.concatenate(live))
+        return logits, rows, cache
 
-        Row b feeds tokens[b] at positions starts[b].. into cache slot slots[b]. The old state is
-        donated: the caller must use only the returned one.
+    def _serve_plan(self, plan: StepPlan) -> _Plan:
+        """Which compiled forward a serving step runs and its padded host inputs."""
+        c, dec = plan.chunk, list(plan.decode)
+        if c is None and not dec:
+            raise ValueError("a step needs a prompt chunk or a decoding slot")
+        if c is not None and not c.tokens:
+            raise ValueError("a prompt chunk needs at least one token")
+        if c is not None and dec and not self.supports_mixed:
+            raise ValueError(f"{self.config.arch} cannot mix a prompt chunk with decode rows in one step")
+        if len(dec) > (self.mixed_rows if c is not None else self.n_slots):
+            raise ValueError(f"{len(dec)} decode rows do not fit the step")
+        reach = max(plan.reach, 1) if dec else 0
+        T, ctok, cmeta = 0, np.zeros((1, 1), np.int32), np.zeros(3, np.int32)
+        if c is not None:
+            T = _bucket(len(c.tokens), self.chunk_buckets)
+            ctok = np.zeros((1, T), np.int32)
+            ctok[0, : len(c.tokens)] = c.tokens
+            cmeta = np.array([c.slot, len(c.tokens), int(c.final)], np.int32)
+            reach = max(reach, c.start + T)
+        span = self._span_for(reach)
+        if c is not None and dec:
+            kind, D = "mixed", self.mixed_rows
+        elif c is not None:
+            kind, D = "prefill", 0
+        else:
+            kind, D = "decode", _bucket(len(dec), self.row_buckets)
+        ds = np.full((max(D, 1),), self.scratch_slot, np.int32)
+        ds[: len(dec)] = dec
+        return _Plan(self._serve, (ctok, cmeta, ds), dict(span=span, kernels=self.kernels, kind=kind),
+                     (kind, D, T, span), (1 if c is not None else 0) + D)
+
+    # ---- teacher-forced rows (numerics: logits, tests, tools) ------------------------------------
+    def forward_rows(self, state: DecodeState, tokens: Sequence[Sequence[int]], slots: Sequence[int],
+                     starts: Sequence[int], all_logits: bool = False) -> tuple[np.ndarray, DecodeState]:
+        """Feed rows of given tokens straight into the cache, no sampling, no slot table.
+
+        Row b feeds tokens[b] at positions starts[b].. into slot slots[b]. Returns the logits of each
+        row's last token [rows, V] (all_logits: every position, [rows, T, V]) and the new state.
         """
         self._check_live()
         plan = self._plan(tokens, slots, starts, all_logits)
         self._note_shape(plan.key)
-        last, every, state = plan.fn(self.params, state, *plan.args, **plan.kwargs)
-        self._track(state)
-        # The forward is running now: the sampler's per-row inputs are built while it computes
-        # (1.4 ms of host work at 8 rows that used to delay its start), then its call queues behind it.
-        rows, rec, stp = self._sampling_rows(plan.rows, params, recent, steps, len(tokens))
-        ids = self._sample(last, rows, rec, stp)
-        logits = every if all_logits else (last if want_logits else None)
-        return StepHandle(ids=ids, logits=logits, n_rows=len(tokens)), state
+        last, every, cache = plan.fn(self.params, state.cache, *plan.args, **plan.kwargs)
+        state = self._track(state.replace(cache=cache))
+        out = np.asarray(every if all_logits else last)[: len(tokens)]
+        return out, state
 
     def _plan(self, tokens: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
-              all_logits: bool) -> "_Plan":
-        """Which compiled forward a step runs and its padded host inputs (rows, tokens, span buckets)."""
+              all_logits: bool) -> _Plan:
+        """The raw forward's bucket and padded host inputs (rows, tokens, span buckets)."""
         n = len(tokens)
         if n == 0:
             raise ValueError("step needs at least one row")
         lens = [len(t) for t in tokens]
         if min(lens) < 1:
             raise ValueError("every row needs at least one token")
-        long_rows = [b for b in range(n) if lens[b] > 1]
-        if self.supports_mixed and len(long_rows) == 1 and 1 < n <= self.mixed_rows + 1 and not all_logits:
-            return self._plan_mixed(tokens, slots, starts, long_rows[0])
         B = _bucket(n, self.row_buckets)
         T = 1 if max(lens) == 1 else _bucket(max(lens), self.chunk_buckets)
         span = self._span_for(max(s + T for s in starts))
@@ -288,183 +449,110 @@ class Model:
             st[b] = starts[b]
             nn[b] = lens[b]
         return _Plan(self._forward, (tok, sl, st, nn), dict(span=span, all_logits=all_logits, kernels=self.kernels),
-                     (B, T, span, all_logits), B)
-
-    def _plan_mixed(self, tokens: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
-                    p: int) -> "_Plan":
-        """Row p ([1, T] prefill group) and every other row ([mixed_rows, 1] decode group) in one forward.
-
-        The forward returns its logits in the caller's row order (then the padding rows), so the
-        sampler and the handle see rows exactly as a plain step would.
-        """
-        n, D = len(tokens), self.mixed_rows
-        T = _bucket(len(tokens[p]), self.chunk_buckets)
-        span = self._span_for(max(starts[p] + T, *(starts[b] + 1 for b in range(n) if b != p)))
-        ptok = np.zeros((1, T), np.int32)
-        ptok[0, : len(tokens[p])] = tokens[p]
-        prefill = (ptok, np.array([slots[p]], np.int32), np.array([starts[p]], np.int32),
-                   np.array([len(tokens[p])], np.int32))
-        dtok = np.zeros((D, 1), np.int32)
-        dsl = np.full((D,), self.scratch_slot, np.int32)
-        dst = np.zeros((D,), np.int32)
-        order = np.zeros((D + 1,), np.int32)  # caller row b -> its row in the forward's output
-        d = 0
-        for b in range(n):
-            if b == p:
-                continue
-            dtok[d, 0], dsl[d], dst[d] = tokens[b][0], slots[b], starts[b]
-            order[b] = 1 + d
-            d += 1
-        order[n:] = np.arange(1 + d, D + 1)  # padding rows after the caller's
-        decode = (dtok, dsl, dst, np.ones((D,), np.int32))
-        return _Plan(self._forward_mixed, (prefill, decode, order), dict(span=span, kernels=self.kernels),
-                     ("mixed", T, span), D + 1)
+                     ("raw", B, T, span, all_logits), B)
 
     def _span_for(self, need: int) -> int:
         if need > self.capacity:
             raise ValueError(f"sequence position {need} exceeds the cache capacity {self.capacity}")
         return _bucket(need, self.span_buckets)
 
-    @staticmethod
-    def _sampling_rows(B: int, params: Sequence[SamplingParams | None] | None,
-                       recent: Sequence[Sequence[int]] | None, steps: Sequence[int] | None,
-                       n: int) -> tuple[Any, np.ndarray, np.ndarray]:
-        """Per-row sampler inputs for n caller rows padded to B: parameters, penalty window, step index."""
-        rec = np.full((B, PENALTY_WINDOW), -1, np.int32)
-        stp = np.zeros((B,), np.int32)
-        for b in range(n):
-            if recent is not None and recent[b]:
-                r = list(recent[b])[-PENALTY_WINDOW:]
-                rec[b, PENALTY_WINDOW - len(r):] = r
-            if steps is not None:
-                stp[b] = steps[b]
-        plist = list(params) if params is not None else [None] * n
-        return make_rows_np(plist + [None] * (B - n), B), rec, stp  # host arrays: the call transfers them
-
-    @staticmethod
-    def step_poll(handle: StepHandle) -> np.ndarray | None:
-        """Sampled ids [n_rows] if the step has finished, else None (never blocks)."""
-        if not handle.ready():
-            return None
-        return np.asarray(handle.ids)[: handle.n_rows]
-
-    @staticmethod
-    def step_wait(handle: StepHandle) -> np.ndarray:
-        return np.asarray(handle.ids)[: handle.n_rows]
-
-    # The seed's names for the async seam (pn_forward_step_begin / pn_forward_step_poll).
-    forward_step_begin = step_begin
-    forward_step_poll = step_poll
-
     def _note_shape(self, key: tuple) -> None:
         with self._keys_lock:
             self._compiled_keys.add(key)
 
     # ---- warm-up -------------------------------------------------------------------------------
-    def warmup(self, state: Any, decode: bool = True, prefill: bool = True, mixed: bool = True) -> Any:
+    def warmup_plans(self, decode: bool = True, prefill: bool = True, mixed: bool = True) -> list[StepPlan]:
+        """Every serving step shape the scheduler can ask for, as plans on the scratch slot."""
+        plans: list[StepPlan] = []
+        s = self.scratch_slot
+        if decode:
+            plans += [StepPlan(decode=(s,) * b, reach=sp) for b in self.row_buckets for sp in self.span_buckets]
+        chunks = [(t, sp) for t in self.chunk_buckets for sp in self.span_buckets if sp >= t]
+        for t, sp in chunks:
+            start = max(0, min(sp - t, self.capacity - t)) if sp != self.span_buckets[0] else 0
+            if prefill:
+                plans.append(StepPlan(chunk=Chunk(s, (0,) * t, start, False)))
+            if mixed and self.supports_mixed:
+                plans.append(StepPlan(chunk=Chunk(s, (0,) * t, start, False), decode=(s,), reach=start + t))
+        return plans
+
+    def warmup(self, state: DecodeState, decode: bool = True, prefill: bool = True,
+               mixed: bool = True) -> DecodeState:
         """Compile every step shape the scheduler can ask for; returns the state.
 
-        Shapes are (rows, tokens of the first row, tokens of the others, span): decode (b, 1, 1, sp),
-        prefill (1, t, -, sp), and mixed (2, t, 1, sp): one prefill row riding with a decode row.
+        XLA compiles with the GIL released: the forwards are compiled ahead of time on every core,
+        then each shape runs once on the scratch slot (which also compiles the few sampler programs).
         """
-        shapes = []
-        if decode:
-            shapes += [(b, 1, 1, sp) for b in self.row_buckets for sp in self.span_buckets]
-        if prefill:
-            shapes += [(1, t, 1, sp) for t in self.chunk_buckets for sp in self.span_buckets if sp >= t]
-        if mixed and self.supports_mixed:
-            shapes += [(2, t, 1, sp) for t in self.chunk_buckets if t > 1 for sp in self.span_buckets if sp >= t]
-        steps = []
-        for b, t, t_rest, sp in shapes:
-            start = max(0, sp - t) if sp != self.span_buckets[0] else 0
-            start = min(start, self.capacity - t)
-            steps.append(([[0] * t] + [[0] * t_rest for _ in range(b - 1)], [self.scratch_slot] * b, [start] * b))
-        # XLA compiles with the GIL released: compile ahead of time on every core, then run each shape
-        # once (the run reuses the compiled program; it only compiles the small sampler programs).
-        plans = [self._plan(toks, slots, starts, False) for toks, slots, starts in steps]
-        osthread.map_threads(lambda pl: pl.fn.lower(self.params, state, *pl.args, **pl.kwargs).compile(), plans,
-                             os.cpu_count() or 1, name=f"compile-{self.name}")
-        for toks, slots, starts in steps:
-            h, state = self.step_begin(state, toks, slots, starts)
-            self.step_wait(h)
-        return state
+        plans = [self._serve_plan(p) for p in self.warmup_plans(decode, prefill, mixed)]
+        osthread.map_threads(
+            lambda pl: pl.fn.lower(self.params, state.cache, state.slots, *pl.args, **pl.kwargs).compile(),
+            plans, os.cpu_count() or 1, name=f"compile-{self.name}")
+        for plan in self.warmup_plans(decode, prefill, mixed):
+            h, state = self.step(state, plan)
+            self.read(h)
+        state = self.release(state, 0)
+        return self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert
 
-    # ---- conveniences built on the step -------------------------------------------------------
-    def prefill(self, state: Any, slot: int, ids: Sequence[int], start: int = 0,
-                params: SamplingParams | None = None, recent: Sequence[int] | None = None,
-                step: int = 0, chunk: int | None = None, want_logits: bool = False,
-                all_logits: bool = False) -> tuple[int, np.ndarray | None, Any]:
-        """Feed `ids` into `slot` from position `start`, in chunks; returns (sampled next id, logits, state).
+    # ---- conveniences built on the verbs -----------------------------------------------------------
+    def prefill(self, state: DecodeState, slot: int, ids: Sequence[int], start: int = 0, chunk: int | None = None,
+                all_logits: bool = False) -> tuple[int, np.ndarray, DecodeState]:
+        """Teacher-force `ids` into `slot` from position `start` in chunks (no sampling).
 
-        logits are the last position's [V] (want_logits) or every position's [len(ids), V] (all_logits).
-        """
+        Returns (the greedy next id, logits: the last position's [V], or every position's
+        [len(ids), V] with all_logits, the new state)."""
         chunk = chunk or self.chunk
         ids = list(ids)
         if not ids:
             raise ValueError("prefill needs at least one token")
-        hist = list(recent or [])
-        out_logits = []
-        pos = start
-        next_id = -1
-        last_logits = None
+        parts, pos = [], start
         for i in range(0, len(ids), chunk):
             part = ids[i: i + chunk]
-            final = i + chunk >= len(ids)
-            hist_now = (hist + ids[: i + len(part)])[-PENALTY_WINDOW:]
-            h, state = self.step_begin(state, [part], [slot], [pos], [params], [hist_now], [step],
-                                       want_logits=want_logits and final, all_logits=all_logits)
-            if all_logits:
-                out_logits.append(np.asarray(h.logits)[0, : len(part)])
-            elif final and want_logits:
-                last_logits = np.asarray(h.logits)[0]
-            if final:
-                next_id = int(self.step_wait(h)[0])
+            lg, state = self.forward_rows(state, [part], [slot], [pos], all_logits=all_logits)
+            parts.append(lg[0, : len(part)] if all_logits else lg[0])
             pos += len(part)
         if all_logits:
-            return next_id, np.concatenate(out_logits, axis=0), state
-        return next_id, last_logits, state
+            every = np.concatenate(parts, axis=0)
+            return int(np.argmax(every[-1])), every, state
+        return int(np.argmax(parts[-1])), parts[-1], state
 
     def logits(self, ids: Sequence[int], chunk: int | None = None) -> np.ndarray:
         """Teacher-forced logits [len(ids), V] as float32 (for comparison with other engines)."""
-        state = self.new_state()
-        _, lg, _ = self.prefill(state, 0, ids, chunk=chunk, all_logits=True)
+        _, lg, _ = self.prefill(self.new_state(), 0, ids, chunk=chunk, all_logits=True)
         return lg
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, max_tokens: int = 128,
-                 stop_ids: Sequence[int] | None = None, state: Any = None, slot: int = 0,
+                 stop_ids: Sequence[int] | None = None, state: DecodeState | None = None, slot: int = 0,
                  cancel: Any = None, chunk: int | None = None,
                  decode_from: int | None = None) -> Iterator[int]:
-        """Single-sequence generation (the single-user path): yields token ids as they are sampled.
+        """One sequence, alone, through the serving verbs (insert, then steps): yields token ids.
 
-        `decode_from` prefills only prompt_ids[:decode_from] in chunks and feeds the rest one token
-        at a time (a test hook: chunked prefill and step-by-step decode must agree).
+        The reference the scheduler's batched output is compared with. `decode_from` feeds
+        prompt_ids[decode_from:] one token per chunk (a test hook: chunking must not change tokens).
         """
-        params = params or SamplingParams(temperature=0.0)
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=params.resolved_seed())
-        stop = set(self.tokenizer.eot_ids if stop_ids is None and self.tokenizer else (stop_ids or ()))
+        params = (params or SamplingParams(temperature=0.0)).resolved()
+        stop = tuple(self.tokenizer.eot_ids if stop_ids is None and self.tokenizer else (stop_ids or ()))
         prompt = list(prompt_ids)
         if len(prompt) + max_tokens > self.max_seq:
             max_tokens = self.max_seq - len(prompt)
             if max_tokens <= 0:
                 raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_seq {self.max_seq}")
         state = state if state is not None else self.new_state()
+        state = self.insert(state, decode_state.slot_insert(slot, prompt, 0, params, max_tokens, stop))
+        chunk = chunk or self.chunk
         cut = len(prompt) if decode_from is None else max(1, decode_from)
-        nxt, _, state = self.prefill(state, slot, prompt[:cut], params=params, chunk=chunk)
-        hist = prompt[:cut]
-        for tok in prompt[cut:]:
-            h, state = self.step_begin(state, [[tok]], [slot], [len(hist)], [params], [hist + [tok]], [0])
-            hist.append(tok)
-            nxt = int(self.step_wait(h)[0])
-        pos = len(hist)
-        for i in range(max_tokens):
-            yield nxt
-            if nxt in stop or i + 1 >= max_tokens or (cancel is not None and cancel.is_set()):
+        pieces = [prompt[i: i + chunk] for i in range(0, cut, chunk)] + [[t] for t in prompt[cut:]]
+        pos = 0
+        for i, part in enumerate(pieces):
+            h, state = self.step(state, StepPlan(chunk=Chunk(slot, tuple(part), pos, i == len(pieces) - 1)))
+            pos += len(part)
+        tok, flag = (int(x) for x in self.read(h)[0])
+        while True:
+            yield tok
+            if flag != decode_state.RUNNING or (cancel is not None and cancel.is_set()):
                 return
-            hist.append(nxt)
-            h, state = self.step_begin(state, [[nxt]], [slot], [pos], [params], [hist], [i + 1])
+            h, state = self.step(state, StepPlan(decode=(slot,), reach=pos + 1))
             pos += 1
-            nxt = int(self.step_wait(h)[0])
+            tok, flag = (int(x) for x in self.read(h)[0])
 
     def compiled_shapes(self) -> set[tuple]:
         with self._keys_lock:

@@ -648,26 +648,3 @@ def cap_messages(messages: Sequence[dict], tokenize_fn: Callable[[list[dict]], A
         if shrunk is not None:
             return shrunk, True
     return kept, True
-
-
-def admit_messages(model: Any, messages: Sequence[dict], tokenize_fn: Callable[[list[dict]], Sequence[int]], *,
-                   reserve_tokens: int = 0, snapshot: MemSnapshot | None = None, watch: MemWatch | None = None,
-                   min_tokens: int | None = None) -> tuple[list[dict], list[int], Admission]:
-    """admit + cap_messages in one call for a chat request: (messages, prompt ids, admission).
-
-    `tokenize_fn(messages)` renders and tokenizes the prompt. FIT: the messages and ids unchanged.
-    CAPPED: the oldest context dropped until the prompt fits `fit_tokens` (the caller sets
-    `context_capped` and skips prefix reuse). DENIED (also when even the capped prompt does not fit):
-    the caller answers 503 (`admission.raise_if_denied()`).
-    """
-    msgs = [dict(m) for m in messages]
-    ids = list(tokenize_fn(msgs))
-    adm = admit(model, len(ids), snapshot, watch=watch, reserve_tokens=reserve_tokens, min_tokens=min_tokens)
-    if not adm.capped:
-        return msgs, ids, adm
-    capped, _ = cap_messages(msgs, tokenize_fn, adm.fit_tokens)
-    cids = list(tokenize_fn(capped))
-    if len(cids) > adm.fit_tokens:
-        return msgs, ids, Admission(DENIED, adm.fit_tokens, adm.reason + "; the last turn alone does not fit",
-                                    adm.window, adm.pressure)
-    return capped, cids, adm

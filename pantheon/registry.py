@@ -19,7 +19,7 @@ split the requests by fewest references; a request with a `session_id` sticks to
 served that session before (a bounded LRU map), so its prefix cache is reused. `unload` marks the
 entries UNLOADING (no new acquires), waits until their refs drain (optionally with a timeout: then
 nothing is freed, the entries become READY again and the caller gets 409), then closes the backend,
-releases the model (engine.Model.release: its params, caches and compiled programs are freed at once,
+frees the model (engine.Model.free: its params, caches and compiled programs are freed at once,
 not whenever the last reference happens to go), trims the C heap so the freed bytes leave the
 process (memory.release_freed_memory), and gives its dies' reservation back, outside the lock. A
 failed load is cleaned up the same way.
@@ -164,15 +164,15 @@ def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings) 
 
 def _holds_memory(model: Any) -> bool:
     """Whether `model` holds device memory of its own (an engine.Model; test fakes do not)."""
-    return callable(getattr(model, "release", None))
+    return callable(getattr(model, "free", None))
 
 
 def _release_model(model: Any) -> bool:
-    """Free a model's device memory at once (engine.Model.release); True if it held any to free."""
+    """Free a model's device memory at once (engine.Model.free); True if it held any to free."""
     if not _holds_memory(model):
         return False
     try:
-        model.release()
+        model.free()
     except Exception:  # releasing is best effort: the references are dropped either way
         log.exception("releasing the model's memory failed")
     return True

@@ -40,7 +40,7 @@ batch-wide ``lax.cond`` only skips work no row needs (an all-greedy batch costs 
 without filters skips the ``top_k``).  There is no approximation: the candidate list is an optimisation,
 never a cap.
 
-Measured with ``python -m pantheon.sampler`` (jit, B=8, median of 20 calls, 2 shared CPU cores, ms;
+Measured (jit, B=8, median of 20 calls, 2 shared CPU cores, ms;
 "flat" = N(0,1) logits, the worst case for the nucleus fast path):
 
 =====================================  ==========  ==========
@@ -60,112 +60,19 @@ full sort alone (what we avoid)           127         393
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass, replace
-from functools import partial
 from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .gen_types import DEFAULT_PENALTY_WINDOW, GREEDY, SamplingParams
+
 # How many largest logits the fast path looks at.  lax.top_k(256) over 152k logits is ~5 ms on a CPU;
 # every threshold it can decide is exact, the rest fall back to bisection (see module docstring).
 CANDIDATES = 256
 # Block width of the whole-vocabulary inverse-CDF draw: a cumulative sum over blocks, then within one block.
 _DRAW_BLOCK = 1024
-DEFAULT_PENALTY_WINDOW = 64
-_U64 = (1 << 64) - 1
-
-
-def _real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    out = float(value)
-    if not math.isfinite(out):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return out
-
-
-def _integer(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    return int(value)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling knobs, validated on construction so a bad request fails before it is queued.
-
-    Out-of-range values raise ``ValueError`` naming the field (the web layer turns it into a 400).  Neutral
-    values (the defaults, except ``temperature``) switch a stage off, so ``SamplingParams(temperature=0)``
-    is plain greedy decoding.
-    """
-
-    temperature: float = 1.0  # 0 => greedy
-    top_k: int = 0  # 0 (or >= vocabulary size) => off; 1 => greedy
-    top_p: float = 1.0  # in (0, 1]; 1 => off
-    min_p: float = 0.0  # in [0, 1]; 0 => off
-    repetition_penalty: float = 1.0  # > 0; 1 => off
-    presence_penalty: float = 0.0  # in [-2, 2]
-    frequency_penalty: float = 0.0  # in [-2, 2]
-    seed: int | None = None  # None => a fresh random seed each time one is resolved
-    penalty_window: int = DEFAULT_PENALTY_WINDOW  # how many recent tokens the penalties look at; 0 => none
-
-    def __post_init__(self) -> None:
-        set_ = partial(object.__setattr__, self)
-        t = _real("temperature", self.temperature)
-        if t < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        set_("temperature", t)
-        k = _integer("top_k", self.top_k)
-        if k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
-        set_("top_k", k)
-        p = _real("top_p", self.top_p)
-        if not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        set_("top_p", p)
-        m = _real("min_p", self.min_p)
-        if not 0.0 <= m <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        set_("min_p", m)
-        r = _real("repetition_penalty", self.repetition_penalty)
-        if r <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        set_("repetition_penalty", r)
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = _real(name, getattr(self, name))
-            if not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-            set_(name, v)
-        if self.seed is not None:
-            set_("seed", _integer("seed", self.seed))
-        w = _integer("penalty_window", self.penalty_window)
-        if w < 0:
-            raise ValueError(f"penalty_window must be >= 0, got {self.penalty_window!r}")
-        set_("penalty_window", w)
-
-    @property
-    def is_greedy(self) -> bool:
-        """True when the result is the argmax of the penalised logits and no random number is used."""
-        return self.temperature == 0.0 or self.top_k == 1
-
-    def resolved_seed(self) -> int:
-        """The 64-bit seed to sample with: ``seed mod 2**64`` (so -1 is a valid, fixed seed), or, when no seed
-        was given, a fresh one from ``os.urandom`` -- a new one on *every* call, so resolve once per request
-        (see :meth:`resolved`) if its draws should form one stream."""
-        if self.seed is None:
-            return int.from_bytes(os.urandom(8), "little")
-        return self.seed & _U64
-
-    def resolved(self) -> "SamplingParams":
-        """A copy whose seed is fixed, for the scheduler to keep for the lifetime of a request."""
-        return self if self.seed is not None else replace(self, seed=self.resolved_seed())
-
-
-GREEDY = SamplingParams(temperature=0.0, penalty_window=0, seed=0)
 
 
 class SamplerRows(NamedTuple):
@@ -494,41 +401,3 @@ def sample_host(logits: np.ndarray, params: SamplingParams, recent: Sequence[int
         np.array([step], dtype=np.int32),
     )
     return int(out[0])
-
-
-def _benchmark() -> None:  # pragma: no cover - a measuring tool, run by hand
-    """Print the timings quoted in the module docstring for this machine."""
-    import time
-
-    f = jax.jit(sample)
-    cases = {
-        "greedy": SamplingParams(temperature=0),
-        "greedy+penalties": SamplingParams(temperature=0, repetition_penalty=1.1, frequency_penalty=0.5),
-        "temperature": SamplingParams(temperature=0.8),
-        "k40 p0.95 T0.7": SamplingParams(temperature=0.7, top_k=40, top_p=0.95),
-        "min_p0.05 T0.7": SamplingParams(temperature=0.7, min_p=0.05),
-        "all+penalties": SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1),
-        "p0.9 T0.7": SamplingParams(temperature=0.7, top_p=0.9),
-        "k1000": SamplingParams(top_k=1000),
-    }
-    rng = np.random.default_rng(0)
-    for v in (49152, 151936):
-        for scale, label in ((1.0, "flat"), (4.0, "peaked")):
-            logits = jnp.asarray(rng.normal(size=(8, v)).astype(np.float32) * scale)
-            recent = jnp.asarray(rng.integers(0, v, size=(8, DEFAULT_PENALTY_WINDOW)).astype(np.int32))
-            step = jnp.zeros(8, jnp.int32)
-            out = []
-            for name, p in cases.items():
-                rows = make_rows([p] * 8, 8)
-                jax.block_until_ready(f(logits, rows, recent, step))
-                ts = []
-                for _ in range(20):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(f(logits, rows, recent, step))
-                    ts.append(time.perf_counter() - t0)
-                out.append(f"{name}={np.median(ts) * 1e3:.1f}")
-            print(f"V={v} {label}: " + "  ".join(out), flush=True)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _benchmark()

@@ -91,3 +91,13 @@ def load_real(real_model_path):
         return _loaded[key]
 
     return get
+
+
+def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll `cond()` until it is true; fail the test (never hang) if `timeout` seconds pass first."""
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.002)

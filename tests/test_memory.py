@@ -11,7 +11,7 @@ import pytest
 from pantheon import memory
 from pantheon.errors import BusyError
 from pantheon.memory import (CAPPED, CRITICAL, DENIED, ELEVATED, FIT, HIGH, OK, Admission, MemSnapshot, MemWatch,
-                             PoolSample, admit, admit_messages, cap_messages, level_for)
+                             PoolSample, admit, cap_messages, level_for)
 
 GiB = 1024 ** 3
 
@@ -232,19 +232,6 @@ def test_cap_messages_accepts_id_lists():
     msgs = conv(3)
     out, capped = cap_messages(msgs, lambda m: [0] * words(m), 40)
     assert capped and words(out) <= 40 and out[-1] == msgs[-1]
-
-
-def test_admit_messages_caps_the_conversation():
-    msgs = conv(5)  # 132 "tokens"
-    ids_of = lambda m: [1] * words(m)  # noqa: E731
-    m = fake_model(bpt=1, max_seq=80)
-    out, ids, a = admit_messages(m, msgs, ids_of, snapshot=snap(0.1), min_tokens=8)
-    assert a.outcome == CAPPED and a.fit_tokens == 80
-    assert len(ids) == words(out) <= 80 and out[0] == msgs[0] and out[-1] == msgs[-1]
-    out, ids, a = admit_messages(fake_model(bpt=1, max_seq=1000), msgs, ids_of, snapshot=snap(0.1))
-    assert a.outcome == FIT and out == msgs and len(ids) == 132
-    out, ids, a = admit_messages(fake_model(bpt=1, max_seq=1000), msgs, ids_of)  # fail open: no watch
-    assert a.outcome == FIT
 
 
 # ---- what a request adds (issue 22: spurious 503s) -------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_fixture
+from conftest import tiny_fixture, wait_until
 from pantheon import compile_guard, engine
 from pantheon.config import Settings
 from pantheon.errors import BusyError
@@ -106,8 +106,7 @@ def join_midway(model, sched, late_prompt) -> None:
     """A 30-token stream runs; a second request joins after 5 tokens; both equal running alone."""
     ps = prompts()
     first = submit(sched, ps[7], n=30)
-    while len(first.ids) < 5:
-        time.sleep(0.01)
+    wait_until(lambda: len(first.ids) >= 5, 60, "5 tokens of the first stream")
     late = submit(sched, late_prompt, n=10)
     assert first.done.wait(60) and late.done.wait(60)
     assert first.ids == run_alone(model, ps[7], GREEDY, 30)
@@ -141,17 +140,17 @@ def test_stats_log_one_line_per_step_with_its_kind_width_tokens_time_and_start(m
     finally:
         s.close()
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[bs] ")]
-    steps = [re.fullmatch(r"\[bs\] (prefill|decode|mixed) width=(\d+) tokens=(\d+) ms=([\d.]+) at=([\d.]+)", ln)
-             for ln in lines]
+    steps = [re.fullmatch(r"\[bs\] (prefill|decode|mixed) width=(\d+) tokens=(\d+) ms=([\d.]+) "
+                          r"host_ms=([\d.]+) at=([\d.]+)", ln) for ln in lines]
     assert all(steps) and len(steps) == info["steps"]
     kinds = [m[1] for m in steps]
     assert kinds.count("mixed") == info["mixed_steps"] >= 1
     decode_rows = [int(m[2]) if m[1] == "decode" else int(m[2]) - 1 for m in steps if m[1] != "prefill"]
     assert sum(decode_rows) == info["decode_tokens"]
-    starts = [float(m[5]) for m in steps]
+    starts = [float(m[6]) for m in steps]
     assert starts == sorted(starts)
-    # a step starts after the previous one ended (ms are rounded to 0.1)
-    assert all(b + 1e-3 >= a + float(m[4]) / 1000 - 1e-4 for a, b, m in zip(starts, starts[1:], steps))
+    # the host's share of a step (planning, dispatch, emitting) is part of it, device waits excluded
+    assert sum(float(m[5]) for m in steps) == pytest.approx(info["host_ms_total"], abs=0.01 * len(steps) + 1e-6)
 
 
 def test_eos_finishes_with_stop(sched, model):
@@ -169,8 +168,7 @@ def test_cancel_frees_the_slot_within_a_step(model):
         ps = prompts()
         a = Collector()
         h = s.submit(GenRequest(prompt_ids=ps[0], params=GREEDY, max_tokens=100), a)
-        while len(a.ids) < 2:
-            time.sleep(0.005)
+        wait_until(lambda: len(a.ids) >= 2, 30, "two tokens")
         h.cancel()
         assert a.done.wait(10) and a.finished.reason == "cancelled"
         b = submit(s, ps[1], n=3)
@@ -201,8 +199,7 @@ def test_queue_wait_timeout_is_429_retry_after_2(model):
     try:
         ps = prompts()
         hog = submit(s, ps[0], n=120)
-        while not hog.ids:
-            time.sleep(0.001)
+        wait_until(lambda: bool(hog.ids), 30, "the hog's first token")
         waiter = submit(s, ps[1], n=2)
         assert waiter.done.wait(30)
         fin = waiter.finished
@@ -294,18 +291,6 @@ def test_no_compilation_after_warmup(model, sched):
     for c in cs:
         assert c.done.wait(120)
     assert compile_guard.compile_count() == n0
-
-
-def test_owner_side_sampling_matches_driver_sampling(model):
-    s = BatchScheduler(model, settings(driver_sample=False), warmup=False)
-    try:
-        ps = prompts()
-        prm = SamplingParams(temperature=0.9, top_k=20, seed=5)
-        c = submit(s, ps[3], prm, 10)
-        assert c.done.wait(60)
-        assert c.ids == run_alone(model, ps[3], prm, 10)
-    finally:
-        s.close()
 
 
 def test_compile_after_warmup_is_an_error_under_the_guard():

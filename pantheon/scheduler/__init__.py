@@ -1,32 +1,26 @@
-"""Per-model generation backends: the batch scheduler (default) or the single-user path."""
+"""Per-model generation backends: the continuous-batching scheduler, one per loaded model.
+
+The single-user setting (QWEN35_BATCH_SLOTS=0) is the same scheduler with one slot that refuses a
+second concurrent request at once (429) instead of queueing it: one generation loop, not two.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..config import Settings
-from .api import Backend, Finished, GenRequest, Handle, Sink, Started, Tokens
-from .single import SingleUserBackend
+from ..gen_types import Backend, Finished, GenRequest, Handle, Sink, Started, Tokens
 
-__all__ = ["Backend", "Finished", "GenRequest", "Handle", "Sink", "Started", "Tokens", "SingleUserBackend",
-           "make_backend"]
+__all__ = ["Backend", "Finished", "GenRequest", "Handle", "Sink", "Started", "Tokens", "make_backend"]
 
 
 def make_backend(model: Any, settings: Settings, watch: Any = None, dies: Any = None) -> Backend:
-    """QWEN35_BATCH_SLOTS=0 selects the single-user path; otherwise the continuous-batching scheduler.
-
-    The scheduler's memory-pressure callback reads `watch` (a pantheon.memory.MemWatch; default: the
-    process-wide one) scoped to the model's dies (`dies`: the DieManager that maps its devices to die
-    ids; without one, every pool counts). No running watch: the scheduler's plain default (never
-    under pressure).
+    """The model's scheduler. Its memory-pressure callback reads `watch` (a pantheon.memory.MemWatch;
+    default: the process-wide one) scoped to the model's dies (`dies`: the DieManager that maps its
+    devices to die ids; without one, every pool counts). No running watch: never under pressure.
     """
-    if settings.batch_slots == 0:
-        return SingleUserBackend(model)
-    try:
-        from .batch import BatchScheduler
-    except ImportError:
-        return SingleUserBackend(model)
     from .. import memory
+    from .batch import BatchScheduler
     w = watch if watch is not None else memory.memwatch()
     if w is None or not w.running:
         return BatchScheduler(model, settings)

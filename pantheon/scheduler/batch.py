@@ -1,26 +1,40 @@
-"""Continuous batching: N slots of one model share each jitted forward, driven by one OS thread.
+"""Continuous batching: N slots of one model share each jitted step, driven by one OS thread.
 
 Lifecycle of a request:
 
 1. `submit` (request greenlet, never blocks) appends it to the FIFO admission queue, or refuses it:
-   queue full -> 429 Retry-After 5 (503 under CRITICAL memory pressure); shutting down -> 503.
-2. The driver thread admits queued requests into IDLE slots, preferring the slot that holds the
-   request's session, else the idle slot whose committed history shares the longest prefix with the
-   prompt (its KV is reused: only the new suffix is prefilled). Reuse never crosses a cache scope
-   (`GenRequest.cache_scope`): a slot last used by another tenant counts as empty. A request waiting longer than
-   `queue_wait_s` is refused with 429 Retry-After 2. A cancelled queued request leaves at once.
+   queue full -> 429 Retry-After 5 (503 under CRITICAL memory pressure); shutting down or failed ->
+   503. With `immediate=True` (the single-user setting, QWEN35_BATCH_SLOTS=0: one slot, no queue) a
+   request that finds no free slot is refused at once with 429 Retry-After 1.
+2. The driver admits queued requests into IDLE slots, preferring the slot that holds the request's
+   session, else the idle slot whose committed history shares the longest prefix with the prompt (its
+   KV is reused: only the new suffix is prefilled). Reuse never crosses a cache scope
+   (`GenRequest.cache_scope`). Admission writes the request's data into its slot on the device once
+   (`Model.insert`: knobs, seed, stop ids, budget, the prompt's tail for penalties). A request waiting
+   longer than `queue_wait_s` is refused with 429 Retry-After 2. A cancelled queued request leaves at once.
 3. Slot states: IDLE -> PREFILL (its prompt is fed in chunks of `prefill_chunk`) -> DECODE (one token
-   per step, batched with every other DECODE slot) -> IDLE. While both kinds of work exist, each
-   step carries the oldest prefiller's next chunk *and* every decoder's token in one mixed forward
-   (models with `forward_groups`; PANTHEON_BS_MIXED=0 turns it off), so a new prompt costs the
-   decoders almost nothing. Otherwise the driver alternates a prefill chunk and a decode step (FIFO
-   among prefillers): a long prompt stalls decoders by at most one chunk and a waiting prefiller is
-   never starved.
-4. Each step samples inside the jitted function with every row's own parameters; only ids come back.
-   The driver hands ids to the owner through `sink` (a non-blocking hand-off), so a slow client never
-   slows the batch. EOS, budget or cancel finishes the request and frees the slot within one step.
+   per step, batched with every other DECODE slot) -> IDLE. While both kinds of work exist, each step
+   carries the oldest prefiller's next chunk *and* every decoder in one mixed forward (models that
+   declare mixed steps; PANTHEON_BS_MIXED=0 turns it off); otherwise the driver alternates a chunk and
+   a decode step, so a long prompt stalls decoders by at most one chunk.
+4. The driver is asynchronous: it dispatches step N+1 before it reads step N's ids (the next decode
+   token is already in the decode state on the device), so planning, emitting and bookkeeping overlap
+   the device. The step samples, spends the budget and checks stop ids itself; a slot that finished in
+   step N costs at most one dead row in step N+1 (the device sends it to the scratch slot).
 
-Only the driver thread touches the device state; `_mu` guards everything shared with other threads.
+Threads and locks (docs/architecture.md has the whole map):
+- the driver thread `driver-<model>` is the only one that touches the device state (`_state`), the
+  in-flight step and the slots' `hist` / `pending` / `pos` / `last_token` fields;
+- `_mu` guards the queue, the slots' `state` / `job` fields, `_closed`, `_failed`, every job's
+  `cancelled` flag and the stats. It is held only for bookkeeping, never across a device call or a
+  wait on the device; `_work` (a condition on `_mu`) wakes the driver: new job, cancel or close.
+- sinks are called outside `_mu` (they only hand the event to a greenlet).
+
+Failure is loud: a failed step fails its requests (500) and rebuilds the state with every slot's
+prefix history cleared (the cache it described is gone); an exception anywhere else in the driver
+(admission, bookkeeping, or a rebuild that fails) fails every queued and active request, marks the
+scheduler failed (`failure`: the registry and `GET /` report it, new requests get 503) and ends the
+thread. The model can then be unloaded and loaded again.
 """
 
 from __future__ import annotations
@@ -32,17 +46,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
-from .. import compile_guard, osthread
+from .. import compile_guard, decode_state, osthread
 from ..config import Settings
-from ..engine import PENALTY_WINDOW, Model
-from ..errors import BusyError
-from ..sampler import sample_host
-from .api import Finished, GenRequest, Sink, Started, Tokens
+from ..engine import Chunk, Model, StepHandle, StepPlan
+from ..errors import BusyError, PantheonError
+from ..gen_types import Event, Finished, GenRequest, Sink, Started, Tokens
 
 IDLE, PREFILL, DECODE = "IDLE", "PREFILL", "DECODE"
 PRESSURE_CRITICAL = 3
+
+
+class SchedulerFailed(PantheonError):
+    """The model's driver stopped on an unexpected error: its requests fail and it takes no more."""
+
+    status = 503
+    code = "model_failed"
 
 
 class _Handle:
@@ -53,30 +71,51 @@ class _Handle:
         self._job = job
 
     def cancel(self) -> None:
-        self._job.cancelled = True
-        self._sched._wake()
+        self._sched._cancel(self._job)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     req: GenRequest
     sink: Sink
     enqueued_at: float
-    cancelled: bool = False
+    cancelled: bool = False  # guarded by the scheduler's _mu
+
+
+@dataclass(eq=False)
+class _Slot:
+    index: int
+    state: str = IDLE  # _mu
+    job: _Job | None = None  # _mu
+    # Driver-only fields (no lock): what the host knows of the slot's cache.
+    hist: list[int] = field(default_factory=list)  # tokens whose K/V sit in the slot's cache (as of the last read step)
+    session_id: str | None = None
+    scope: str = ""  # cache_scope of the request whose tokens `hist` holds
+    pending: list[int] = field(default_factory=list)  # prompt tokens not yet dispatched
+    pos: int = 0  # positions dispatched so far (hist + steps in flight): the span bucket's bound
+    last_token: int = -1  # the last token emitted: the input of the slot's next decode row
+    generated: int = 0
+    reused: int = 0
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One row of a dispatched step, as the driver must interpret it when the result comes back."""
+
+    slot: _Slot
+    job: _Job
+    part: tuple[int, ...] = ()  # the prompt chunk (empty: a decode row)
+    final: bool = False  # the prompt's last chunk: the row emits the first token
 
 
 @dataclass
-class _Slot:
-    index: int
-    state: str = IDLE
-    job: _Job | None = None
-    hist: list[int] = field(default_factory=list)  # tokens whose K/V sit in this slot's cache rows
-    session_id: str | None = None
-    scope: str = ""  # cache_scope of the request whose tokens `hist` holds
-    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
-    generated: int = 0
-    reused: int = 0
-    next_token: int = -1  # sampled but not yet fed back
+class _InFlight:
+    handle: StepHandle
+    rows: list[_Row]
+    kind: str
+    n_prompt: int
+    t_dispatch: float
+    host_ms: float  # host time spent planning and dispatching it
 
 
 @dataclass
@@ -94,35 +133,37 @@ class SchedulerStats:
     rejected_timeout: int = 0
     completed: int = 0
     cancelled: int = 0
-    step_ms_total: float = 0.0
+    failed: int = 0
+    step_ms_total: float = 0.0  # dispatch to result read, per step
+    host_ms_total: float = 0.0  # host work per step (planning, dispatching, emitting), device waits excluded
 
 
 class BatchScheduler:
-    """One per loaded model when batching is on (the default)."""
+    """One per loaded model: the driver of its slots (QWEN35_BATCH_SLOTS=0 -> one slot, immediate 429)."""
 
     def __init__(self, model: Model, settings: Settings, pressure: Callable[[], int] | None = None,
                  warmup: bool | None = None):
         self.model = model
-        self.n_slots = min(model.n_slots, settings.batch_slots) if settings.batch_slots > 0 else model.n_slots
+        self.immediate = settings.batch_slots == 0  # the single-user setting
+        self.n_slots = 1 if self.immediate else min(model.n_slots, settings.batch_slots)
         self.chunk = min(settings.prefill_chunk, model.chunk)
-        self.queue_depth = settings.queue_depth
+        self.queue_depth = 0 if self.immediate else settings.queue_depth
         self.queue_wait_s = settings.queue_wait_s
-        self.driver_sample = settings.driver_sample
         self.mixed = settings.bs_mixed and model.supports_mixed
         self.log_stats = settings.bs_stats
         self._t_origin = time.perf_counter()  # stats lines give each step's start from here: gaps show idle
         self.forbid_compile = settings.forbid_compile
-        self.recurrent = hasattr(model.arch, "snapshot_slot")  # hybrid models keep recurrent state
+        self.recurrent = model.caps.recurrent_state  # state that cannot roll back: reuse all of hist or nothing
         self.pressure = pressure or (lambda: 0)
-        # _mu guards _slots' state/job fields, _queue, _closed and stats; held only for bookkeeping,
-        # never across a device step. _work (on _mu) wakes the driver: new job, cancel or close.
         self._mu = osthread.Lock()
         self._work = osthread.Condition(self._mu)
         self._slots = [_Slot(i) for i in range(self.n_slots)]
         self._queue: deque[_Job] = deque()
         self._closed = False
+        self.failure: str | None = None  # set once when the driver dies; the registry and health read it
         self.stats = SchedulerStats()
         self._turn_prefill = True  # driver-only: whose turn it is when both kinds of work exist
+        self._inflight: _InFlight | None = None  # driver-only: the dispatched step not yet read
         self._state = model.new_state()  # driver-only after start: the donated device state
         if settings.warmup if warmup is None else warmup:
             self._state = model.warmup(self._state, mixed=self.mixed)
@@ -132,9 +173,15 @@ class BatchScheduler:
     def submit(self, req: GenRequest, sink: Sink) -> _Handle:
         job = _Job(req=req, sink=sink, enqueued_at=time.monotonic())
         with self._mu:
+            if self.failure is not None:
+                raise SchedulerFailed(f"model {self.model.name!r} failed: {self.failure}")
             if self._closed:
                 raise BusyError("server is shutting down", status=503)
-            if len(self._queue) >= self.queue_depth + self._free_slots_locked():
+            free = self._free_slots_locked()
+            if self.immediate and (free == 0 or self._queue):
+                raise BusyError("a generation is already in progress on this model; retry shortly",
+                                status=429, retry_after=1)
+            if len(self._queue) >= self.queue_depth + free:
                 self.stats.rejected_full += 1
                 if self.pressure() >= PRESSURE_CRITICAL:
                     raise BusyError("memory pressure is critical; try again later", status=503)
@@ -143,12 +190,18 @@ class BatchScheduler:
             self._work.notify_all()
         return _Handle(self, job)
 
+    def _cancel(self, job: _Job) -> None:
+        with self._mu:
+            job.cancelled = True
+            self._work.notify_all()
+
     def load_info(self) -> dict:
         with self._mu:
             s = dataclasses.asdict(self.stats)
-            s.update(mode="batch", slots=self.n_slots, queued=len(self._queue),
+            s.update(mode="single" if self.immediate else "batch", slots=self.n_slots, queued=len(self._queue),
                      running=sum(1 for sl in self._slots if sl.state != IDLE),
-                     native_kernels=int(bool(getattr(self.model, "native_matmul", False))))
+                     native_kernels=int(bool(getattr(self.model, "native_matmul", False))),
+                     failure=self.failure)
             return s
 
     def close(self, timeout: float = 10.0) -> None:
@@ -156,10 +209,6 @@ class BatchScheduler:
             self._closed = True
             self._work.notify_all()
         self._thread.join(timeout)
-
-    def _wake(self) -> None:
-        with self._mu:
-            self._work.notify_all()
 
     def _free_slots_locked(self) -> int:
         return sum(1 for sl in self._slots if sl.state == IDLE)
@@ -170,54 +219,85 @@ class BatchScheduler:
             compile_guard.forbid_current_thread()
         try:
             self._drive_loop()
+        except BaseException as exc:  # noqa: BLE001 - the driver never dies quietly
+            self._die(exc)
         finally:  # thread idents are reused: a later thread must not inherit this one's guard
             compile_guard.forbid_current_thread(False)
 
     def _drive_loop(self) -> None:
         while True:
+            events: list[tuple[_Job, Event]] = []
             with self._mu:
                 if self._closed:
                     break
-                self._reap_queue_locked()
-                self._admit_locked()
-                active = [sl for sl in self._slots if sl.state != IDLE]
-                if not active:
+                released = self._take_cancelled_locked(events)
+                self._reap_queue_locked(events)
+                admitted = self._admit_locked(events)
+                work = any(sl.state != IDLE for sl in self._slots)
+                if not work and self._inflight is None and not events:
                     self._work.wait(0.5 if self._queue else None)
                     continue
+            self._deliver(events)
+            t0 = time.perf_counter()
+            for sl in released:
+                self._state = self.model.release(self._state, sl.index)
+            for sl, job in admitted:
+                self._insert(sl, job)
             try:
-                self._one_step()
-            except Exception as exc:  # a failed step fails its requests, not the server
-                self._fail_active(exc)
+                nxt = self._dispatch(t0) if work else None
+            except Exception as exc:  # a step that cannot even be dispatched fails like one that ran
+                self._step_failed(exc)
+                continue
+            done, self._inflight = self._inflight, nxt
+            if done is not None:
+                self._collect(done)
         self._shutdown()
 
-    def _reap_queue_locked(self) -> None:
+    # ---- bookkeeping (under _mu) ---------------------------------------------------------------
+    def _take_cancelled_locked(self, events: list[tuple[_Job, Event]]) -> list[_Slot]:
+        """Running jobs whose owner cancelled: their slots go back to IDLE now (the device is told by
+        `release` before the next step). A row of theirs in the step in flight still computes; for a
+        model with recurrent state that moves the state past `hist`, so that history is dropped."""
+        out = []
+        inflight = {id(r.slot) for r in self._inflight.rows} if self._inflight is not None else set()
+        for sl in self._slots:
+            if sl.state != IDLE and sl.job is not None and sl.job.cancelled:
+                if self.recurrent and id(sl) in inflight:
+                    sl.hist, sl.scope = [], ""
+                events.append(self._release_locked(sl, "cancelled"))
+                out.append(sl)
+        return out
+
+    def _reap_queue_locked(self, events: list[tuple[_Job, Event]]) -> None:
         now = time.monotonic()
         keep: deque[_Job] = deque()
         for job in self._queue:
             if job.cancelled:
-                self._finish_job(job, Finished("cancelled", prompt_tokens=len(job.req.prompt_ids)))
+                self.stats.cancelled += 1
+                events.append((job, Finished("cancelled", prompt_tokens=len(job.req.prompt_ids))))
             elif now - job.enqueued_at > self.queue_wait_s:
                 self.stats.rejected_timeout += 1
-                self._finish_job(job, Finished("error", error=BusyError(
-                    "timed out waiting for a free slot", status=429, retry_after=2)))
+                events.append((job, Finished("error", error=BusyError(
+                    "timed out waiting for a free slot", status=429, retry_after=2))))
             else:
                 keep.append(job)
         self._queue = keep
 
-    def _admit_locked(self) -> None:
+    def _admit_locked(self, events: list[tuple[_Job, Event]]) -> list[tuple[_Slot, _Job]]:
+        out = []
         while self._queue and self.pressure() < PRESSURE_CRITICAL:
             idle = [sl for sl in self._slots if sl.state == IDLE]
             if not idle:
-                return
+                break
             job = self._queue.popleft()
             slot, reuse = self._pick_slot(idle, job.req)
-            prompt = job.req.prompt_ids
             slot.state = PREFILL
             slot.job = job
             slot.session_id = job.req.session_id
             slot.scope = job.req.cache_scope
             slot.hist = slot.hist[:reuse]
-            slot.pending = list(prompt[reuse:])
+            slot.pending = list(job.req.prompt_ids[reuse:])
+            slot.pos = reuse
             slot.generated = 0
             slot.reused = reuse
             if reuse:
@@ -225,7 +305,9 @@ class BatchScheduler:
                 self.stats.reused_tokens += reuse
             else:
                 self.stats.prefix_misses += 1
-            job.sink(Started(reused_tokens=reuse))
+            events.append((job, Started(reused_tokens=reuse)))
+            out.append((slot, job))
+        return out
 
     @staticmethod
     def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -271,157 +353,161 @@ class BatchScheduler:
         assert best is not None
         return best, best_len
 
-    def _one_step(self) -> None:
-        with self._mu:
-            prefillers = [sl for sl in self._slots if sl.state == PREFILL]
-            decoders = [sl for sl in self._slots if sl.state == DECODE]
-            for sl in prefillers + decoders:
-                if sl.job is not None and sl.job.cancelled:
-                    self._release_locked(sl, Finished("cancelled", prompt_tokens=len(sl.job.req.prompt_ids),
-                                                      completion_tokens=sl.generated, reused_tokens=sl.reused))
-            prefillers = [sl for sl in prefillers if sl.state == PREFILL]
-            decoders = [sl for sl in decoders if sl.state == DECODE]
-        pre = min(prefillers, key=lambda s: s.job.enqueued_at if s.job else 0.0) if prefillers else None
-        t0 = time.perf_counter()
-        if pre is not None and decoders and self.mixed:  # the chunk and every decode row in one forward
-            n = self._step(pre, decoders)
-            kind, width, ntok = "mixed", 1 + len(decoders), n + len(decoders)
-        elif pre is not None and (self._turn_prefill or not decoders):  # alternate: a chunk, then a decode
-            n = self._step(pre, [])
-            kind, width, ntok = "prefill", 1, n
-            self._turn_prefill = False
-        elif decoders:
-            self._step(None, decoders)
-            kind, width, ntok = "decode", len(decoders), len(decoders)
-            self._turn_prefill = True
-        else:
-            return
-        ms = (time.perf_counter() - t0) * 1000
-        with self._mu:
-            self.stats.steps += 1
-            self.stats.step_ms_total += ms
-        if self.log_stats:
-            print(f"[bs] {kind} width={width} tokens={ntok} ms={ms:.1f} at={t0 - self._t_origin:.4f}",
-                  file=sys.stderr, flush=True)
-
-    def _recent(self, sl: _Slot) -> list[int]:
-        return sl.hist[-PENALTY_WINDOW:]
-
-    def _step(self, pre: _Slot | None, decoders: list[_Slot]) -> int:
-        """One device step: the next prompt chunk of `pre` (if any), then one token of every decoder.
-
-        Returns how many prompt tokens it prefilled. Rows go to the engine in that order; the engine
-        packs a chunk and decode rows into one mixed forward when the model has one.
-        """
-        tokens, slots, starts, params, recent, steps = [], [], [], [], [], []
-        part: list[int] = []
-        final = False
-        if pre is not None:
-            assert pre.job is not None
-            part = pre.pending[: self.chunk]
-            final = len(part) == len(pre.pending)
-            tokens.append(part)
-            slots.append(pre.index)
-            starts.append(len(pre.hist))
-            params.append(pre.job.req.params)
-            recent.append((self._recent(pre) + part)[-PENALTY_WINDOW:])  # the window, not the whole history
-            steps.append(0)
-        for sl in decoders:
-            tokens.append([sl.next_token])
-            slots.append(sl.index)
-            starts.append(len(sl.hist))
-            params.append(sl.job.req.params if sl.job else None)
-            recent.append((self._recent(sl) + [sl.next_token])[-PENALTY_WINDOW:])
-            steps.append(sl.generated)
-        want = not self.driver_sample and (bool(decoders) or final)
-        handle, self._state = self.model.step_begin(self._state, tokens, slots, starts, params, recent, steps,
-                                                    want_logits=want)
-        ids = self.model.step_wait(handle)
-        with self._mu:
-            if pre is not None:
-                self.stats.prefill_chunks += 1
-                self.stats.prefill_tokens += len(part)
-            if decoders:
-                self.stats.decode_steps += 1
-                self.stats.decode_tokens += len(decoders)
-            if pre is not None and decoders:
-                self.stats.mixed_steps += 1
-        row = 0
-        if pre is not None:
-            pre.hist.extend(part)
-            pre.pending = pre.pending[len(part):]
-            if final:
-                tok = int(ids[0]) if self.driver_sample else self._owner_sample(handle, 0, pre)
-                with self._mu:
-                    pre.state = DECODE
-                self._emit(pre, tok)
-            row = 1
-        for sl in decoders:
-            sl.hist.append(sl.next_token)
-            tok = int(ids[row]) if self.driver_sample else self._owner_sample(handle, row, sl)
-            self._emit(sl, tok)
-            row += 1
-        return len(part)
-
-    def _owner_sample(self, handle: Any, row: int, sl: _Slot) -> int:
-        """QWEN35_BS_DRIVER_SAMPLE=0: logits come back and the same sampler runs on the host."""
-        logits = np.asarray(handle.logits)[row]
-        return sample_host(logits, sl.job.req.params, self._recent(sl), sl.generated)
-
-    def _emit(self, sl: _Slot, tok: int) -> None:
-        """Hand one sampled token to its owner; finish the request on EOS or budget."""
-        job = sl.job
-        assert job is not None
-        sl.generated += 1
-        sl.next_token = tok
-        job.sink(Tokens((tok,)))
-        reason = None
-        if tok in job.req.stop_ids:
-            reason = "stop"
-        elif sl.generated >= job.req.max_tokens or len(sl.hist) + 1 >= self.model.max_seq:
-            reason = "length"
-        if reason:
-            with self._mu:
-                self._release_locked(sl, Finished(reason, prompt_tokens=len(job.req.prompt_ids),
-                                                  completion_tokens=sl.generated, reused_tokens=sl.reused))
-
-    def _release_locked(self, sl: _Slot, fin: Finished) -> None:
+    def _release_locked(self, sl: _Slot, reason: str, error: Exception | None = None) -> tuple[_Job, Event]:
         """Slot back to IDLE, keeping its committed history for prefix reuse by the next request."""
         job = sl.job
+        assert job is not None
         sl.state = IDLE
         sl.job = None
         sl.pending = []
-        if fin.reason == "cancelled":
+        if reason == "cancelled":
             self.stats.cancelled += 1
+        elif reason == "error":
+            self.stats.failed += 1
         else:
             self.stats.completed += 1
-        if job is not None:
-            self._finish_job(job, fin)
         self._work.notify_all()
+        return job, Finished(reason, error=error, prompt_tokens=len(job.req.prompt_ids),
+                             completion_tokens=sl.generated, reused_tokens=sl.reused)
 
     @staticmethod
-    def _finish_job(job: _Job, fin: Finished) -> None:
-        try:
-            job.sink(fin)
-        except Exception:
-            pass
+    def _deliver(events: list[tuple[_Job, Event]]) -> None:
+        for job, ev in events:
+            try:
+                job.sink(ev)
+            except Exception:  # a sink only hands over; a broken one must not stop the driver
+                pass
+        events.clear()
 
-    def _fail_active(self, exc: Exception) -> None:
+    # ---- device work (driver thread, no lock held) ------------------------------------------------
+    def _insert(self, sl: _Slot, job: _Job) -> None:
+        req = job.req
+        self._state = self.model.insert(self._state, decode_state.slot_insert(
+            sl.index, req.prompt_ids, sl.reused, req.params, req.max_tokens, req.stop_ids))
+
+    def _dispatch(self, t0: float) -> _InFlight | None:
+        """Plan the next step from the host's view of the slots and dispatch it (returns at once)."""
+        with self._mu:
+            prefillers = [sl for sl in self._slots if sl.state == PREFILL and sl.pending]
+            decoders = [sl for sl in self._slots if sl.state == DECODE]
+            jobs = {id(sl): sl.job for sl in prefillers + decoders}
+        pre = min(prefillers, key=lambda s: s.job.enqueued_at if s.job else 0.0) if prefillers else None
+        if pre is not None and decoders and self.mixed:  # the chunk and every decode row in one forward
+            kind = "mixed"
+        elif pre is not None and (self._turn_prefill or not decoders):  # alternate: a chunk, then a decode
+            kind, decoders = "prefill", []
+            self._turn_prefill = False
+        elif decoders:
+            kind, pre = "decode", None
+            self._turn_prefill = True
+        else:
+            return None
+        rows: list[_Row] = []
+        chunk = None
+        if pre is not None:
+            part = tuple(pre.pending[: self.chunk])
+            final = len(part) == len(pre.pending)
+            chunk = Chunk(pre.index, part, pre.pos, final)
+            rows.append(_Row(pre, jobs[id(pre)], part, final))
+            pre.pending = pre.pending[len(part):]
+            pre.pos += len(part)
+            if final:
+                with self._mu:
+                    if pre.state == PREFILL:
+                        pre.state = DECODE  # its first token is on the device: the next step decodes it
+        reach = max((sl.pos + 1 for sl in decoders), default=0)
+        for sl in decoders:
+            rows.append(_Row(sl, jobs[id(sl)]))
+            sl.pos += 1
+        plan = StepPlan(chunk=chunk, decode=tuple(sl.index for sl in decoders), reach=reach)
+        handle, self._state = self.model.step(self._state, plan)
+        now = time.perf_counter()
+        return _InFlight(handle, rows, kind, len(chunk.tokens) if chunk else 0, now, (now - t0) * 1000)
+
+    def _collect(self, done: _InFlight) -> None:
+        """Read a step's ids (waits for the device if it is not done) and hand them to their owners."""
+        try:
+            packed = self.model.read(done.handle)
+        except Exception as exc:  # a failed step fails its requests, not the server
+            self._step_failed(exc)
+            return
+        t_read = time.perf_counter()
+        events: list[tuple[_Job, Event]] = []
+        with self._mu:
+            for r, (tok, flag) in zip(done.rows, packed.tolist()):
+                sl = r.slot
+                if sl.job is not r.job or sl.state == IDLE:
+                    continue  # finished or cancelled since: a dead row
+                if r.part:
+                    sl.hist.extend(r.part)
+                    if not r.final:
+                        continue
+                else:
+                    sl.hist.append(sl.last_token)
+                if flag == decode_state.IDLE:
+                    continue
+                sl.generated += 1
+                sl.last_token = tok
+                events.append((r.job, Tokens((tok,))))
+                if flag in decode_state.FINISH_REASONS:
+                    events.append(self._release_locked(sl, decode_state.FINISH_REASONS[flag]))
+            st = self.stats
+            st.steps += 1
+            n_dec = sum(1 for r in done.rows if not r.part)
+            if done.n_prompt:
+                st.prefill_chunks += 1
+                st.prefill_tokens += done.n_prompt
+            if n_dec:
+                st.decode_steps += 1
+                st.decode_tokens += n_dec
+            if done.n_prompt and n_dec:
+                st.mixed_steps += 1
+            st.step_ms_total += (t_read - done.t_dispatch) * 1000
+        self._deliver(events)
+        host_ms = done.host_ms + (time.perf_counter() - t_read) * 1000
+        with self._mu:
+            self.stats.host_ms_total += host_ms
+        if self.log_stats:
+            print(f"[bs] {done.kind} width={len(done.rows)} tokens={done.n_prompt + n_dec} "
+                  f"ms={(t_read - done.t_dispatch) * 1000:.1f} host_ms={host_ms:.2f} "
+                  f"at={done.t_dispatch - self._t_origin:.4f}", file=sys.stderr, flush=True)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A step raised: its requests (every active one) fail, and the state is rebuilt from zeros --
+        so every slot's prefix history goes too, since the cache it described is gone."""
+        events: list[tuple[_Job, Event]] = []
         with self._mu:
             for sl in self._slots:
                 if sl.state != IDLE:
-                    sl.hist = []  # the device state may be gone; never reuse it
-                    self._release_locked(sl, Finished("error", error=exc))
-        try:  # the old state may have been donated to the failed call: start from a fresh one
-            self._state = self.model.new_state()
-        except Exception as exc2:
-            print(f"[bs] cannot rebuild state after a failed step: {exc2}", file=sys.stderr, flush=True)
+                    events.append(self._release_locked(sl, "error", exc))
+                sl.hist, sl.scope, sl.session_id, sl.pending = [], "", None, []
+        self._deliver(events)
+        self._inflight = None
+        self._state = self.model.new_state()  # raising here ends the driver loudly (_die)
+
+    def _die(self, exc: BaseException) -> None:
+        """The driver is ending on an unexpected error: fail every request, refuse new ones, say why."""
+        message = f"{type(exc).__name__}: {exc}"
+        print(f"[bs] driver of {self.model.name} failed: {message}", file=sys.stderr, flush=True)
+        err = SchedulerFailed(f"model {self.model.name!r} failed: {message}")
+        events: list[tuple[_Job, Event]] = []
+        with self._mu:
+            self.failure = message
+            for sl in self._slots:
+                if sl.state != IDLE and sl.job is not None:
+                    events.append(self._release_locked(sl, "error", err))
+                sl.hist, sl.scope = [], ""
+            while self._queue:
+                events.append((self._queue.popleft(), Finished("error", error=err)))
+        self._deliver(events)
 
     def _shutdown(self) -> None:
+        events: list[tuple[_Job, Event]] = []
+        err = BusyError("server is shutting down", status=503)
         with self._mu:
             for sl in self._slots:
                 if sl.state != IDLE and sl.job is not None:
-                    self._release_locked(sl, Finished("error", error=BusyError("server is shutting down", status=503)))
+                    events.append(self._release_locked(sl, "error", err))
             while self._queue:
-                self._finish_job(self._queue.popleft(),
-                                 Finished("error", error=BusyError("server is shutting down", status=503)))
+                events.append((self._queue.popleft(), Finished("error", error=err)))
+        self._deliver(events)

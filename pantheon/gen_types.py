@@ -1,0 +1,204 @@
+"""The request-side types: what a request asks for and what comes back, with no JAX anywhere.
+
+The web layer builds these and the schedulers consume them; neither the web package nor this module
+imports JAX (a test enforces it), so request validation, templating and streaming never wait on, or
+pull in, the device runtime.
+
+Events a backend hands a request's sink, in order:
+
+    Started()                       the request has a slot and is prefilling (absent if refused)
+    Tokens(ids)                     one or more sampled ids, in order
+    Finished(reason, error, ...)    exactly once, last: "stop" (a stop id), "length" (budget),
+                                    "cancelled" (Handle.cancel), or "error" with `error` set
+
+A request that cannot start (queue timeout, shutdown, admission denied) gets only
+`Finished("error", error=BusyError(...))`, so the web layer can still answer with a status code.
+`sink` must not block: it hands the event to the request greenlet through a thread-safe wake-up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any, Protocol
+
+import numpy as np
+
+DEFAULT_PENALTY_WINDOW = 64
+PENALTY_WINDOW = 64  # the most recent tokens a slot keeps on the device for penalties (decode_state's ring)
+_U64 = (1 << 64) - 1
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return out
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling knobs, validated on construction so a bad request fails before it is queued.
+
+    Out-of-range values raise ``ValueError`` naming the field (the web layer turns it into a 400).  Neutral
+    values (the defaults, except ``temperature``) switch a stage off, so ``SamplingParams(temperature=0)``
+    is plain greedy decoding.
+    """
+
+    temperature: float = 1.0  # 0 => greedy
+    top_k: int = 0  # 0 (or >= vocabulary size) => off; 1 => greedy
+    top_p: float = 1.0  # in (0, 1]; 1 => off
+    min_p: float = 0.0  # in [0, 1]; 0 => off
+    repetition_penalty: float = 1.0  # > 0; 1 => off
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    seed: int | None = None  # None => a fresh random seed each time one is resolved
+    penalty_window: int = DEFAULT_PENALTY_WINDOW  # how many recent tokens the penalties look at; 0 => none
+
+    def __post_init__(self) -> None:
+        set_ = partial(object.__setattr__, self)
+        t = _real("temperature", self.temperature)
+        if t < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        set_("temperature", t)
+        k = _integer("top_k", self.top_k)
+        if k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        set_("top_k", k)
+        p = _real("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        set_("top_p", p)
+        m = _real("min_p", self.min_p)
+        if not 0.0 <= m <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        set_("min_p", m)
+        r = _real("repetition_penalty", self.repetition_penalty)
+        if r <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        set_("repetition_penalty", r)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _real(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+            set_(name, v)
+        if self.seed is not None:
+            set_("seed", _integer("seed", self.seed))
+        w = _integer("penalty_window", self.penalty_window)
+        if w < 0:
+            raise ValueError(f"penalty_window must be >= 0, got {self.penalty_window!r}")
+        set_("penalty_window", w)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the result is the argmax of the penalised logits and no random number is used."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def resolved_seed(self) -> int:
+        """The 64-bit seed to sample with: ``seed mod 2**64`` (so -1 is a valid, fixed seed), or, when no seed
+        was given, a fresh one from ``os.urandom`` -- a new one on *every* call, so resolve once per request
+        (see :meth:`resolved`) if its draws should form one stream."""
+        if self.seed is None:
+            return int.from_bytes(os.urandom(8), "little")
+        return self.seed & _U64
+
+    def resolved(self) -> "SamplingParams":
+        """A copy whose seed is fixed, for the scheduler to keep for the lifetime of a request."""
+        return self if self.seed is not None else replace(self, seed=self.resolved_seed())
+
+
+GREEDY = SamplingParams(temperature=0.0, penalty_window=0, seed=0)
+
+
+@dataclass
+class GenRequest:
+    """One generation as the schedulers see it: token ids in, a budget, stop ids and sampling knobs.
+
+    The seed is resolved here, once per request: every later reader (the decode state's slot, a
+    replay) sees the same one.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    session_id: str | None = None
+    # Prefix reuse happens only between requests of one scope (the web layer's tenant key: API key,
+    # user, session, cache_salt), so a prompt's cached length never tells one client about another's.
+    cache_scope: str = ""
+    request_id: str = field(default_factory=lambda: secrets.token_hex(12))
+
+    def __post_init__(self) -> None:
+        p = self.params.resolved()
+        if p.penalty_window > PENALTY_WINDOW:
+            p = replace(p, penalty_window=PENALTY_WINDOW)
+        self.params = p
+
+
+@dataclass(frozen=True)
+class Started:
+    reused_tokens: int = 0  # prompt tokens served from a prefix already in the slot
+
+
+@dataclass(frozen=True)
+class Tokens:
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    error: Exception | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_tokens: int = 0
+
+
+Event = Started | Tokens | Finished
+Sink = Callable[[Event], None]
+
+
+class Handle(Protocol):
+    def cancel(self) -> None:
+        """Stop generating (client gone, stop string hit): the slot is freed within one step."""
+
+
+class Backend(Protocol):
+    def submit(self, req: GenRequest, sink: Sink) -> Handle:
+        """Start or queue a request; raises BusyError (429/503) when it cannot even be queued."""
+
+    def load_info(self) -> dict:
+        """Counters for /metrics and bench: running, queued, slots, prefix hits..."""
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new work, cancel what runs, join the thread(s)."""
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the web layer knows of a loaded model: no device arrays, no compiled programs.
+
+    The tokenizer and chat template are host objects (tokenizers + Jinja2); `context_length` is the
+    longest sequence a slot holds (prompt + completion), `n_slots` the concurrent sequences.
+    """
+
+    name: str
+    path: str
+    arch: str
+    context_length: int
+    n_slots: int
+    tokenizer: Any
+    template: Any
+    native_kernels: bool = False

@@ -30,8 +30,9 @@ def bench_engine(model_name: str, batches: list[int], prompt_len: int, gen: int,
                  max_seq: int | None = None) -> dict:
     from .catalog import resolve_model
     from .compile_guard import compile_count
-    from .engine import LoadOptions, load
-    from .sampler import SamplingParams
+    from .decode_state import slot_insert
+    from .engine import Chunk, LoadOptions, StepPlan, load
+    from .gen_types import SamplingParams
 
     path = resolve_model(model_name)
     t0 = time.perf_counter()
@@ -46,34 +47,43 @@ def bench_engine(model_name: str, batches: list[int], prompt_len: int, gen: int,
                            "weights_mb": round(model.weight_bytes / 1e6, 1), "load_s": round(load_s, 2),
                            "prompt_len": prompt_len, "gen": gen, "reps": reps, "dtype": str(model.dtype.__name__)}
 
+    def fill(state: Any, slot: int) -> Any:
+        """Give `slot` the prompt (greedy, a budget no rep exhausts) through the serving verbs."""
+        state = model.insert(state, slot_insert(slot, prompt, 0, greedy, 1 << 30, ()))
+        for i in range(0, prompt_len, model.chunk):
+            part = tuple(prompt[i: i + model.chunk])
+            h, state = model.step(state, StepPlan(chunk=Chunk(slot, part, i, i + model.chunk >= prompt_len)))
+        model.read(h)
+        return state
+
     # Prefill: the whole prompt in chunks, timed end to end (includes the first sampled token).
     c0, t0 = compile_count(), time.perf_counter()
-    _, _, state = model.prefill(state, 0, prompt, params=greedy)
+    state = fill(state, 0)
     out["prefill_compile_s"] = round(time.perf_counter() - t0, 2)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        _, _, state = model.prefill(state, 0, prompt, params=greedy)
+        state = fill(state, 0)
         times.append(time.perf_counter() - t0)
     out["prefill_tok_s"] = round(prompt_len / statistics.median(times), 1)
 
     decode: dict[str, Any] = {}
     for b in batches:
-        slots = list(range(b))
+        slots = tuple(range(b))
         for s in slots:
-            _, _, state = model.prefill(state, s, prompt, params=greedy)
-        toks = [[1] for _ in slots]
+            state = fill(state, s)
         t0 = time.perf_counter()
-        h, state = model.step_begin(state, toks, slots, [prompt_len] * b, [greedy] * b, None, [0] * b)
-        model.step_wait(h)
+        h, state = model.step(state, StepPlan(decode=slots, reach=prompt_len + 1))
+        model.read(h)
         compile_s = time.perf_counter() - t0
         rates = []
+        pos = prompt_len + 1
         for _ in range(reps):
             t0 = time.perf_counter()
-            for i in range(gen):
-                h, state = model.step_begin(state, toks, slots, [prompt_len + i] * b, [greedy] * b, None, [i] * b)
-                ids = model.step_wait(h)
-                toks = [[int(x)] for x in ids]
+            for i in range(gen):  # dispatch step i+1 before reading step i, as the scheduler does
+                nxt, state = model.step(state, StepPlan(decode=slots, reach=pos + 1))
+                model.read(h)
+                h, pos = nxt, pos + 1
             rates.append(b * gen / (time.perf_counter() - t0))
         decode[str(b)] = {"tok_s": round(statistics.median(rates), 1),
                           "ms_per_step": round(1000 * b / statistics.median(rates), 1),

@@ -540,7 +540,7 @@ class Model:
         state = self.insert(state, decode_state.slot_insert(slot, prompt, 0, params, max_tokens, stop))
         chunk = chunk or self.chunk
         cut = len(prompt) if decode_from is None else max(1, decode_from)
-        pieces = [prompt[i: i + chunk] for i in range(0, cut, chunk)] + [[t] for t in prompt[cut:]]
+        pieces = [prompt[i: min(i + chunk, cut)] for i in range(0, cut, chunk)] + [[t] for t in prompt[cut:]]
         pos = 0
         for i, part in enumerate(pieces):
             h, state = self.step(state, StepPlan(chunk=Chunk(slot, tuple(part), pos, i == len(pieces) - 1)))

@@ -143,7 +143,7 @@ def test_estimate_matches_a_real_load(name):
     model = load_on(path, opts)
     state = model.new_state()
     assert est.weights_bytes == model.weight_bytes
-    assert est.state_bytes == sum(x.nbytes for x in jax.tree.leaves(state))
+    assert est.state_bytes == sum(x.nbytes for x in jax.tree.leaves(state.cache))
     assert est.scratch_bytes > 0 and est.total_bytes > est.weights_bytes + est.state_bytes
     assert est.attn_weight_bytes > 0 and est.ffn_weight_bytes > 0
     from_model = estimate_load_bytes(model)  # a loaded model estimates the same
@@ -199,7 +199,9 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
     from pantheon import compile_guard
     from pantheon.config import load_settings
     from pantheon.dies import DieManager, estimate_load_bytes
-    from pantheon.engine import LoadOptions, load_on
+    from pantheon.decode_state import slot_insert
+    from pantheon.engine import Chunk, LoadOptions, StepPlan, load_on
+    from pantheon.gen_types import GREEDY
 
     compile_guard.enable_persistent_cache(load_settings().home)  # as conftest does: reruns are fast
     tiny = sys.argv[1]
@@ -227,7 +229,7 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
             "greedy_equal": g1 == g2 and argmax_equal, "greedy": g2,
             "param_devices": sorted({d.id for _, x in leaves for d in x.sharding.device_set}),
             "split": split,
-            "kv_spec": list(state["k"].sharding.spec),
+            "kv_spec": list(state.cache["k"].sharding.spec),
             "programs": many._forward._cache_size(), "shapes": len(many.compiled_shapes()),
         }
     # A mixed step (one prompt chunk + one decode row) on two dies equals the same step on one die.
@@ -237,8 +239,10 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
     for dies in ([0], [1, 2]):
         m = load_on(path, LoadOptions(n_slots=2, max_seq=32, prefill_chunk=16), dies)
         st = m.new_state()
-        nxt, _, st = m.prefill(st, 1, ids[:5])
-        h, st = m.step_begin(st, [ids[5:14], [nxt]], [0, 1], [0, 5], want_logits=True)
+        st = m.insert(st, slot_insert(1, ids[:5], 0, GREEDY, 8, ()))
+        _, st = m.step(st, StepPlan(chunk=Chunk(1, tuple(ids[:5]), 0, True)))
+        st = m.insert(st, slot_insert(0, ids[5:14], 0, GREEDY, 8, ()))
+        h, st = m.step(st, StepPlan(chunk=Chunk(0, tuple(ids[5:14]), 0, True), decode=(1,), reach=6), want_logits=True)
         mixed.append((np.asarray(h.logits)[:2], m.supports_mixed, sorted(str(k[0]) for k in m.compiled_shapes())))
     out["mixed_two_dies"] = {"max_diff": float(np.abs(mixed[0][0] - mixed[1][0]).max()),
                              "supported": mixed[1][1], "shapes": mixed[1][2]}

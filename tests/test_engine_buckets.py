@@ -7,6 +7,9 @@ import pytest
 
 from conftest import tiny_fixture
 from pantheon import engine, weights
+from pantheon.decode_state import slot_insert
+from pantheon.engine import Chunk, StepPlan
+from pantheon.gen_types import GREEDY
 from pantheon.sampler import SamplingParams
 
 
@@ -69,24 +72,24 @@ def test_a_prefill_chunk_riding_with_decode_rows_computes_what_separate_steps_do
               SamplingParams(temperature=0.0, repetition_penalty=1.2)]
 
     def run(mixed: bool, decoders: list[int]):
+        """Slots in `decoders` decode one token while slot 0 takes `chunk` as its whole prompt: in one
+        mixed step, or as separate plain prefill and decode steps."""
         state = model.new_state()
-        nxt = {}
         for s in decoders:
-            nxt[s], _, state = model.prefill(state, s, prompts[s])
-        rows = [(chunk, 0, 0, SamplingParams(temperature=0.0))] + [
-            ([nxt[s]], s, len(prompts[s]), params[s - 1]) for s in decoders]
-        rows = rows[1:2] + rows[:1] + rows[2:]  # the prefill row second in the caller's order
-        toks, slots, starts, prm = (list(x) for x in zip(*rows))
-        recent = [prompts.get(s, []) + t for t, s in zip(toks, slots)]
+            state = model.insert(state, slot_insert(s, prompts[s], 0, params[s - 1].resolved(), 8, ()))
+            _, state = model.step(state, StepPlan(chunk=Chunk(s, tuple(prompts[s]), 0, True)))
+        state = model.insert(state, slot_insert(0, chunk, 0, GREEDY, 8, ()))
+        c = Chunk(0, tuple(chunk), 0, True)
+        reach = 1 + max(len(prompts[s]) for s in decoders)
         if mixed:
-            h, state = model.step_begin(state, toks, slots, starts, prm, recent, want_logits=True)
-            return np.asarray(h.logits)[: len(rows)], model.step_wait(h)
+            h, state = model.step(state, StepPlan(chunk=c, decode=tuple(decoders), reach=reach), want_logits=True)
+            return np.asarray(h.logits)[: 1 + len(decoders)], model.read(h)[:, 0]
+        plans = [StepPlan(chunk=c)] + [StepPlan(decode=(s,), reach=reach) for s in decoders]
         out_l, out_i = [], []
-        for b in range(len(rows)):  # one row at a time: plain prefill and decode programs
-            h, state = model.step_begin(state, [toks[b]], [slots[b]], [starts[b]], [prm[b]], [recent[b]],
-                                        want_logits=True)
+        for plan in plans:  # one row at a time: plain prefill and decode programs
+            h, state = model.step(state, plan, want_logits=True)
             out_l.append(np.asarray(h.logits)[0])
-            out_i.append(model.step_wait(h)[0])
+            out_i.append(model.read(h)[0, 0])
         return np.stack(out_l), np.array(out_i)
 
     for decoders in ([1, 2, 3], [2]):  # a full decode group and a padded one

@@ -12,6 +12,9 @@ import pytest
 
 from conftest import tiny_fixture
 from pantheon import engine, native
+from pantheon.decode_state import slot_insert
+from pantheon.engine import Chunk, StepPlan
+from pantheon.gen_types import GREEDY
 from pantheon.config import load_settings
 from pantheon.jax_models import common
 
@@ -86,7 +89,7 @@ def test_the_kernel_serves_the_shapes_it_can(kernel):
 def _lowered(model, rows: int, t: int) -> str:
     fn = jax.jit(partial(model._forward_impl, span=64, all_logits=False, kernels=model.kernels))
     z = jnp.zeros((rows,), jnp.int32)
-    return fn.lower(model.params, model.new_state(), jnp.zeros((rows, t), jnp.int32), z, z,
+    return fn.lower(model.params, model.new_state().cache, jnp.zeros((rows, t), jnp.int32), z, z,
                     jnp.ones((rows,), jnp.int32)).as_text()
 
 
@@ -122,16 +125,23 @@ def test_a_decode_row_has_the_same_logits_alone_batched_and_beside_a_prefill_chu
     model = engine.load(path, engine.LoadOptions(n_slots=4, max_seq=128, prefill_chunk=64, native_matmul=True))
     prompt = j["prompt_ids"][:9]
 
-    def decode_row_logits(tokens, slots, starts) -> np.ndarray:
+    def decode_row_logits(decode: tuple[int, ...], chunk: list[int] | None = None) -> np.ndarray:
+        """Slot 1's decode-row logits (after `prompt`, feeding the token the prompt's last chunk
+        sampled), decoded beside the slots in `decode` and maybe a prompt chunk for slot 0."""
         state = model.new_state()
         for slot in (1, 2):
-            _, _, state = model.prefill(state, slot, prompt)
-        h, _ = model.step_begin(state, tokens, slots, starts, want_logits=True)
-        return np.asarray(h.logits)[slots.index(1)]
+            state = model.insert(state, slot_insert(slot, prompt, 0, GREEDY, 8, ()))
+            _, state = model.step(state, StepPlan(chunk=Chunk(slot, tuple(prompt), 0, True)))
+        c = None
+        if chunk is not None:
+            state = model.insert(state, slot_insert(0, chunk, 0, GREEDY, 8, ()))
+            c = Chunk(0, tuple(chunk), 0, True)
+        h, _ = model.step(state, StepPlan(chunk=c, decode=decode, reach=10), want_logits=True)
+        return np.asarray(h.logits)[(c is not None) + decode.index(1)]
 
-    alone = decode_row_logits([[5]], [1], [9])
-    batched = decode_row_logits([[7], [5]], [2, 1], [9, 9])
-    mixed = decode_row_logits([list(range(3, 43)), [5]], [0, 1], [0, 9])
+    alone = decode_row_logits((1,))
+    batched = decode_row_logits((2, 1))
+    mixed = decode_row_logits((1,), list(range(3, 43)))
     assert np.array_equal(alone, batched)
     np.testing.assert_allclose(mixed, alone, rtol=0, atol=1e-5)
     assert int(np.argmax(mixed)) == int(np.argmax(alone))

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import centered, tiny_fixture, tiny_model
+from pantheon.decode_state import RUNNING, slot_insert
+from pantheon.engine import Chunk, StepPlan
 from pantheon.sampler import SamplingParams
 
 DENSE = ["llama", "llama.q8_0", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma3", "phi3"]
@@ -57,18 +59,20 @@ def test_two_slots_do_not_disturb_each_other():  # hybrids: tests/test_qwen35.py
     assert out == j["greedy_ids"]
 
 
-def test_async_seam_begin_then_poll():
-    """forward_step_begin returns at once; forward_step_poll answers None until the ids are ready."""
+def test_async_seam_step_then_poll():
+    """step returns at once; poll answers None until the packed (id, flag) rows are ready."""
     import time
 
     _, j, _ = tiny_fixture("llama")
     m = tiny_model("llama")
-    state = m.new_state()
-    _, _, state = m.prefill(state, 0, j["prompt_ids"][:-1])
-    handle, state = m.forward_step_begin(state, [[j["prompt_ids"][-1]]], [0], [len(j["prompt_ids"]) - 1],
-                                         [SamplingParams(temperature=0.0)])
-    ids = None
+    prompt = j["prompt_ids"]
+    state = m.insert(m.new_state(), slot_insert(0, prompt, 0, SamplingParams(temperature=0.0, seed=0), 4, ()))
+    for i in range(0, len(prompt), m.chunk):  # the tiny model's chunk is 16 tokens
+        part = tuple(prompt[i: i + m.chunk])
+        handle, state = m.step(state, StepPlan(chunk=Chunk(0, part, i, i + m.chunk >= len(prompt))))
+    out = None
     deadline = time.monotonic() + 60
-    while ids is None and time.monotonic() < deadline:
-        ids = m.forward_step_poll(handle)
-    assert ids is not None and int(ids[0]) == j["greedy_ids"][0]
+    while out is None and time.monotonic() < deadline:
+        out = m.poll(handle)
+    assert out is not None and out.shape == (1, 2)
+    assert int(out[0, 0]) == j["greedy_ids"][0] and int(out[0, 1]) == RUNNING

@@ -165,7 +165,7 @@ def test_every_format_loads_as_it_is_stored_and_both_kernels_agree(mix, tmp_path
     assert np.all(np.isfinite(a)) and np.abs(a).max() > 1e-3
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4 * np.abs(b).max())
     for m in (on, off):
-        m.release()
+        m.free()
 
 
 def test_a_type_no_kernel_reads_is_expanded_alone_with_a_log_line(tmp_path, caplog):
@@ -177,7 +177,7 @@ def test_a_type_no_kernel_reads_is_expanded_alone_with_a_log_line(tmp_path, capl
     kinds = {w.qtype for w in _weights(model)}
     assert "Q4_K" in kinds and "F32" in kinds  # only the IQ2_XXS matrices were widened
     assert np.all(np.isfinite(model.logits([1, 2, 3])))
-    model.release()
+    model.free()
 
 
 def _write_with_raw_tensor(path: Path, qtype: gguf.GGMLQuantizationType, nbytes_per_row: int) -> Path:

@@ -54,8 +54,7 @@ def test_rows_of_different_lengths_in_one_step():
     m = tiny_model("qwen35moe")
     ids = j["prompt_ids"]
     state = m.new_state()
-    h, state = m.step_begin(state, [ids[:10], ids[:4]], [0, 1], [0, 0], all_logits=True)
-    lg = np.asarray(h.logits)
+    lg, state = m.forward_rows(state, [ids[:10], ids[:4]], [0, 1], [0, 0], all_logits=True)
     assert close(lg[0, :10], ref[:10]) and close(lg[1, :4], ref[:4])
     _, rest0, state = m.prefill(state, 0, ids[10:], start=10, all_logits=True)
     _, rest1, state = m.prefill(state, 1, ids[4:], start=4, all_logits=True)
@@ -69,18 +68,18 @@ def test_snapshot_restore_round_trip():
     ids = j["prompt_ids"]
     state = m.new_state()
     _, _, state = m.prefill(state, 0, ids[:12])
-    snap = jax.tree.map(np.asarray, qwen35.snapshot_slot(state, 0))
+    snap = jax.tree.map(np.asarray, qwen35.snapshot_slot(state.cache, 0))
     _, _, state = m.prefill(state, 0, ids[12:] + ids[:5], start=12)  # moves slot 0 past the boundary
     _, _, state = m.prefill(state, 1, ids[::-1])  # and slot 1 too; restoring slot 0 must not touch it
-    before1 = jax.tree.map(np.asarray, qwen35.snapshot_slot(state, 1))
-    state = qwen35.restore_slot(state, 0, snap)
+    before1 = jax.tree.map(np.asarray, qwen35.snapshot_slot(state.cache, 1))
+    state = state.replace(cache=qwen35.restore_slot(state.cache, 0, snap))
     for k in snap:
-        np.testing.assert_array_equal(np.asarray(qwen35.snapshot_slot(state, 0)[k]), snap[k])
-        np.testing.assert_array_equal(np.asarray(qwen35.snapshot_slot(state, 1)[k]), before1[k])
+        np.testing.assert_array_equal(np.asarray(qwen35.snapshot_slot(state.cache, 0)[k]), snap[k])
+        np.testing.assert_array_equal(np.asarray(qwen35.snapshot_slot(state.cache, 1)[k]), before1[k])
     _, tail, state = m.prefill(state, 0, ids[12:], start=12, all_logits=True)
     assert close(tail, ref[12:])
-    state = qwen35.reset_slot(state, 1)
-    assert all(not np.asarray(v).any() for v in qwen35.snapshot_slot(state, 1).values())
+    cache = qwen35.reset_slot(state.cache, 1)
+    assert all(not np.asarray(v).any() for v in qwen35.snapshot_slot(cache, 1).values())
 
 
 def test_chunked_delta_rule_equals_recurrence():

@@ -239,4 +239,4 @@ def test_engine_loads_and_generates(small_files, profile):
         out = list(model.generate(ids, SamplingParams(temperature=0.0), max_tokens=4, stop_ids=[]))
         assert len(out) == 4 and all(0 <= t < 512 for t in out)
     finally:
-        model.release()
+        model.free()

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from pantheon import engine
+    from pantheon.decode_state import slot_insert
+    from pantheon.engine import Chunk, StepPlan
+    from pantheon.gen_types import GREEDY
 
     proc, peak, stop = psutil.Process(), [0], threading.Event()
 
@@ -46,16 +49,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{peak[0] / 1e9:.2f} GB, {m.kernels}", flush=True)
     state = m.new_state()
     for b in (int(x) for x in args.batches.split(",")):
-        slots, pos = list(range(b)), [4] * b
+        slots, pos = tuple(range(b)), 4
         for s in slots:
-            _, _, state = m.prefill(state, s, [1 + s, 2, 3, 4])
+            prompt = [1 + s, 2, 3, 4]
+            state = m.insert(state, slot_insert(s, prompt, 0, GREEDY, 1 << 30, ()))
+            h, state = m.step(state, StepPlan(chunk=Chunk(s, tuple(prompt), 0, True)))
         times = []
         for _ in range(args.steps + 2):
             t = time.perf_counter()
-            h, state = m.step_begin(state, [[5]] * b, slots, pos)
-            m.step_wait(h)
+            h, state = m.step(state, StepPlan(decode=slots, reach=pos + 1))
+            m.read(h)
             times.append(time.perf_counter() - t)
-            pos = [p + 1 for p in pos]
+            pos += 1
         med = statistics.median(times[2:])
         print(f"batch {b}: {med:.3f} s/step, {b / med:.2f} tok/s, RSS {proc.memory_info().rss / 1e9:.2f} GB "
               f"(peak {peak[0] / 1e9:.2f})", flush=True)

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from pantheon import engine
+    from pantheon.decode_state import slot_insert
+    from pantheon.engine import Chunk, StepPlan
+    from pantheon.gen_types import GREEDY
 
     path = Path(args.gguf)
     if not path.exists():
@@ -53,17 +56,19 @@ def main(argv: list[str] | None = None) -> int:
                       "kernels": str(model.kernels)}), flush=True)
     state = model.new_state()
     for b in (int(x) for x in args.batches.split(",")):
-        slots = list(range(b))
+        slots = tuple(range(b))
         for s in slots:  # a short prompt per slot
-            _, _, state = model.prefill(state, s, [1 + s, 2, 3, 4])
-        pos = [4] * b
+            prompt = [1 + s, 2, 3, 4]
+            state = model.insert(state, slot_insert(s, prompt, 0, GREEDY, 1 << 30, ()))
+            h, state = model.step(state, StepPlan(chunk=Chunk(s, tuple(prompt), 0, True)))
+        pos = 4
         times = []
         for i in range(args.steps + 3):
             t = time.perf_counter()
-            h, state = model.step_begin(state, [[5]] * b, slots, pos)
-            ids = model.step_wait(h)
+            h, state = model.step(state, StepPlan(decode=slots, reach=pos + 1))
+            ids = model.read(h)
             dt = time.perf_counter() - t
-            pos = [p + 1 for p in pos]
+            pos += 1
             if i >= 3:  # the first steps compile
                 times.append(dt)
         ms = statistics.median(times) * 1e3

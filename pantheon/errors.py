@@ -70,3 +70,14 @@ class CompileForbiddenError(PantheonError):
 
     status = 500
     code = "compile_forbidden"
+
+
+class ModelFailed(PantheonError):
+    """A model's driver stopped on an unexpected error: the requests it held fail with 500, later ones
+    get 503 until the model is unloaded (and loaded again)."""
+
+    code = "model_failed"
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status

@@ -484,6 +484,15 @@ class Registry:
         with self._lock:
             return sum(1 for e in self._entries if e is not None and e.state == READY)
 
+    def failures(self) -> list[str]:
+        """One line per resident instance whose backend has failed (its driver died): what `GET /`
+        reports with 503 until the instance is unloaded (and maybe loaded again)."""
+        with self._lock:
+            backends = [(e.name, e.instance_id, e.backend) for e in self._entries
+                        if e is not None and e.state == READY and e.backend is not None]
+        return [f"model {name!r} (instance {iid}) failed: {b.failure}" for name, iid, b in backends
+                if getattr(b, "failure", None) is not None]
+
     def models(self) -> list[dict]:
         """Resident model names, one per name however many replicas serve it (OpenAI list items)."""
         seen: dict[str, dict] = {}

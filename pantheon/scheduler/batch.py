@@ -49,18 +49,11 @@ from typing import Any, Callable
 from .. import compile_guard, decode_state, osthread
 from ..config import Settings
 from ..engine import Chunk, Model, StepHandle, StepPlan
-from ..errors import BusyError, PantheonError
+from ..errors import BusyError, ModelFailed
 from ..gen_types import Event, Finished, GenRequest, Sink, Started, Tokens
 
 IDLE, PREFILL, DECODE = "IDLE", "PREFILL", "DECODE"
 PRESSURE_CRITICAL = 3
-
-
-class SchedulerFailed(PantheonError):
-    """The model's driver stopped on an unexpected error: its requests fail and it takes no more."""
-
-    status = 503
-    code = "model_failed"
 
 
 class _Handle:
@@ -174,7 +167,7 @@ class BatchScheduler:
         job = _Job(req=req, sink=sink, enqueued_at=time.monotonic())
         with self._mu:
             if self.failure is not None:
-                raise SchedulerFailed(f"model {self.model.name!r} failed: {self.failure}")
+                raise ModelFailed(f"model {self.model.name!r} failed: {self.failure}")
             if self._closed:
                 raise BusyError("server is shutting down", status=503)
             free = self._free_slots_locked()
@@ -489,7 +482,7 @@ class BatchScheduler:
         """The driver is ending on an unexpected error: fail every request, refuse new ones, say why."""
         message = f"{type(exc).__name__}: {exc}"
         print(f"[bs] driver of {self.model.name} failed: {message}", file=sys.stderr, flush=True)
-        err = SchedulerFailed(f"model {self.model.name!r} failed: {message}")
+        err = ModelFailed(f"model {self.model.name!r} failed: {message}", status=500)
         events: list[tuple[_Job, Event]] = []
         with self._mu:
             self.failure = message

@@ -317,7 +317,7 @@ def _stop(body: Mapping) -> tuple[str, ...]:
 
 def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     """Validate a chat-completions body; raises RequestError (400) naming the first bad field."""
-    from ..sampler import SamplingParams
+    from ..gen_types import SamplingParams
 
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", param=None)

@@ -43,16 +43,26 @@ def read_json() -> Any:
     return parse_json(read_raw())
 
 
+def health_body() -> tuple[dict, int]:
+    """The server's health: 200 ok; 503 while loading, after a failed start, or while a model's
+    driver has failed (named in `error`) -- the one rule every health route answers with."""
+    st = server()
+    status, error = st.status, st.error
+    if status == "ok":
+        failed = st.registry.failures()
+        if failed:
+            status, error = "failed", "; ".join(failed)
+    body = {"service": "pantheon", "status": status}
+    if error:
+        body["error"] = error
+    return body, 200 if status == "ok" else 503
+
+
 @bp.get("/")
 def health() -> Response:
-    st = server()
-    if st.status == "ok":
-        return jsonify(service="pantheon", status="ok")
-    body = {"service": "pantheon", "status": st.status}
-    if st.error:
-        body["error"] = st.error
+    body, code = health_body()
     resp = jsonify(body)
-    resp.status_code = 503
+    resp.status_code = code
     return resp
 
 

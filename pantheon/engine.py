@@ -24,7 +24,6 @@ steps. The cache has one extra "scratch" slot that padding and dead rows write t
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import weakref
 from collections.abc import Iterator, Sequence

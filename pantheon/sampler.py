@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .gen_types import DEFAULT_PENALTY_WINDOW, GREEDY, SamplingParams
+from .gen_types import DEFAULT_PENALTY_WINDOW, GREEDY, SamplingParams  # noqa: F401 (re-exported)
 
 # How many largest logits the fast path looks at.  lax.top_k(256) over 152k logits is ~5 ms on a CPU;
 # every threshold it can decide is exact, the rest fall back to bisection (see module docstring).

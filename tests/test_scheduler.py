@@ -1,10 +1,9 @@
-"""The continuous-batching scheduler: correctness under concurrency, backpressure, reuse, no recompiles."""
+"""The scheduler over a real (tiny) model: tokens alone == batched == joined mid-way == prefix hit, mixed steps,
+hybrid state, no recompiles. Scheduling policy on a fake engine is in test_scheduler_policy.py."""
 
 from __future__ import annotations
 
-import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,6 @@ import pytest
 from conftest import tiny_fixture, wait_until
 from pantheon import compile_guard, engine
 from pantheon.config import Settings
-from pantheon.errors import BusyError
 from pantheon.sampler import SamplingParams
 from pantheon.scheduler import Finished, GenRequest, Started, Tokens
 from pantheon.scheduler.batch import BatchScheduler
@@ -131,28 +129,6 @@ def test_without_mixed_steps_prefill_and_decode_alternate_with_the_same_outputs(
         s.close()
 
 
-def test_stats_log_one_line_per_step_with_its_kind_width_tokens_time_and_start(model, capsys):
-    """QWEN35_BS_STATS=1: each step on stderr; the lines add up to the counters /metrics reads."""
-    s = BatchScheduler(model, settings(bs_stats=True), warmup=False)
-    try:
-        join_midway(model, s, prompts()[3])
-        info = s.load_info()
-    finally:
-        s.close()
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[bs] ")]
-    steps = [re.fullmatch(r"\[bs\] (prefill|decode|mixed) width=(\d+) tokens=(\d+) ms=([\d.]+) "
-                          r"host_ms=([\d.]+) at=([\d.]+)", ln) for ln in lines]
-    assert all(steps) and len(steps) == info["steps"]
-    kinds = [m[1] for m in steps]
-    assert kinds.count("mixed") == info["mixed_steps"] >= 1
-    decode_rows = [int(m[2]) if m[1] == "decode" else int(m[2]) - 1 for m in steps if m[1] != "prefill"]
-    assert sum(decode_rows) == info["decode_tokens"]
-    starts = [float(m[6]) for m in steps]
-    assert starts == sorted(starts)
-    # the host's share of a step (planning, dispatch, emitting) is part of it, device waits excluded
-    assert sum(float(m[5]) for m in steps) == pytest.approx(info["host_ms_total"], abs=0.01 * len(steps) + 1e-6)
-
-
 def test_eos_finishes_with_stop(sched, model):
     _, j, _ = tiny_fixture("llama")
     eos = j["greedy_ids"][3]
@@ -160,70 +136,6 @@ def test_eos_finishes_with_stop(sched, model):
     sched.submit(GenRequest(prompt_ids=j["prompt_ids"], params=GREEDY, max_tokens=16, stop_ids=frozenset({eos})), c)
     assert c.done.wait(60)
     assert c.ids == j["greedy_ids"][:4] and c.finished.reason == "stop"
-
-
-def test_cancel_frees_the_slot_within_a_step(model):
-    s = BatchScheduler(model, settings(batch_slots=1), warmup=False)
-    try:
-        ps = prompts()
-        a = Collector()
-        h = s.submit(GenRequest(prompt_ids=ps[0], params=GREEDY, max_tokens=100), a)
-        wait_until(lambda: len(a.ids) >= 2, 30, "two tokens")
-        h.cancel()
-        assert a.done.wait(10) and a.finished.reason == "cancelled"
-        b = submit(s, ps[1], n=3)
-        assert b.done.wait(10) and len(b.ids) == 3
-    finally:
-        s.close()
-
-
-def test_queue_then_429_with_retry_after(model):
-    """With every slot busy, requests queue up to the depth; the next one is refused at once."""
-    s = BatchScheduler(model, settings(queue_depth=3), warmup=False)
-    try:
-        ps = prompts()
-        running = [submit(s, ps[i % 8], n=60) for i in range(8)]
-        queued = [submit(s, ps[i], n=2) for i in range(3)]
-        with pytest.raises(BusyError) as exc:
-            s.submit(GenRequest(prompt_ids=ps[0], params=GREEDY, max_tokens=2), Collector())
-        assert exc.value.status == 429 and exc.value.retry_after == 5
-        for c in running + queued:
-            assert c.done.wait(120)
-        assert all(c.finished.reason == "length" for c in queued)
-    finally:
-        s.close()
-
-
-def test_queue_wait_timeout_is_429_retry_after_2(model):
-    s = BatchScheduler(model, settings(batch_slots=1, queue_wait_s=0.02), warmup=False)
-    try:
-        ps = prompts()
-        hog = submit(s, ps[0], n=120)
-        wait_until(lambda: bool(hog.ids), 30, "the hog's first token")
-        waiter = submit(s, ps[1], n=2)
-        assert waiter.done.wait(30)
-        fin = waiter.finished
-        assert fin.reason == "error" and isinstance(fin.error, BusyError)
-        assert fin.error.status == 429 and fin.error.retry_after == 2
-        assert waiter.started is None
-        assert hog.done.wait(60)
-    finally:
-        s.close()
-
-
-def test_cancelled_queued_request_leaves_the_queue(model):
-    s = BatchScheduler(model, settings(batch_slots=1), warmup=False)
-    try:
-        ps = prompts()
-        hog = submit(s, ps[0], n=40)
-        c = Collector()
-        h = s.submit(GenRequest(prompt_ids=ps[1], params=GREEDY, max_tokens=2), c)
-        h.cancel()
-        assert c.done.wait(5) and c.finished.reason == "cancelled" and not c.ids
-        assert s.load_info()["queued"] == 0
-        assert hog.done.wait(60)
-    finally:
-        s.close()
 
 
 def test_prefix_reuse_automatic_and_by_session(model):
@@ -250,35 +162,6 @@ def test_prefix_reuse_automatic_and_by_session(model):
         assert fourth.done.wait(30)
         assert fourth.started.reused_tokens == 12
         assert fourth.ids == run_alone(model, base[:10] + [5, 6, 7, 8], GREEDY, 4)
-    finally:
-        s.close()
-
-
-def test_prefix_reuse_never_crosses_cache_scopes(model):
-    """Another tenant's identical prompt reuses nothing (cached length 0); the same tenant's does."""
-    s = BatchScheduler(model, settings(batch_slots=2), warmup=False)
-    try:
-        _, j, _ = tiny_fixture("llama")
-        secret = j["prompt_ids"][:24]
-
-        def run(scope: str, session: str | None = None) -> Collector:
-            c = Collector()
-            s.submit(GenRequest(prompt_ids=secret, params=GREEDY, max_tokens=3, cache_scope=scope,
-                                session_id=session), c)
-            assert c.done.wait(30)
-            return c
-
-        victim = run("tenant-a")
-        assert victim.started.reused_tokens == 0
-        guesser = run("tenant-b")
-        assert guesser.started.reused_tokens == 0
-        assert guesser.ids == victim.ids  # the same tokens, computed from scratch
-        again = run("tenant-a")
-        assert again.started.reused_tokens == len(secret) - 1
-        # a session id names a slot only within its scope
-        run("tenant-a", session="s1")
-        stolen = run("tenant-c", session="s1")
-        assert stolen.started.reused_tokens == 0
     finally:
         s.close()
 

@@ -110,26 +110,29 @@ def test_admit_prompt_refusals():
 
 # ---- the scheduler's pressure callback ----------------------------------------------------------------
 class BlockingModel:
-    """Enough of a Model for BatchScheduler: one slot; a step blocks until released, then fails."""
+    """Enough of a Model for BatchScheduler: one slot; a step blocks until unblocked, then fails."""
 
     n_slots, chunk, max_seq, name, supports_mixed = 1, 16, 64, "blocking", False
-    arch = object()
+    caps = SimpleNamespace(mixed_steps=False, recurrent_state=False)
 
     def __init__(self, die: int):
         self.devices = [SimpleNamespace(id=die, platform="cpu")]
         self.entered = threading.Event()
-        self.release = threading.Event()
+        self.unblock = threading.Event()
 
     def new_state(self):
         return None
 
-    def step_begin(self, state, *a, **kw):
-        self.entered.set()
-        self.release.wait(10)
-        raise RuntimeError("fake step")
+    def insert(self, state, new):
+        return state
 
-    def step_wait(self, handle):
-        raise AssertionError("not reached")
+    def release(self, state, slot):
+        return state
+
+    def step(self, state, plan, want_logits=False):
+        self.entered.set()
+        self.unblock.wait(10)
+        raise RuntimeError("fake step")
 
 
 def test_make_backend_pressure_turns_queue_full_into_503(tmp_path):
@@ -157,7 +160,7 @@ def test_make_backend_pressure_turns_queue_full_into_503(tmp_path):
             sched.submit(req, events.append)  # the one slot busy, no queue: plain backpressure
         assert e.value.status == 429 and e.value.retry_after == 5
     finally:
-        model.release.set()
+        model.unblock.set()
         sched.close()
         watch.stop()
 

@@ -44,7 +44,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from .. import compile_guard, decode_state, osthread
 from ..config import Settings

@@ -124,19 +124,19 @@ def release(table: SlotTable, slot: jax.Array) -> SlotTable:
     return table.replace(active=table.active.at[slot].set(False))
 
 
-def sample_and_advance(table: SlotTable, logits: jax.Array, rows: StepRows,
-                       max_seq: int) -> tuple[jax.Array, SlotTable]:
+def sample_and_advance(table: SlotTable, logits: jax.Array, rows: StepRows, max_seq: int,
+                       barrier: bool = True) -> tuple[jax.Array, SlotTable]:
     """Sample every row with its slot's own knobs, then move the live slots on (pure, jittable).
 
     Returns (packed [R, 2] int32: id, flag; the new table). A row that emits appends its token to the
     slot's ring, becomes the slot's `last` (the next decode input), spends one token of budget and is
     checked against the slot's stop ids, its budget and `max_seq` (the row's position + 1 must stay
-    below it, as a sequence never grows past max_seq).
+    below it, as a sequence never grows past max_seq). `barrier`: see `sampler.sample`.
     """
     n_slots = table.pos.shape[0]
     slot = rows.slot
     knobs = jax.tree.map(lambda col: col[slot], table.sampling)
-    ids = sample(logits, knobs, table.ring[slot], table.step[slot])
+    ids = sample(logits, knobs, table.ring[slot], table.step[slot], barrier=barrier)
     stop_hit = jnp.any(table.stop[slot] == ids[:, None], axis=-1)
     spent = (table.budget[slot] - 1 <= 0) | (rows.pos + 1 >= max_seq)
     flag = jnp.where(stop_hit, STOP, jnp.where(spent, LENGTH, RUNNING))

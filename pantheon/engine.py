@@ -214,9 +214,10 @@ class Model:
                 lambda: self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.kv_dtype))
         self._forward = jax.jit(raw, static_argnames=("span", "all_logits", "kernels"), donate_argnums=(1,))
         self._serve = jax.jit(serve, static_argnames=("span", "kernels", "kind"), donate_argnums=(1,))
-        max_seq = self.max_seq
-        self._advance = jax.jit(lambda table, logits, rows: decode_state.sample_and_advance(table, logits, rows, max_seq),
-                                donate_argnums=(0,))
+        max_seq, barrier = self.max_seq, self.shard_plan is None
+        self._advance = jax.jit(
+            lambda table, logits, rows: decode_state.sample_and_advance(table, logits, rows, max_seq, barrier),
+            donate_argnums=(0,))
         self._insert = jax.jit(decode_state.insert, donate_argnums=(0,))
         self._release = jax.jit(decode_state.release, donate_argnums=(0,))
         self._compiled_keys: set[tuple] = set()

@@ -243,7 +243,7 @@ class _Filtered(NamedTuple):
     thr: jax.Array  # f32[B] a token may be drawn iff its logit >= thr (for non-greedy rows)
 
 
-def _filter(x: jax.Array, rows: SamplerRows, kc: int) -> _Filtered:
+def _filter(x: jax.Array, rows: SamplerRows, kc: int, barrier: bool = True) -> _Filtered:
     """Temperature, then the top-k / top-p / min-p threshold of every row, on penalised logits ``x``."""
     b, v = x.shape
     greedy = (rows.temperature <= 0) | (rows.top_k == 1)
@@ -256,7 +256,9 @@ def _filter(x: jax.Array, rows: SamplerRows, kc: int) -> _Filtered:
     def top() -> tuple[jax.Array, jax.Array]:
         # The barrier keeps XLA from folding later slices (e.g. [:, -1]) into the top_k: CPU XLA only uses its
         # fast top-k kernel when the sort is followed by plain [:k] slices, otherwise it sorts whole rows (~60x).
-        vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(x, kc))  # descending
+        vals, ids = jax.lax.top_k(x, kc)  # descending
+        if barrier:  # (XLA:CPU's SPMD partitioner cannot take the barrier: sharded steps go without)
+            vals, ids = jax.lax.optimization_barrier((vals, ids))
         return vals, ids
 
     if kc == v:
@@ -343,7 +345,8 @@ def _candidates(v: int, candidates: int | None) -> int:
 
 
 def sample(
-    logits: jax.Array, rows: SamplerRows, recent: jax.Array, step: jax.Array, *, candidates: int | None = None
+    logits: jax.Array, rows: SamplerRows, recent: jax.Array, step: jax.Array, *, candidates: int | None = None,
+    barrier: bool = True,
 ) -> jax.Array:
     """Pick one token id per row: ``i32[B]``.  Pure and jittable; call it inside the model step.
 
@@ -352,7 +355,8 @@ def sample(
     :func:`recent_window`), W >= the largest ``penalty_window`` in use; ``step`` i32[B] the index of the token
     being generated within its request (0 for the first).  Only shapes are static.  ``candidates`` (static,
     default :data:`CANDIDATES`) sizes the fast path; it changes speed and which random number a row uses,
-    never which tokens may be drawn (tests shrink it to exercise the whole-vocabulary paths).
+    never which tokens may be drawn (tests shrink it to exercise the whole-vocabulary paths).  ``barrier``
+    (static) keeps XLA:CPU on its fast top-k kernel; a step partitioned over several dies turns it off.
     """
     x = apply_penalties(logits, rows, recent)
     greedy = (rows.temperature <= 0) | (rows.top_k == 1)
@@ -360,7 +364,7 @@ def sample(
     return jax.lax.cond(
         jnp.all(greedy),
         lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),  # all-greedy fast path: no top_k, no exp
-        lambda: _draw(x, _filter(x, rows, kc), rows, step.astype(jnp.int32)),
+        lambda: _draw(x, _filter(x, rows, kc, barrier), rows, step.astype(jnp.int32)),
     )
 
 

@@ -106,7 +106,7 @@ def test_unload_frees_the_models_buffers_and_programs_even_while_referenced(tmp_
     model = entry.model
     assert len(list(model.generate([5, 6, 7], max_tokens=3, stop_ids=[]))) == 3  # compiles a few programs
     held_state = model.new_state()
-    forward = model._forward
+    forward = model._serve  # the serving step's forward, which generate() compiled
     arrays = [x for x in jax.tree.leaves(model.params) + jax.tree.leaves(held_state) if isinstance(x, jax.Array)]
     assert forward._cache_size() > 0 and not any(x.is_deleted() for x in arrays)
     reg.release(entry)

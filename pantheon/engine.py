@@ -183,7 +183,7 @@ class Model:
         self.scratch_slot = self.n_slots
         self.card = ModelCard(name=name, path=str(path), arch=cfg.arch, context_length=self.max_seq,
                               n_slots=self.n_slots, tokenizer=tokenizer, template=template,
-                              native_kernels=bool(kernels.matmul))
+                              native_kernels=bool(kernels.matmul), admit=self._admit)
         # Few buckets = few programs to compile at load (each costs seconds on CPU). Rows double,
         # prefill chunks step by a quarter of the full chunk (prefill is compute-bound, so a 70-token
         # prompt padded to 128 would cost almost twice what it needs).
@@ -287,6 +287,10 @@ class Model:
         self.shard_plan = None
         with self._keys_lock:
             self._compiled_keys.clear()
+
+    def _admit(self, n_tokens: int, reserve_tokens: int, watch: Any) -> memory.Admission:
+        """The card's memory admission: what `n_tokens` of prompt (+ the answer's reserve) costs here."""
+        return memory.admit(self, n_tokens, watch=watch, reserve_tokens=reserve_tokens)
 
     def state_bytes_per_token(self) -> int:
         """What one more token of context costs in this model's cache (at its KV dtype)."""

@@ -191,7 +191,9 @@ class ModelCard:
     """What the web layer knows of a loaded model: no device arrays, no compiled programs.
 
     The tokenizer and chat template are host objects (tokenizers + Jinja2); `context_length` is the
-    longest sequence a slot holds (prompt + completion), `n_slots` the concurrent sequences.
+    longest sequence a slot holds (prompt + completion), `n_slots` the concurrent sequences. `admit`
+    (prompt tokens, tokens reserved for the answer, memory watch or None) -> pantheon.memory.Admission
+    is the model's memory admission, bound at load; None for a model that cannot size one.
     """
 
     name: str
@@ -202,3 +204,4 @@ class ModelCard:
     tokenizer: Any
     template: Any
     native_kernels: bool = False
+    admit: Callable[[int, int, Any], Any] | None = field(default=None, repr=False, compare=False)

@@ -123,6 +123,7 @@ class Entry:
     weight_bytes: int = 0  # the model's weight bytes once READY
     refs: int = 0
     model: Any = None
+    card: Any = None  # the model's gen_types.ModelCard: all the web layer reads of it
     backend: Any = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -271,7 +272,7 @@ class Registry:
                 model = self._load_model(path, name, entry.dies, self.settings)
             backend = self._make_backend(model, self.settings)
             with self._lock:
-                entry.model, entry.backend = model, backend
+                entry.model, entry.card, entry.backend = model, getattr(model, "card", None), backend
                 entry.weight_bytes = int(getattr(model, "weight_bytes", 0) or 0)
                 entry.state = READY
                 info = entry.info()

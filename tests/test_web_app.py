@@ -16,6 +16,7 @@ import pytest
 from pantheon import osthread
 from pantheon.config import Settings
 from pantheon.errors import BusyError
+from pantheon.gen_types import ModelCard
 from pantheon.registry import Registry
 from pantheon.scheduler.api import Finished, Started, Tokens
 from pantheon.web import create_app
@@ -68,6 +69,8 @@ class FakeModel:
         self.name = name
         self.tokenizer = CharTokenizer()
         self.template = Template(think)
+        self.card = ModelCard(name=name, path="", arch="fake", context_length=self.max_seq, n_slots=1,
+                              tokenizer=self.tokenizer, template=self.template)
 
 
 class Handle:

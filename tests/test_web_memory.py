@@ -27,6 +27,7 @@ from pantheon.config import Settings
 from pantheon.dies import Die, DieManager, estimate_load_bytes
 from pantheon.engine import LoadOptions
 from pantheon.errors import BusyError, RequestError
+from pantheon.gen_types import ModelCard
 from pantheon.memory import MemSnapshot, MemWatch, PoolSample
 from pantheon.scheduler import GenRequest, make_backend
 from pantheon.sampler import SamplingParams
@@ -49,6 +50,12 @@ class WordModel:
 
     def state_bytes_per_token(self) -> int:
         return self._bpt
+
+
+def card(m: WordModel) -> ModelCard:
+    """The card the web layer sees: the window and the memory admission bound to the model."""
+    return ModelCard(name="words", path="", arch="llama", context_length=m.max_seq, n_slots=1, tokenizer=None,
+                     template=None, admit=lambda n, reserve, watch: memory.admit(m, n, watch=watch, reserve_tokens=reserve))
 
 
 def render(msgs: list[dict]) -> tuple[str, list[int]]:
@@ -74,15 +81,15 @@ def test_admit_prompt_fit_and_capped():
     from pantheon.web.chat import admit_prompt
     m = WordModel(max_seq=64)  # reserve for the answer: 64 // 8 = 8 tokens
     msgs = conversation(2)
-    _, ids, capped = admit_prompt(m, msgs, render, watch=watch_at(0.2))
+    _, ids, capped = admit_prompt(card(m), msgs, render, watch=watch_at(0.2))
     assert not capped and ids == render(msgs)[1]
     long = conversation(10)  # 152 words: the oldest turns must go
-    rendered, ids, capped = admit_prompt(m, long, render, max_tokens=4, watch=watch_at(0.2))
+    rendered, ids, capped = admit_prompt(card(m), long, render, max_tokens=4, watch=watch_at(0.2))
     assert capped and len(ids) <= 64 - 4
     assert rendered.startswith("system: be brief") and rendered.endswith("user: last question")
     assert "q9" in rendered and "q0" not in rendered
     # no running watch: the context window alone still caps (the seed's sliding window)
-    _, ids2, capped2 = admit_prompt(m, long, render, max_tokens=4, watch=SimpleNamespace(snapshot=lambda: None))
+    _, ids2, capped2 = admit_prompt(card(m), long, render, max_tokens=4, watch=SimpleNamespace(snapshot=lambda: None))
     assert capped2 and ids2 == ids
 
 
@@ -91,20 +98,20 @@ def test_admit_prompt_refusals():
     m = WordModel(max_seq=64)
     huge_last = [{"role": "user", "content": "w " * 100}]
     with pytest.raises(RequestError) as e:  # the last message alone exceeds the context: 400, never cut
-        admit_prompt(m, huge_last, render, watch=watch_at(0.2))
+        admit_prompt(card(m), huge_last, render, watch=watch_at(0.2))
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
     # a last message that only fits without the answer reserve still runs (one token of room at least)
-    _, ids, capped = admit_prompt(m, [{"role": "user", "content": "w " * 60}], render, watch=watch_at(0.2))
+    _, ids, capped = admit_prompt(card(m), [{"role": "user", "content": "w " * 60}], render, watch=watch_at(0.2))
     assert not capped and len(ids) == 61
     with pytest.raises(BusyError) as e:  # CRITICAL pressure: denied, retry later
-        admit_prompt(m, conversation(1), render, watch=watch_at(0.99))
+        admit_prompt(card(m), conversation(1), render, watch=watch_at(0.99))
     assert e.value.status == 503 and e.value.retry_after
     # memory, not the window, is what the last message does not fit: 503 (retry later), not 400
     tight = WordModel(max_seq=64, bpt=12 * GiB // 40)  # 15% free - 3% reserve = 12 GiB: 40 tokens
     with pytest.raises(BusyError) as e:
-        admit_prompt(tight, [{"role": "user", "content": "w " * 50}], render, watch=watch_at(0.85))
+        admit_prompt(card(tight), [{"role": "user", "content": "w " * 50}], render, watch=watch_at(0.85))
     assert e.value.status == 503
-    _, ids, capped = admit_prompt(tight, [{"role": "user", "content": "w " * 30}], render, watch=watch_at(0.85))
+    _, ids, capped = admit_prompt(card(tight), [{"role": "user", "content": "w " * 30}], render, watch=watch_at(0.85))
     assert not capped and len(ids) == 31
 
 

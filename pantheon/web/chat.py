@@ -477,9 +477,9 @@ def answer_reserve(window: int, max_tokens: int | None) -> int:
     return min(reserve, max_tokens) if max_tokens else reserve
 
 
-def admit_prompt(model: Any, messages: Sequence[dict], render: Callable[[list[dict]], tuple[str, list[int]]],
+def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dict]], tuple[str, list[int]]],
                  max_tokens: int | None = None, watch: Any = None) -> tuple[str, list[int], bool]:
-    """Admit a chat prompt on `model`: (rendered prompt, token ids, capped).
+    """Admit a chat prompt on the model `card` describes: (rendered prompt, token ids, capped).
 
     `render(messages)` is the chat template plus tokenizer. The prompt must fit the model's context
     window (QWEN35_MAX_SEQ, halved under HIGH memory pressure) and the memory free now
@@ -491,18 +491,18 @@ def admit_prompt(model: Any, messages: Sequence[dict], render: Callable[[list[di
     otherwise 400 `context_length_exceeded` when the context window is the limit, 503 (retry later)
     when memory is. Memory alone too tight for any useful prompt (CRITICAL pressure): 503.
     """
-    window = int(model.max_seq)
+    window = int(card.context_length)
     reserve = answer_reserve(window, max_tokens)
     msgs = [dict(m) for m in messages]
     pre_capped = False
-    tok = getattr(model, "tokenizer", None)
+    tok = card.tokenizer
     if callable(getattr(tok, "min_tokens", None)):
         msgs, pre_capped = _cap_by_length(tok, msgs, window, reserve)
     rendered, ids = render(msgs)
     n = len(ids)
     adm = None
-    if callable(getattr(model, "state_bytes_per_token", None)):
-        adm = memory.admit(model, n, watch=watch, reserve_tokens=reserve)
+    if card.admit is not None:
+        adm = card.admit(n, reserve, watch)
         adm.raise_if_denied()
     measured = adm is not None and adm.window > 0  # a live memory reading was applied
     if measured:
@@ -572,9 +572,9 @@ class Generation:
         """Render, tokenize, submit, and wait for the first event. Raises PantheonError for an HTTP error."""
         from ..scheduler.api import Finished, GenRequest, Started
 
-        model = self.entry.model
-        tok = model.tokenizer
-        admit = lambda: admit_prompt(model, self.creq.messages, lambda m: self._prompt(model, m),  # noqa: E731
+        card = self.entry.card
+        tok = card.tokenizer
+        admit = lambda: admit_prompt(card, self.creq.messages, lambda m: self._prompt(card, m),  # noqa: E731
                                      self.creq.max_tokens, self.watch)
         try:
             if self.creq.size > BIG_PROMPT_CHARS:  # rendering + tokenizing would hold the hub for a while
@@ -585,7 +585,7 @@ class Generation:
             if self.metrics is not None:
                 self.metrics.observe_admission("denied")
             raise
-        room = int(model.max_seq) - len(ids)
+        room = int(card.context_length) - len(ids)
         want = self.creq.max_tokens
         self.capped = self.prompt_capped or (want is not None and want > room)
         if self.metrics is not None:
@@ -595,7 +595,7 @@ class Generation:
         self._stop_ids = frozenset() if self.creq.ignore_eos else frozenset(tok.eot_ids)
         self._tok = tok
         self._decoder = tok.stream(skip_special=False)
-        ends_in_think = getattr(model.template, "prompt_ends_in_think", None)
+        ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
         self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled)
         session = None if self.prompt_capped else self.creq.session_id  # a capped turn starts over
@@ -616,14 +616,14 @@ class Generation:
         if not isinstance(first, Started):
             self._replay.append(first)  # no Started (a backend may skip it): pump() sees it first
 
-    def _prompt(self, model: Any, messages: list[dict] | None = None) -> tuple[str, list[int]]:
+    def _prompt(self, card: Any, messages: list[dict] | None = None) -> tuple[str, list[int]]:
         """The rendered chat template of `messages` (default: the request's) and its token ids (BOS
         added when the model wants one)."""
         kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
         if self.creq.enable_thinking is not None:
             kwargs["enable_thinking"] = self.creq.enable_thinking
-        rendered = model.template.render(self.creq.messages if messages is None else messages, **kwargs)
-        tok = model.tokenizer
+        rendered = card.template.render(self.creq.messages if messages is None else messages, **kwargs)
+        tok = card.tokenizer
         ids = tok.encode(rendered)
         if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
             ids.insert(0, tok.bos_id)

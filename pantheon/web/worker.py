@@ -105,7 +105,7 @@ class PantheonWorker(GeventWorker):
         if self.settings.registry_url:
             # This process's copy of the config only: drain a little shorter than the arbiter waits, so
             # the deregistration after the drain runs before the arbiter's SIGKILL.
-            self.cfg.set("graceful_timeout", max(1.0, float(self.cfg.graceful_timeout) - DEREGISTER_RESERVE_S))
+            self.cfg.set("graceful_timeout", max(1, int(self.cfg.graceful_timeout - DEREGISTER_RESERVE_S)))
         super().init_process()
 
     def run(self) -> None:

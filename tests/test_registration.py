@@ -42,9 +42,10 @@ def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
 def make_app(tmp_path: Path, router: FakeRouter | None, models=("m",), **extra):
     (tmp_path / "models").mkdir(exist_ok=True)
     (tmp_path / "models" / "ok.gguf").write_bytes(b"GGUF")
+    extra.setdefault("advertise_url", ADVERTISE)
     settings = Settings(home=tmp_path, admin_key=ADMIN, model_dir=(tmp_path / "models").resolve(),
-                        batch_slots=4, registry_url=router.url if router else None, advertise_url=ADVERTISE,
-                        registry_interval_s=0.3, **extra)
+                        batch_slots=4, registry_url=router.url if router else None, registry_interval_s=0.3,
+                        **extra)
 
     class Backend(ScriptBackend):
         def load_info(self):
@@ -220,3 +221,52 @@ def test_smg_routing_key_is_a_session_id(tmp_path):
     assert reg.session_instance("body") and not reg.session_instance("hdr") and not reg.session_instance("key")
     c.post("/v1/chat/completions", json={"messages": HELLO}, headers={"X-Session-Id": "hdr2", "X-SMG-Routing-Key": "k2"})
     assert reg.session_instance("hdr2") and not reg.session_instance("k2")
+
+
+def test_unset_registry_url_opens_no_connection(tmp_path, monkeypatch):
+    """Loading, serving and idling with PANTHEON_REGISTRY_URL unset: not one socket is connected."""
+    import socket
+    attempts: list = []
+    real_connect = socket.socket.connect
+    monkeypatch.setattr(socket.socket, "connect", lambda self, addr: (attempts.append(addr), real_connect(self, addr))[1])
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: attempts.append(a) or None)
+    app, _ = make_app(tmp_path, None, advertise_url=None)
+    c = app.test_client()
+    assert c.post("/v1/chat/completions", json={"messages": HELLO}).status_code == 200
+    assert admin(c, "/models/load", {"path": "ok.gguf", "name": "second"}).status_code == 200
+    assert admin(c, "/models/unload", {"name": "second"}).status_code == 200
+    time.sleep(0.5)  # an idle moment in which a keep-alive, were there one, would have ticked
+    assert attempts == []
+
+
+def test_sigterm_drains_then_deregisters(router):
+    """A real server: registered once ready; on SIGTERM its in-flight stream completes, then its
+    worker is deleted at the router and the process exits."""
+    from server_util import LLAMA, Server, sse_events
+    import os
+    import signal
+    import threading
+    import requests
+
+    srv = Server([f"tiny={LLAMA}"], {"PANTHEON_REGISTRY_URL": router.url, "PANTHEON_WARMUP": "0",
+                                     "QWEN35_BATCH_SLOTS": "2", "PANTHEON_REGISTRY_INTERVAL_S": "1"})
+    try:
+        srv.start().wait_ready(240)
+        url = srv.url + "/m/tiny"
+        body = wait_for(lambda: router.urls().get(url), 30, "registration")
+        assert body["labels"]["instance_id"] == f"127.0.0.1:{srv.port}:tiny"
+        events: list = []
+        resp = requests.post(srv.url + "/m/tiny/v1/chat/completions", stream=True, timeout=60,
+                             json={"messages": HELLO, "max_tokens": 100, "ignore_eos": True, "stream": True})
+        assert resp.status_code == 200
+        reader = threading.Thread(target=lambda: events.extend(sse_events(resp)))
+        reader.start()
+        os.kill(srv.proc.pid, signal.SIGTERM)  # the arbiter: a graceful stop of its worker
+        reader.join(60)
+        assert events and events[-1] == "[DONE]"  # drained: the stream ran to its end
+        assert sum(1 for e in events[:-1] for c in e["choices"] if c["delta"].get("content")) > 0
+        wait_for(lambda: url not in router.urls(), 30, "deregistration")
+        assert srv.proc.wait(timeout=30) == 0
+        assert router.count("DELETE") == 1
+    finally:
+        srv.stop()

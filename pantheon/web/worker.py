@@ -15,6 +15,11 @@ worker it adds:
   the cap so accepting never stops.
 * **Errors in the OpenAI JSON shape** for what gunicorn's parser refuses (malformed request line or
   headers, oversized headers), instead of its HTML page.
+* **Router deregistration after a graceful stop.** It notes where it listens (the address
+  pantheon.registration advertises unless PANTHEON_ADVERTISE_URL says otherwise); with
+  PANTHEON_REGISTRY_URL set, a SIGTERM first drains in-flight requests (a few seconds less than
+  gunicorn's graceful timeout, so the arbiter's SIGKILL cannot come first), then deletes this
+  server's workers at the router.
 * **Death with the arbiter.** The worker asks the kernel for SIGKILL when its parent dies
   (PR_SET_PDEATHSIG), so a killed `pantheon serve` (or a killed test run) never leaves a worker
   holding gigabytes of model behind.

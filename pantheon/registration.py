@@ -200,7 +200,7 @@ class Registration:
         self.client = client or RouterClient(settings.registry_url, settings.registry_key)
         self._sync_lock = osthread.Lock()  # one reconcile at a time; held across its HTTP calls
         self._stop = osthread.Event()  # set by close(): the keep-alive loop ends, reconcile registers nothing
-        self._wake = osthread.Event()  # set by wake(): the keep-alive loop reconciles now
+        self._wake = osthread.Event()  # set by close(): the keep-alive's wait ends at once
         self._thread: osthread.OSThread | None = None
         self._failing = False  # the last reconcile failed (log an outage once, and its end once)
         self.reconciles = 0  # completed reconciles (tests and debugging)
@@ -250,10 +250,6 @@ class Registration:
         except Exception as exc:  # noqa: BLE001 - the router being away must not fail a load or unload
             self._failed(exc)
 
-    def wake(self) -> None:
-        """Ask the keep-alive thread to reconcile at once (from a greenlet, which must not block)."""
-        self._wake.set()
-
     def _failed(self, exc: BaseException) -> None:
         if isinstance(exc, (OSError, RouterError)):
             if not self._failing:
@@ -284,7 +280,7 @@ class Registration:
         log.info("router registration: keep-alive stopped")
 
     def _wait(self, seconds: float) -> None:
-        """Sleep until the next tick, a wake() or close(), whichever comes first."""
+        """Sleep until the next tick or close(), whichever comes first."""
         if self._wake.wait(seconds):
             self._wake.clear()
 

@@ -270,3 +270,21 @@ def test_sigterm_drains_then_deregisters(router):
         assert router.count("DELETE") == 1
     finally:
         srv.stop()
+
+
+def test_router_command_defaults():
+    """`pantheon router`: loopback for both of SMG's ports, session affinity keyed by the two session
+    headers, probes every few seconds, the control-plane key from the environment, extras last."""
+    from pantheon.cli import build_parser
+    from pantheon.router_cmd import smg_argv
+    argv = smg_argv(build_parser().parse_args(["router", "--", "--disable-retries"]), "cp-key")
+    flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
+    assert argv[1:4] == ["-m", "smg", "launch"]
+    assert flag("--host") == "127.0.0.1" and flag("--prometheus-host") == "127.0.0.1"
+    assert flag("--policy") == "consistent_hashing"
+    i = argv.index("--routing-key-headers")
+    assert argv[i + 1:i + 3] == ["x-session-id", "x-smg-routing-key"]
+    assert int(flag("--health-check-interval-secs")) <= 5 and int(flag("--load-monitor-interval")) <= 5
+    assert flag("--control-plane-api-keys").endswith(":admin:cp-key")
+    assert argv[-1] == "--disable-retries"
+    assert "--control-plane-api-keys" not in smg_argv(build_parser().parse_args(["router"]), None)

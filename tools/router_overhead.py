@@ -5,7 +5,8 @@ router and straight to one instance, sequentially (one request in flight), N tim
         --model smollm2-135m --n 60
 
 Prints the median and p90 wall time of each path and the median difference. Alternating the two
-paths request by request lets drift of a shared machine hit both alike.
+paths request by request lets drift of a shared machine hit both alike; every request carries its
+own session key, so none reuses a prefix the other path left in a slot.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def main() -> None:
         one(args.router, args.model, "warm")
         one(args.direct, args.model, "warm")
     routed, direct = [], []
-    for i in range(args.n):
-        routed.append(one(args.router, args.model, f"s{i}"))
-        direct.append(one(args.direct, args.model, f"s{i}"))
+    for i in range(args.n):  # a session of its own for every request: each one is a prefix-cache miss
+        routed.append(one(args.router, args.model, f"routed-{i}"))
+        direct.append(one(args.direct, args.model, f"direct-{i}"))
     q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
     for name, xs in (("router", routed), ("direct", direct)):
         print(f"{name:7s} median {statistics.median(xs) * 1000:7.1f} ms   p90 {q(xs, 0.9) * 1000:7.1f} ms")

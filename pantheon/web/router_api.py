@@ -86,7 +86,7 @@ def model_load(name: str, rank: int = 0) -> dict | None:
         capacity += n_slots * ctx
         hits += _num(info, "prefix_hits")
         misses += _num(info, "prefix_misses")
-        decoded += _num(info, "decode_tokens") or _num(info, "served")
+        decoded += _num(info, "decode_tokens")
     return {
         "dp_rank": rank,
         "num_running_reqs": int(running),

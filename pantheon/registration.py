@@ -125,12 +125,12 @@ class RouterClient:
         self._port = parts.port or (443 if self._tls else 80)
         self._prefix = parts.path.rstrip("/")
         self._key = key
-        self._timeout = timeout
+        self.timeout = timeout  # seconds per call (connect, then each read)
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """(status, parsed JSON or None). Raises OSError when the router cannot be reached."""
         cls = _TLSConnection if self._tls else _Connection
-        conn = cls(self._host, self._port, timeout=self._timeout)
+        conn = cls(self._host, self._port, timeout=self.timeout)
         headers = {"Accept": "application/json"}
         data = None
         if body is not None:
@@ -274,7 +274,7 @@ class Registration:
         while not self._stop.is_set():
             try:
                 self.sync()
-            except BaseException:  # noqa: BLE001 - sync already catches; this is the last line of defence
+            except Exception:  # noqa: BLE001 - sync already catches; this is the last line of defence
                 log.exception("router registration: keep-alive iteration failed; retrying")
             self._wait(self.settings.registry_interval_s)
         log.info("router registration: keep-alive stopped")
@@ -285,12 +285,14 @@ class Registration:
             self._wake.clear()
 
     def close(self, deregister: bool = True, timeout: float = HTTP_TIMEOUT_S * 2) -> None:
-        """Stop the keep-alive thread, then (by default) delete this server's workers at the router."""
+        """Stop the keep-alive thread, then (by default) delete this server's workers at the router;
+        `timeout` bounds the thread's join and each HTTP call of the deregistration."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
         if deregister:
+            self.client.timeout = min(self.client.timeout, timeout)  # a graceful stop has seconds, not minutes
             try:
                 self.reconcile()  # with _stop set, "want" is empty: every worker of ours is deleted
             except Exception as exc:  # noqa: BLE001 - shutting down: say so, and go on

@@ -6,7 +6,8 @@ workers. One router and the three instances are shared by the module (starting t
 cost); the tests that kill something run last and leave the fleet whole again.
 
 Specification:
-* every model of every instance is a worker at the router with Pantheon's labels;
+* every model of every instance is a worker at the router with Pantheon's labels; the instances
+  want an API key, which the router presents for them (clients of the router send none);
 * requests are routed by `model` (only C gets `qwen2`; an unknown model is the router's 404);
 * a session (`X-SMG-Routing-Key`) stays on one instance for three turns, and that instance's
   `/metrics` counts the prefix-cache hits of turns two and three;
@@ -34,9 +35,11 @@ import requests
 from server_util import LLAMA, QWEN2, ROOT, Server, die_with_parent, free_port, sse_events
 
 KEY = "router-control-key"
+API_KEY = "instance-api-key"  # the instances want it; the router presents it (registered with each worker)
 SLOTS = 2
 ENV = {"PANTHEON_WARMUP": "0", "QWEN35_BATCH_SLOTS": str(SLOTS), "PANTHEON_REGISTRY_INTERVAL_S": "1",
-       "PANTHEON_REGISTRY_KEY": KEY}
+       "PANTHEON_REGISTRY_KEY": KEY, "PANTHEON_API_KEY": API_KEY}
+DIRECT = {"Authorization": f"Bearer {API_KEY}"}  # for requests that bypass the router
 CHAT = "/v1/chat/completions"
 ROUTED_HEADER = "x-smg-routed-worker-id"  # SMG names the worker (its URL) that served a response
 
@@ -102,7 +105,7 @@ def chat(base: str, model: str = "tiny", content: str = "hello there", max_token
 
 def metric(server: Server, name: str, labels: str = "") -> float:
     """The sum of the samples of `name` whose label set contains `labels`."""
-    text = requests.get(server.url + "/metrics", timeout=10).text
+    text = requests.get(server.url + "/metrics", headers=DIRECT, timeout=10).text
     total = 0.0
     for line in text.splitlines():
         m = re.match(rf"{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
@@ -193,7 +196,7 @@ def test_a_session_stays_on_one_instance_and_hits_its_prefix_cache(fleet):
 def test_sse_through_the_router_equals_sse_direct(fleet):
     router, servers = fleet
     body = dict(model="qwen2", content="count to five", max_tokens=12, stream=True)
-    direct = sse_events(chat(servers["C"].url, **body))
+    direct = sse_events(chat(servers["C"].url, headers=DIRECT, **body))
     routed_resp = chat(router.url, **body)
     assert routed_resp.headers["content-type"].startswith("text/event-stream")
     routed = sse_events(routed_resp)
@@ -211,7 +214,7 @@ def test_a_saturated_instance_gets_no_new_requests(fleet):
     def flood() -> None:  # keep A's slots full (and a queue behind them) with direct requests
         while not stop.is_set():
             try:
-                chat(busy.url, max_tokens=100, ignore_eos=True)
+                chat(busy.url, max_tokens=100, ignore_eos=True, headers=DIRECT)
             except requests.RequestException:
                 pass
 

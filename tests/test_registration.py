@@ -288,3 +288,14 @@ def test_router_command_defaults():
     assert flag("--control-plane-api-keys").endswith(":admin:cp-key")
     assert argv[-1] == "--disable-retries"
     assert "--control-plane-api-keys" not in smg_argv(build_parser().parse_args(["router"]), None)
+
+
+def test_router_command_without_smg_says_how_to_install_it(monkeypatch, capsys):
+    import importlib.util
+    from pantheon import router_cmd
+    from pantheon.cli import main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "smg" else real(name, *a))
+    monkeypatch.setattr(router_cmd.os, "execv", lambda *a: pytest.fail("must not start anything"))
+    assert main(["router"]) == 1
+    assert "pip install 'pantheon[router]'" in capsys.readouterr().err

@@ -15,7 +15,8 @@ context length, the API key the router must present (PANTHEON_API_KEY, when set)
 One `Registration` object owns everything, with these invariants:
 
 * `reconcile()` makes the router's table match what the server serves *now*: every ready model has
-  a worker at its URL, and no worker under this server's `/m/` prefix names a model that is gone
+  a worker at its URL with the current labels (a replica loaded or unloaded changes the name's
+  capacity: the labels are patched in place, the worker stays), and no worker under this server's `/m/` prefix names a model that is gone
   (so a restart that serves fewer models cleans up after the previous process). It is idempotent,
   serialised by `_sync_lock`, and safe to call from any OS thread (the startup thread after each
   load, the admin threads after a load or unload, the keep-alive thread).
@@ -115,7 +116,7 @@ class Served:
 
 
 class RouterClient:
-    """SMG's worker control plane: `GET /workers`, `POST /workers`, `DELETE /workers/{id}`."""
+    """SMG's worker control plane: `GET /workers`, `POST /workers`, `PATCH` and `DELETE /workers/{id}`."""
 
     def __init__(self, base_url: str, key: str | None = None, timeout: float = HTTP_TIMEOUT_S):
         parts = urlsplit(base_url)
@@ -152,18 +153,25 @@ class RouterClient:
             parsed = raw.decode("utf-8", "replace")[:200]
         return resp.status, parsed
 
-    def workers(self) -> dict[str, str]:
-        """url -> worker id of every worker the router knows."""
+    def workers(self) -> dict[str, tuple[str, dict]]:
+        """url -> (worker id, labels) of every worker the router knows."""
         status, body = self.request("GET", "/workers")
         if status != 200 or not isinstance(body, dict):
             raise RouterError(f"GET /workers answered {status}: {body}")
-        return {str(w.get("url")): str(w.get("id")) for w in body.get("workers") or [] if isinstance(w, dict)}
+        return {str(w.get("url")): (str(w.get("id")), w.get("labels") if isinstance(w.get("labels"), dict) else {})
+                for w in body.get("workers") or [] if isinstance(w, dict)}
 
     def add(self, spec: dict) -> None:
         """Register a worker; one that already exists at that URL (409) counts as registered."""
         status, body = self.request("POST", "/workers", spec)
         if status not in (200, 201, 202, 409):
             raise RouterError(f"POST /workers for {spec.get('url')} answered {status}: {body}")
+
+    def relabel(self, worker_id: str, labels: dict) -> None:
+        """Update a registered worker's labels in place (SMG merges them into the ones it holds)."""
+        status, body = self.request("PATCH", f"/workers/{worker_id}", {"labels": labels})
+        if status not in (200, 202, 204):
+            raise RouterError(f"PATCH /workers/{worker_id} answered {status}: {body}")
 
     def remove(self, worker_id: str) -> None:
         status, body = self.request("DELETE", f"/workers/{worker_id}")
@@ -232,11 +240,16 @@ class Registration:
             want = {} if self._stop.is_set() else {self.worker_url(base, m.name): m for m in self._served()}
             known = self.client.workers()
             for url, model in want.items():
+                spec = self.spec(base, model)
                 if url not in known:
-                    self.client.add(self.spec(base, model))
+                    self.client.add(spec)
                     log.info("registered %r with the router %s as %s", model.name, self.settings.registry_url, url)
+                elif any(known[url][1].get(k) != v for k, v in spec["labels"].items()):
+                    # e.g. a replica loaded or unloaded: the name's capacity changed
+                    self.client.relabel(known[url][0], spec["labels"])
+                    log.info("updated the labels of %s at the router %s", url, self.settings.registry_url)
             ours = base + MODEL_ROOT
-            for url, worker_id in known.items():
+            for url, (worker_id, _) in known.items():
                 if url.startswith(ours) and url not in want:
                     self.client.remove(worker_id)
                     log.info("deregistered %s from the router %s", url, self.settings.registry_url)

@@ -1,7 +1,7 @@
 """A stand-in for SMG's worker control plane, for tests that check what Pantheon sends a router.
 
 It keeps a worker table (`POST /workers` adds, refusing a second worker at one URL with 409 as SMG
-does; `DELETE /workers/{id}` removes; `GET /workers` lists) and records every request it receives,
+does; `PATCH /workers/{id}` merges labels; `DELETE /workers/{id}` removes; `GET /workers` lists) and records every request it receives,
 with its headers, so a test can assert on the bodies, the bearer token, or that nothing arrived.
 """
 
@@ -54,6 +54,12 @@ class FakeRouter:
                         wid = str(uuid.uuid4())
                         owner.workers[wid] = body
                         return self._reply(202, {"status": "accepted", "worker_id": wid})
+                    if self.command == "PATCH" and self.path.startswith("/workers/"):
+                        held = owner.workers.get(self.path[len("/workers/"):])
+                        if held is None:
+                            return self._reply(404, {"code": "NOT_FOUND"})
+                        held.setdefault("labels", {}).update(body.get("labels") or {})
+                        return self._reply(202, {"status": "accepted"})
                     if self.command == "DELETE" and self.path.startswith("/workers/"):
                         wid = self.path[len("/workers/"):]
                         if owner.workers.pop(wid, None) is None:
@@ -61,7 +67,7 @@ class FakeRouter:
                         return self._reply(202, {"status": "accepted"})
                 return self._reply(404, {"code": "NOT_FOUND"})
 
-            do_GET = do_POST = do_DELETE = _handle
+            do_GET = do_POST = do_PATCH = do_DELETE = _handle
 
             def log_message(self, *args: object) -> None:
                 pass

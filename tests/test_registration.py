@@ -155,6 +155,13 @@ def test_admin_load_registers_and_unload_deregisters(tmp_path, router):
         assert ADVERTISE + "/m/second" in router.urls()  # registered before the admin call returned
         assert admin(client, "/models/unload", {"name": "second"}).status_code == 200
         assert ADVERTISE + "/m/second" not in router.urls() and ADVERTISE + "/m/m" in router.urls()
+        # a second replica of "m": still one worker, whose capacity now counts both replicas' slots
+        r = admin(client, "/models/load", {"path": "ok.gguf", "name": "m"})
+        assert r.status_code == 200, r.get_data(as_text=True)
+        assert router.urls()[ADVERTISE + "/m/m"]["labels"]["capacity"] == "8" and len(router.urls()) == 1
+        assert router.count("PATCH") == 1
+        assert admin(client, "/models/unload", {"instance_id": r.get_json()["instance_id"]}).status_code == 200
+        assert router.urls()[ADVERTISE + "/m/m"]["labels"]["capacity"] == "4"
     finally:
         close_app(app)
 

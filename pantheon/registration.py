@@ -205,7 +205,9 @@ class Registration:
         self.settings = settings
         self._served = served
         self._base = base or (lambda: advertised_base(settings))
-        self.client = client or RouterClient(settings.registry_url, settings.registry_key)
+        # The control plane's bearer token: PANTHEON_REGISTRY_KEY; without one, the API key (a router
+        # started by `pantheon router` with only PANTHEON_API_KEY guards its control plane with that).
+        self.client = client or RouterClient(settings.registry_url, settings.registry_key or settings.api_key)
         self._sync_lock = osthread.Lock()  # one reconcile at a time; held across its HTTP calls
         self._stop = osthread.Event()  # set by close(): the keep-alive loop ends, reconcile registers nothing
         self._wake = osthread.Event()  # set by close(): the keep-alive's wait ends at once

@@ -7,6 +7,9 @@ so the router starts with no workers. The defaults, and why:
   `--metrics-host` say otherwise: the control plane (`POST /workers`) must not face a network by
   accident; with PANTHEON_REGISTRY_KEY set it requires that key as a bearer token
   (`--control-plane-api-keys`), which is what the Pantheon servers present;
+* with PANTHEON_API_KEY set, the router's OpenAI API requires that key from its clients
+  (`--api-key`), as each server would; without it the router answers anyone who can reach it
+  (each server still requires its own key: the router presents the one it registered with);
 * session affinity: `--policy consistent_hashing` keyed by `X-Session-Id` or `X-SMG-Routing-Key`
   (SMG forwards the latter, which Pantheon reads as the session id), so a conversation stays on the
   instance that holds its prefix cache; a saturated instance is still skipped (SMG's overload
@@ -28,8 +31,9 @@ SMG_MISSING = "pantheon router needs the SMG gateway: pip install 'pantheon[rout
 CONTROL_KEY_ID = "pantheon:pantheon-registry:admin"  # SMG's id:name:role prefix of a control-plane key
 
 
-def smg_argv(args: argparse.Namespace, registry_key: str | None) -> list[str]:
-    """The `smg launch` command line for `pantheon router`'s arguments."""
+def smg_argv(args: argparse.Namespace, registry_key: str | None, api_key: str | None = None) -> list[str]:
+    """The `smg launch` command line for `pantheon router`'s arguments and the keys from the
+    environment (PANTHEON_REGISTRY_KEY for the control plane, PANTHEON_API_KEY for clients)."""
     argv = [sys.executable, "-m", "smg", "launch",
             "--host", args.host, "--port", str(args.port),
             "--prometheus-host", args.metrics_host, "--prometheus-port", str(args.metrics_port),
@@ -42,6 +46,8 @@ def smg_argv(args: argparse.Namespace, registry_key: str | None) -> list[str]:
         argv += ["--worker-urls", *args.worker]
     if registry_key:
         argv += ["--control-plane-api-keys", f"{CONTROL_KEY_ID}:{registry_key}"]
+    if api_key:  # clients of the router present it, as they would to one server; SMG passes it on to workers
+        argv += ["--api-key", api_key]
     extra = list(args.smg_args or [])
     if extra and extra[0] == "--":
         extra = extra[1:]
@@ -72,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pantheon: {SMG_MISSING}", file=sys.stderr)
         return 1
     from .config import load_settings
-    argv = smg_argv(args, load_settings().registry_key)
+    settings = load_settings()
+    argv = smg_argv(args, settings.registry_key, settings.api_key)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)

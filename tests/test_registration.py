@@ -108,6 +108,8 @@ def test_each_model_registers_once_with_labels_and_key(tmp_path, router):
                                   "capacity": "8", "max_running_requests": "8",  # two replicas of 4 slots
                                   "context_length": str(FakeModel.max_seq)}
         assert all(h.get("Authorization") == "Bearer cp-secret" for _, _, h, _ in router.requests)
+        assert Registration(Settings(home=tmp_path, registry_url=router.url, api_key="only-api"),
+                            served=lambda: []).client._key == "only-api"  # no registry key: the API key
         n_posts = router.count("POST")
         wait_for(lambda: app.extensions["pantheon"].registration.reconciles >= 4, what="keep-alive ticks")
         assert router.count("POST") == n_posts  # registered stays registered: no re-POST while present
@@ -284,7 +286,7 @@ def test_router_command_defaults():
     headers, probes every few seconds, the control-plane key from the environment, extras last."""
     from pantheon.cli import build_parser
     from pantheon.router_cmd import smg_argv
-    argv = smg_argv(build_parser().parse_args(["router", "--", "--disable-retries"]), "cp-key")
+    argv = smg_argv(build_parser().parse_args(["router", "--", "--disable-retries"]), "cp-key", "api-key")
     flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
     assert argv[1:4] == ["-m", "smg", "launch"]
     assert flag("--host") == "127.0.0.1" and flag("--prometheus-host") == "127.0.0.1"
@@ -293,8 +295,10 @@ def test_router_command_defaults():
     assert argv[i + 1:i + 3] == ["x-session-id", "x-smg-routing-key"]
     assert int(flag("--health-check-interval-secs")) <= 5 and int(flag("--load-monitor-interval")) <= 5
     assert flag("--control-plane-api-keys").endswith(":admin:cp-key")
+    assert flag("--api-key") == "api-key"  # the router's clients present the servers' key
     assert argv[-1] == "--disable-retries"
-    assert "--control-plane-api-keys" not in smg_argv(build_parser().parse_args(["router"]), None)
+    bare = smg_argv(build_parser().parse_args(["router"]), None)
+    assert "--control-plane-api-keys" not in bare and "--api-key" not in bare
 
 
 def test_router_command_without_smg_says_how_to_install_it(monkeypatch, capsys):

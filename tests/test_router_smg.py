@@ -65,7 +65,8 @@ class Router:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="smg-", suffix=".log")[1])
-        env = dict(os.environ, PANTHEON_REGISTRY_KEY=KEY)
+        env = {k: v for k, v in os.environ.items() if k != "PANTHEON_API_KEY"}  # clients need no key here
+        env["PANTHEON_REGISTRY_KEY"] = KEY
         cmd = [sys.executable, "-m", "pantheon.cli", "router", "--port", str(self.port),
                "--metrics-port", str(free_port()), "--health-interval", "1", "--load-interval", "1",
                "--log-level", "warn"]

@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=int, default=0, help="gunicorn worker timeout (0 = none)")
     p.set_defaults(fn=cmd_serve)
 
+    from .router_cmd import add_parser as add_router_parser
+    add_router_parser(sub)
+
     p = sub.add_parser("bench", help="engine and serving benchmarks")
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)

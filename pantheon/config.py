@@ -90,6 +90,13 @@ class Settings:
     # Test-only (PANTHEON_TEST_PRESSURE=0..3): the memory watch reports the host at this pressure level
     # (OK, ELEVATED, HIGH, CRITICAL) instead of measuring it, so tests can force admission denials.
     test_pressure: int | None = None
+    # Router registration (pantheon.registration): all off unless registry_url is set.
+    registry_url: str | None = None  # the router's base URL (SMG), e.g. http://10.0.0.1:30000
+    registry_key: str | None = None  # bearer token for the router's control plane
+    node_id: str = "node0"
+    registry_transport: str = "local"
+    advertise_url: str | None = None  # how the router reaches this server; default: the bound address
+    registry_interval_s: float = 5.0  # keep-alive: how often the router's view is checked
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -132,7 +139,23 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         native_matmul=_flag(env, "PANTHEON_NATIVE_MATMUL", True),
         kv_dtype=_kv_dtype(env),
         test_pressure=_test_pressure(env),
+        registry_url=_url(env, "PANTHEON_REGISTRY_URL"),
+        registry_key=env.get("PANTHEON_REGISTRY_KEY") or None,
+        node_id=(env.get("PANTHEON_NODE_ID") or "node0").strip() or "node0",
+        registry_transport=(env.get("PANTHEON_REGISTRY_TRANSPORT") or "local").strip() or "local",
+        advertise_url=_url(env, "PANTHEON_ADVERTISE_URL"),
+        registry_interval_s=max(0.2, _float(env, "PANTHEON_REGISTRY_INTERVAL_S", 5.0)),
     )
+
+
+def _url(env: dict[str, str], name: str) -> str | None:
+    """An http(s) base URL without a trailing slash, or None when unset or empty."""
+    raw = (env.get(name) or "").strip().rstrip("/")
+    if not raw:
+        return None
+    if not raw.startswith(("http://", "https://")):
+        raise ValueError(f"environment variable {name}={raw!r} must be an http:// or https:// URL")
+    return raw
 
 
 def _kv_dtype(env: dict[str, str]) -> str:

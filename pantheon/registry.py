@@ -481,16 +481,28 @@ class Registry:
                      if e is not None and e.state == READY and e.backend is not None]
         return [(name, backend.load_info()) for name, backend in ready]
 
+    def ready_entries(self, name: str | None = None) -> list[Entry]:
+        """The READY entries (of `name`, or all), for views that read their `model`/`backend` (set once
+        at publish, so safe to read after the lock is dropped)."""
+        with self._lock:
+            return [e for e in self._entries if e is not None and e.state == READY and (name is None or e.name == name)]
+
+    def has_name(self, name: str) -> bool:
+        """Whether any entry (loading, ready or unloading) carries `name`."""
+        with self._lock:
+            return any(e is not None and e.name == name for e in self._entries)
+
     def ready_count(self) -> int:
         with self._lock:
             return sum(1 for e in self._entries if e is not None and e.state == READY)
 
-    def failures(self) -> list[str]:
-        """One line per resident instance whose backend has failed (its driver died): what `GET /`
-        reports with 503 until the instance is unloaded (and maybe loaded again)."""
+    def failures(self, name: str | None = None) -> list[str]:
+        """One line per resident instance (of `name`, or of any) whose backend has failed (its driver
+        died): what the health routes report with 503 until it is unloaded (and maybe loaded again)."""
         with self._lock:
             backends = [(e.name, e.instance_id, e.backend) for e in self._entries
-                        if e is not None and e.state == READY and e.backend is not None]
+                        if e is not None and e.state == READY and e.backend is not None
+                        and (name is None or e.name == name)]
         return [f"model {name!r} (instance {iid}) failed: {b.failure}" for name, iid, b in backends
                 if getattr(b, "failure", None) is not None]
 

@@ -41,6 +41,9 @@ class ServerState:
     metrics: object | None = field(default=None, repr=False)  # pantheon.metrics.Metrics
     dies: Any = field(default=None, repr=False)  # pantheon.dies.DieManager, set by the startup thread
     memwatch: Any = field(default=None, repr=False)  # pantheon.memory.MemWatch, set by the startup thread
+    # pantheon.registration.Registration when PANTHEON_REGISTRY_URL is set, else None (no router traffic)
+    registration: Any = field(default=None, repr=False)
+    _throughput: Any = field(default=None, repr=False)  # pantheon.web.router_api's per-model token rates
 
 
 def _configure_logging() -> None:
@@ -100,6 +103,8 @@ def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
             spec = parse_spec(text)
             log.info("loading %s", text)
             state.registry.load(spec.source, spec.name, spec.dies)
+            if state.registration is not None:
+                state.registration.sync()  # each model is registered as soon as it is ready
         state.status = "ok"
         log.info("ready: %d model instance(s) loaded", state.registry.ready_count())
     except BaseException as exc:  # noqa: BLE001 - any failure ends startup with a message
@@ -109,6 +114,20 @@ def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
         if exit_on_failure:
             logging.shutdown()
             os._exit(WORKER_BOOT_ERROR)
+
+
+def served_models(registry: Registry) -> list[Any]:
+    """The ready model names as the router should see them (pantheon.registration.Served): a name's
+    replicas are one worker whose capacity is their slots together."""
+    from ..registration import Served
+    slots: dict[str, int] = {}
+    ctx: dict[str, int] = {}
+    for e in registry.ready_entries():
+        info = e.backend.load_info() or {}
+        slots[e.name] = slots.get(e.name, 0) + int(info.get("slots") or 1)
+        length = int(getattr(e.model, "max_seq", 0) or registry.settings.max_seq)
+        ctx[e.name] = min(ctx.get(e.name, length), length)
+    return [Served(name=n, capacity=slots[n], context_length=ctx[n]) for n in slots]
 
 
 def create_app(settings: Settings | None = None, registry: Registry | None = None,
@@ -136,11 +155,15 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     # dies() imports JAX on its first call: only once the startup thread has loaded the models
     metrics.set_die_source(lambda: state.registry.dies() if state.status == "ok" else [])
 
-    from . import admin, errors, routes, security
+    from . import admin, errors, router_api, routes, security
     errors.init_app(app)
     security.init_app(app, settings)
     app.register_blueprint(routes.bp)
+    app.register_blueprint(router_api.bp)
     app.register_blueprint(admin.bp)
+    if settings.registry_url:  # otherwise nothing here ever contacts a router
+        from ..registration import Registration
+        state.registration = Registration(settings, served=lambda: served_models(state.registry)).start()
 
     @app.after_request
     def _count_request(resp):  # also runs for error-handler responses and preflights

@@ -69,6 +69,16 @@ def _resolver(body: dict) -> tuple[str, Any]:
     return str(target), lambda src: Path(src)
 
 
+def _then_register(registration: Any, fn: Any, *args: Any) -> Any:
+    """Run a load or unload (in its OS thread), then bring the router's table in line with it: a
+    loaded name is registered, a name with no replica left is deleted (when registration is on)."""
+    try:
+        return fn(*args)
+    finally:
+        if registration is not None:
+            registration.sync()
+
+
 @bp.post("/models/load")
 def load() -> Response:
     body = _object(read_json(), LOAD_FIELDS)
@@ -80,7 +90,8 @@ def load() -> Response:
                 not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dies):
             raise RequestError("dies: must be a list of die numbers (non-negative integers)", param="dies")
     registry = server().registry
-    info = bridge.call_in_thread(registry.load, source, name, dies, resolve, name="pantheon-admin-load")
+    info = bridge.call_in_thread(_then_register, server().registration, registry.load, source, name, dies, resolve,
+                                 name="pantheon-admin-load")
     return jsonify(status="loaded", **info)
 
 
@@ -96,7 +107,8 @@ def unload() -> Response:
                                 or not 0 <= timeout <= 86400):
         raise RequestError("timeout_s: must be a number of seconds in [0, 86400]", param="timeout_s")
     registry = server().registry
-    done = bridge.call_in_thread(registry.unload, name, instance_id, timeout, name="pantheon-admin-unload")
+    done = bridge.call_in_thread(_then_register, server().registration, registry.unload, name, instance_id, timeout,
+                                 name="pantheon-admin-unload")
     return jsonify(status="unloaded", unloaded=done)
 
 

@@ -56,6 +56,7 @@ TOP_FIELDS = frozenset({
     "tools", "tool_choice", "parallel_tool_calls", "session_id", "n", "user", "logprobs", "top_logprobs",
     "response_format", "chat_template_kwargs", "ignore_eos", "cache_salt",
 })
+SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")  # after the body's session_id, in this order
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content",
                             "reasoning"})
 
@@ -359,11 +360,15 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     tool_choice = _tool_choice(body, tools)
     _boolean(body, "parallel_tool_calls")
     session_id = _string(body, "session_id")
-    if session_id is None:
-        hdr = headers.get("X-Session-Id")
+    # Then the headers: X-Session-Id, and X-SMG-Routing-Key (the router forwards that one and strips
+    # X-Session-Id, so a session routed through SMG keeps its key all the way to the slot).
+    for header in SESSION_HEADERS:
+        if session_id is not None:
+            break
+        hdr = headers.get(header)
         if hdr:
             if len(hdr) > MAX_ID_CHARS:
-                raise _bad("X-Session-Id", f"must be at most {MAX_ID_CHARS} characters")
+                raise _bad(header, f"must be at most {MAX_ID_CHARS} characters")
             session_id = hdr
     n = _integer(body, "n", 1, 1 << 30)
     if n is not None and n != 1:

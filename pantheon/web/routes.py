@@ -14,6 +14,7 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
+from ..errors import RequestError
 from .body import parse_json, read_body
 from . import bridge
 from .chat import ClientGone, Generation, SSEStream, cache_scope, parse_chat_request
@@ -59,7 +60,11 @@ def health_body() -> tuple[dict, int]:
 
 
 @bp.get("/")
+@bp.get("/health")
 def health() -> Response:
+    """200 once every configured model is loaded and no model's driver has failed; 503 while loading,
+    after a failed start or while a model has failed (the body says which). `/health` is the path
+    routers probe (SMG's default)."""
     body, code = health_body()
     resp = jsonify(body)
     resp.status_code = code
@@ -79,6 +84,12 @@ def metrics() -> Response:
 
 @bp.post("/v1/chat/completions")
 def chat_completions() -> Response:
+    return handle_chat()
+
+
+def handle_chat(root_model: str | None = None) -> Response:
+    """One chat completion. `root_model`: the request came in under that model's own root
+    (`/m/<model>/...`, pantheon.web.router_api), which serves that model only."""
     t0 = time.perf_counter()
     raw = read_raw()
     headers = request.headers
@@ -86,6 +97,11 @@ def chat_completions() -> Response:
     # A large body is parsed and validated in an OS thread: a 4 MB body of tiny items is ~10^6 Python
     # objects to check, long enough to stall every other request if it ran on the event loop.
     creq = bridge.call_in_thread(parse, name="pantheon-parse") if len(raw) > BIG_BODY_BYTES else parse()
+    if root_model is not None:
+        if creq.model and creq.model != root_model:
+            raise RequestError(f"model {creq.model!r} is not served at this root (it serves {root_model!r})",
+                               param="model", status=404, code="model_not_found")
+        creq.model = root_model
     creq.size = len(raw)
     creq.cache_scope = cache_scope(presented_key(), creq)
     registry = server().registry

@@ -1,6 +1,7 @@
 """API keys, the admin gate, CORS and the request-body limit: checks that run before any route.
 
-* `PANTHEON_API_KEY` set: every route but `GET /` (a health probe) and CORS preflights needs it, as
+* `PANTHEON_API_KEY` set: every route but the health probes (`GET /`, `/health`, `/m/<model>/health`)
+  and CORS preflights needs it, as
   `Authorization: Bearer KEY` or `X-Api-Key: KEY` (compared in constant time).
 * `/admin/*` needs `PANTHEON_ADMIN_KEY` the same way (the API key does not open it); with no admin key
   configured the admin API is off (403), so a default install cannot be told to read files.
@@ -19,7 +20,7 @@ from ..config import Settings
 from ..errors import RequestError
 from .body import announced_length, shown
 
-CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Session-Id"
+CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Session-Id, X-SMG-Routing-Key"
 CORS_METHODS = "GET, POST, OPTIONS"
 NAME_MAX_BYTES = 255  # the longest file-name component Linux file systems take (NAME_MAX)
 
@@ -38,9 +39,15 @@ def _matches(presented: str | None, expected: str) -> bool:
     return hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), expected.encode("utf-8"))
 
 
+def is_probe(path: str) -> bool:
+    """Health probes answer without a key: `/`, `/health` and a model root's `/m/<model>/health`
+    (routers and load balancers probe them, and they tell nothing but ready or not)."""
+    return path in ("/", "/health") or (path.startswith("/m/") and path.endswith("/health"))
+
+
 def check_access(settings: Settings) -> None:
     """Raise 401/403 unless the request may use the route it targets."""
-    if request.method == "OPTIONS" or request.path == "/":
+    if request.method == "OPTIONS" or is_probe(request.path):
         return
     key = presented_key()
     if request.path.startswith("/admin/") or request.path == "/admin":

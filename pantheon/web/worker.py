@@ -15,6 +15,11 @@ worker it adds:
   the cap so accepting never stops.
 * **Errors in the OpenAI JSON shape** for what gunicorn's parser refuses (malformed request line or
   headers, oversized headers), instead of its HTML page.
+* **Router deregistration after a graceful stop.** It notes where it listens (the address
+  pantheon.registration advertises unless PANTHEON_ADVERTISE_URL says otherwise); with
+  PANTHEON_REGISTRY_URL set, a SIGTERM first drains in-flight requests (a few seconds less than
+  gunicorn's graceful timeout, so the arbiter's SIGKILL cannot come first), then deletes this
+  server's workers at the router.
 * **Death with the arbiter.** The worker asks the kernel for SIGKILL when its parent dies
   (PR_SET_PDEATHSIG), so a killed `pantheon serve` (or a killed test run) never leaves a worker
   holding gigabytes of model behind.
@@ -42,6 +47,7 @@ from .errors import error_body
 
 POOL_HEADROOM = 64  # gunicorn's pool is this much larger than the cap, so the cap is ours to enforce
 PR_SET_PDEATHSIG = 1
+DEREGISTER_RESERVE_S = 4.0  # of the graceful timeout, kept back for deleting our workers at the router
 
 def _die_with_parent() -> None:
     if not sys.platform.startswith("linux"):
@@ -93,7 +99,30 @@ class PantheonWorker(GeventWorker):
 
     def init_process(self) -> None:
         _die_with_parent()
+        from .. import registration
+        for sock in self.sockets:  # where the router can reach us (unless PANTHEON_ADVERTISE_URL says)
+            try:
+                addr = sock.getsockname()
+            except OSError:
+                continue
+            if isinstance(addr, tuple) and len(addr) >= 2:
+                registration.note_bound_address(str(addr[0]), int(addr[1]))
+        if self.settings.registry_url:
+            # This process's copy of the config only: drain a little shorter than the arbiter waits, so
+            # the deregistration after the drain runs before the arbiter's SIGKILL.
+            self.cfg.set("graceful_timeout", max(1, int(self.cfg.graceful_timeout - DEREGISTER_RESERVE_S)))
         super().init_process()
+
+    def run(self) -> None:
+        """Serve until told to stop; a graceful stop (SIGTERM) drains in-flight requests first. Then the
+        models are deregistered from the router (when PANTHEON_REGISTRY_URL is set)."""
+        try:
+            super().run()
+        finally:
+            state = getattr(getattr(self, "wsgi", None), "extensions", {}).get("pantheon")
+            reg = getattr(state, "registration", None)
+            if reg is not None:
+                reg.close(deregister=True, timeout=DEREGISTER_RESERVE_S / 2)
 
     def timeout_ctx(self) -> Any:
         """Bounds reading each request line + headers, and the idle wait before a kept-alive request."""

@@ -125,7 +125,7 @@ def served_models(registry: Registry) -> list[Any]:
     for e in registry.ready_entries():
         info = e.backend.load_info() or {}
         slots[e.name] = slots.get(e.name, 0) + int(info.get("slots") or 1)
-        length = int(getattr(e.model, "max_seq", 0) or registry.settings.max_seq)
+        length = int(getattr(e.card, "context_length", 0) or registry.settings.max_seq)
         ctx[e.name] = min(ctx.get(e.name, length), length)
     return [Served(name=n, capacity=slots[n], context_length=ctx[n]) for n in slots]
 

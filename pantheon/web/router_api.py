@@ -76,7 +76,7 @@ def model_load(name: str, rank: int = 0) -> dict | None:
     running = waiting = slots = used = capacity = hits = misses = decoded = 0.0
     for e in entries:
         info = e.backend.load_info() or {}
-        ctx = int(getattr(e.model, "max_seq", 0) or st.settings.max_seq)
+        ctx = int(getattr(e.card, "context_length", 0) or st.settings.max_seq)
         n_slots = _num(info, "slots") or 1.0
         n_running = _num(info, "running")
         running += n_running

@@ -33,6 +33,7 @@ from .config import load_settings
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
 from .jax_models.common import last_valid
+from .jax_models.registry import capabilities_of
 from .sampler import SamplingParams, make_rows_np, sample
 from .weights import XLA, Kernels
 
@@ -155,7 +156,7 @@ class Model:
         # (the architecture's forward_groups), so a new request's prompt does not stall the decoders.
         # The decode group is always padded to n_slots - 1 rows: one program per (T, span), not four.
         self.mixed_rows = self.n_slots - 1
-        self.supports_mixed = hasattr(arch, "forward_groups") and self.mixed_rows >= 1
+        self.supports_mixed = capabilities_of(arch).mixed_steps and self.mixed_rows >= 1
         if self.supports_mixed:
             mixed = self._mixed_impl if self.shard_plan is None else self.shard_plan.wrap_forward(self._mixed_impl)
             self._forward_mixed = jax.jit(mixed, static_argnames=("span", "kernels"), donate_argnums=(1,))
@@ -615,7 +616,7 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
         raise
     except Exception as exc:
         raise ModelLoadError(p, f"failed to build parameters: {type(exc).__name__}: {exc}") from exc
-    if len(devices) == 1 and hasattr(arch, "fuse_projections"):  # sharding splits q/k/v by their own heads
+    if len(devices) == 1 and capabilities_of(arch).fused_projections:  # sharding splits q/k/v by their own heads
         host_params = arch.fuse_projections(host_params)
     host_params = weights.stamp(host_params, kernels)
     weight_bytes = weights.tree_bytes(host_params)

@@ -38,6 +38,7 @@ from .. import compile_guard, osthread
 from ..config import Settings
 from ..engine import PENALTY_WINDOW, Model
 from ..errors import BusyError
+from ..jax_models.registry import capabilities_of
 from ..sampler import sample_host
 from .api import Finished, GenRequest, Sink, Started, Tokens
 
@@ -112,7 +113,7 @@ class BatchScheduler:
         self.log_stats = settings.bs_stats
         self._t_origin = time.perf_counter()  # stats lines give each step's start from here: gaps show idle
         self.forbid_compile = settings.forbid_compile
-        self.recurrent = hasattr(model.arch, "snapshot_slot")  # hybrid models keep recurrent state
+        self.recurrent = capabilities_of(model.arch).recurrent_state  # state that cannot be rolled back
         self.pressure = pressure or (lambda: 0)
         # _mu guards _slots' state/job fields, _queue, _closed and stats; held only for bookkeeping,
         # never across a device step. _work (on _mu) wakes the driver: new job, cancel or close.

@@ -3,8 +3,9 @@
 Why a table of rules keyed by the parameter's name rather than per-architecture code: the params
 dataclasses of every arch file name their matrix fields the same way (wq/wk/wv/wo, w_gate/w_up/w_down,
 the *_e expert stacks, the sh_* shared expert), always stored (out, in) on the last two axes after
-any stacking axes (layers, or groups x per-group). So one rule set covers llama/mistral/qwen2/qwen3/qwen3moe/mixtral/phi3/gemma3
-and the attention + FFN parts of the qwen35 hybrids; anything it does not name is replicated.
+any stacking axes (layers, or groups x per-group). So one rule set covers llama/mistral/qwen2/qwen3/
+qwen3moe/mixtral/phi3/gemma3 and the attention + FFN parts of the qwen35 hybrids; anything it does
+not name is replicated.
 
 The layout is the classic Megatron split:
 - column-parallel (rows of an (out, in) matrix split by head / FFN column): wq (by query head), wk and

@@ -151,10 +151,11 @@ def fuse_projections(params: LlamaParams) -> LlamaParams:
     return params.replace(layers=LlamaLayers(**lay))
 
 
-def matmul(lp: dict[str, Any], name: str, h: jax.Array, li: jax.Array, bias: str | None = None,
+def matmul(lp: LlamaLayers, name: str, h: jax.Array, li: jax.Array, bias: str | None = None,
            skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """weights.linear with layer li's weight `name` (a tuple over layers: a switch reads it in place)."""
-    return weights.pick_linear(lp[name], li, h, lp.get(bias) if bias else None, skip)
+    """weights.linear with layer li's weight `name` (a tuple over layers: a switch reads it in place)
+    and, when the file has it, this layer's bias `bias`."""
+    return weights.pick_linear(getattr(lp, name), li, h, getattr(lp, bias) if bias else None, skip)
 
 
 def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> common.KVCache:
@@ -171,13 +172,13 @@ def state_bytes_per_sequence(cfg: ModelConfig) -> int:
     return 0
 
 
-def moe(h: jax.Array, lp: dict[str, Any], li: jax.Array, cfg: ModelConfig) -> jax.Array:
+def moe(h: jax.Array, lp: LlamaLayers, li: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Softmax router -> top-k -> renormalise -> weighted SwiGLU experts (the shared MoE kernels),
     with layer li's experts (per-layer tuples: one branch per layer reads its own in place)."""
     def run(h: jax.Array, wg: Any, wu: Any, wd: Any) -> jax.Array:
-        return moe_kernels.moe_ffn(h, lp["router"], wg, wu, wd, cfg.n_experts_used)
+        return moe_kernels.moe_ffn(h, lp.router, wg, wu, wd, cfg.n_experts_used)
 
-    wg, wu, wd = lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"]
+    wg, wu, wd = lp.w_gate_e, lp.w_up_e, lp.w_down_e
     if not isinstance(wg, tuple):
         return run(h, wg, wu, wd)
     return jax.lax.switch(li, [lambda v, i=i: run(v, wg[i], wu[i], wd[i]) for i in range(len(wg))], h)
@@ -244,15 +245,15 @@ def forward_groups(params: LlamaParams, state: common.KVCache, groups: tuple[Gro
     def layer(carry, inputs):
         x, kc, vc = carry
         lp, li = inputs
-        h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        if "wqkv" in lp:
+        h = common.rms_norm(x, lp.attn_norm, cfg.rms_eps)
+        if lp.wqkv is not None:
             q, k, v = jnp.split(matmul(lp, "wqkv", h, li, "bqkv", skip), [nh * hd, (nh + nkv) * hd], axis=-1)
         else:
             q, k, v = (matmul(lp, w, h, li, "b" + w[1], skip) for w in ("wq", "wk", "wv"))
         qs, ks, vs = per_group(q, nh), per_group(k, nkv), per_group(v, nkv)
-        if "q_norm" in lp:
-            qs = [common.rms_norm(a, lp["q_norm"], cfg.rms_eps) for a in qs]
-            ks = [common.rms_norm(a, lp["k_norm"], cfg.rms_eps) for a in ks]
+        if lp.q_norm is not None:
+            qs = [common.rms_norm(a, lp.q_norm, cfg.rms_eps) for a in qs]
+            ks = [common.rms_norm(a, lp.k_norm, cfg.rms_eps) for a in ks]
         qs = [common.apply_rope(a, c, s, cfg.n_rot, cfg.rope_type) for a, (c, s) in zip(qs, ropes)]
         ks = [common.apply_rope(a, c, s, cfg.n_rot, cfg.rope_type) for a, (c, s) in zip(ks, ropes)]
         for (_, slots, start, _), kg, vg in zip(groups, ks, vs):  # every write before any read of the layer
@@ -269,11 +270,11 @@ def forward_groups(params: LlamaParams, state: common.KVCache, groups: tuple[Gro
             outs.append(o.reshape(-1, nh * hd))
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
         x = x + matmul(lp, "wo", o, li, "bo", skip)
-        h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+        h = common.rms_norm(x, lp.ffn_norm, cfg.rms_eps)
         if cfg.n_experts:
             x = x + moe(h, lp, li, cfg)
         else:
-            if "w_gu" in lp:
+            if lp.w_gu is not None:
                 g, u = jnp.split(matmul(lp, "w_gu", h, li, skip=skip), 2, axis=-1)
             else:
                 g, u = matmul(lp, "w_gate", h, li, skip=skip), matmul(lp, "w_up", h, li, skip=skip)
@@ -282,13 +283,14 @@ def forward_groups(params: LlamaParams, state: common.KVCache, groups: tuple[Gro
 
     # Per-layer weight tuples stay out of the scan's inputs: the body switches over them by layer
     # (weights.pick_linear) instead of slicing a stack, which would copy every matrix each step.
-    lay = common.present(params.layers)
-    listed = {k: a for k, a in lay.items() if isinstance(a, tuple)}
-    per_layer = {k: a for k, a in lay.items() if k not in listed}
+    # The scan slices the stacked vectors (the matrices' fields set to None there) and the body puts
+    # the matrix tuples back, whole.
+    listed = {k: a for k, a in common.present(params.layers).items() if isinstance(a, tuple)}
+    per_layer = params.layers.replace(**{k: None for k in listed})
 
     def scanned(carry, inputs):
         lp, li = inputs
-        return layer(carry, ({**lp, **listed}, li))
+        return layer(carry, (lp.replace(**listed), li))
 
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
     carry, _ = jax.lax.scan(scanned, (x, state.k, state.v), (per_layer, layer_ids))

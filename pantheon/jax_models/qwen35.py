@@ -459,23 +459,23 @@ def delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: 
     return O, S
 
 
-def _delta_mixer(h: jax.Array, mp: dict[str, Any], period: jax.Array, conv_state: jax.Array, S: jax.Array,
+def _delta_mixer(h: jax.Array, mp: DeltaNetLayers, period: jax.Array, conv_state: jax.Array, S: jax.Array,
                  valid: jax.Array, n_new: jax.Array, d: HybridDims,
                  eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated DeltaNet token mixer of h [B, T, H]; returns (output, new conv state, new S).
     mp's matrices are this layer position's weights over the periods, picked by `period`."""
     B, T, _ = h.shape
-    mix = weights.pick_linear(mp["w_qkv"], period, h).astype(jnp.float32)  # [B, T, conv_dim]
-    z = weights.pick_linear(mp["w_z"], period, h).astype(jnp.float32)
-    b = weights.pick_linear(mp["w_beta"], period, h).astype(jnp.float32)
-    a = weights.pick_linear(mp["w_alpha"], period, h).astype(jnp.float32)
+    mix = weights.pick_linear(mp.w_qkv, period, h).astype(jnp.float32)  # [B, T, conv_dim]
+    z = weights.pick_linear(mp.w_z, period, h).astype(jnp.float32)
+    b = weights.pick_linear(mp.w_beta, period, h).astype(jnp.float32)
+    a = weights.pick_linear(mp.w_alpha, period, h).astype(jnp.float32)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(b), 0.0)
-    g = jnp.where(valid[..., None], mp["a"] * jax.nn.softplus(a + mp["dt_bias"]), 0.0)
+    g = jnp.where(valid[..., None], mp.a * jax.nn.softplus(a + mp.dt_bias), 0.0)
 
     # Causal depthwise conv over [last K-1 inputs | this step's inputs]; newest tap is w[:, K-1].
     K = d.conv_k
     buf = jnp.concatenate([conv_state, mix], axis=1)  # [B, K-1+T, conv_dim]
-    w = mp["conv"].astype(jnp.float32)
+    w = mp.conv.astype(jnp.float32)
     c = sum(w[:, j] * buf[:, j: j + T] for j in range(K))
     new_conv = jax.vmap(lambda bb, n: jax.lax.dynamic_slice_in_dim(bb, n, K - 1, axis=0))(buf, n_new)
     c = jax.nn.silu(c)
@@ -496,30 +496,30 @@ def _delta_mixer(h: jax.Array, mp: dict[str, Any], period: jax.Array, conv_state
     delta = delta_recurrent if T == 1 else delta_chunked
     o, S = delta(qh, kh, vh, bh, gh, S)
     o = jnp.swapaxes(o, 1, 2)  # [B, T, n_v, d_v]
-    o = common.rms_norm(o, mp["ssm_norm"], eps) * jax.nn.silu(z.reshape(B, T, d.n_v, d.d_v))
-    y = weights.pick_linear(mp["w_out"], period, o.reshape(B, T, d.value_dim).astype(h.dtype))
+    o = common.rms_norm(o, mp.ssm_norm, eps) * jax.nn.silu(z.reshape(B, T, d.n_v, d.d_v))
+    y = weights.pick_linear(mp.w_out, period, o.reshape(B, T, d.value_dim).astype(h.dtype))
     return y, new_conv, S
 
 
 # ---- gated attention -------------------------------------------------------------------------------
-def _attn_mixer(h: jax.Array, mp: dict[str, Any], g: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array,
+def _attn_mixer(h: jax.Array, mp: GatedAttentionLayers, g: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array,
                 slots: jax.Array, start: jax.Array, positions: jax.Array, cos: jax.Array, sin: jax.Array,
                 span: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Full attention with per-head q/k RMSNorm, partial NEOX RoPE and a sigmoid output gate."""
     B, T, _ = h.shape
     nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qg = weights.pick_linear(mp["wq"], g, h).reshape(B, T, nh, 2 * hd)  # per head [q | gate]
+    qg = weights.pick_linear(mp.wq, g, h).reshape(B, T, nh, 2 * hd)  # per head [q | gate]
     q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
-    k = weights.pick_linear(mp["wk"], g, h).reshape(B, T, nkv, hd)
-    v = weights.pick_linear(mp["wv"], g, h).reshape(B, T, nkv, hd)
-    q = common.apply_rope(common.rms_norm(q, mp["q_norm"], cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
-    k = common.apply_rope(common.rms_norm(k, mp["k_norm"], cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
+    k = weights.pick_linear(mp.wk, g, h).reshape(B, T, nkv, hd)
+    v = weights.pick_linear(mp.wv, g, h).reshape(B, T, nkv, hd)
+    q = common.apply_rope(common.rms_norm(q, mp.q_norm, cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
+    k = common.apply_rope(common.rms_norm(k, mp.k_norm, cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
     kc = common.write_kv(kc, layer, k, slots, start)
     vc = common.write_kv(vc, layer, v, slots, start)
     o = common.attention(q, common.gather_span(kc, layer, slots, span), common.gather_span(vc, layer, slots, span),
                          positions, cfg.attn_scale)
     o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
-    return weights.pick_linear(mp["wo"], g, o), kc, vc
+    return weights.pick_linear(mp.wo, g, o), kc, vc
 
 
 # ---- FFN -------------------------------------------------------------------------------------------
@@ -528,25 +528,25 @@ def _swiglu(h: jax.Array, wg: Any, wu: Any, wd: Any, g: jax.Array) -> jax.Array:
     return weights.pick_linear(wd, g, jax.nn.silu(gate) * up)
 
 
-def _ffn(h: jax.Array, lp: dict[str, Any], g: jax.Array, cfg: ModelConfig) -> jax.Array:
+def _ffn(h: jax.Array, lp: BlockLayers, g: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Dense SwiGLU (qwen35) or routed experts + sigmoid-gated shared expert (section 5.6).
     The experts of this layer position over the periods are a tuple: one branch per period."""
-    if "router" not in lp:
-        return _swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], g)
+    if lp.router is None:
+        return _swiglu(h, lp.w_gate, lp.w_up, lp.w_down, g)
     scale = float(cfg.extra.get("expert_weights_scale", 0.0) or 0.0)
     scale = scale if scale not in (0.0, 1.0) else 1.0
 
     def routed(v: jax.Array, wg: Any, wu: Any, wd: Any) -> jax.Array:
-        return moe_kernels.moe_ffn(v, lp["router"], wg, wu, wd, cfg.n_experts_used, scale=scale)
+        return moe_kernels.moe_ffn(v, lp.router, wg, wu, wd, cfg.n_experts_used, scale=scale)
 
-    wg, wu, wd = lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"]
+    wg, wu, wd = lp.w_gate_e, lp.w_up_e, lp.w_down_e
     if isinstance(wg, tuple):
         y = jax.lax.switch(g, [lambda v, i=i: routed(v, wg[i], wu[i], wd[i]) for i in range(len(wg))], h)
     else:
         y = routed(h, wg, wu, wd)
-    if "sh_gate" in lp:
-        s = jax.nn.sigmoid(jnp.einsum("...h,h->...", h.astype(jnp.float32), lp["sh_gate_inp"].astype(jnp.float32)))
-        y = y + (s[..., None] * _swiglu(h, lp["sh_gate"], lp["sh_up"], lp["sh_down"], g)).astype(y.dtype)
+    if lp.sh_gate is not None:
+        s = jax.nn.sigmoid(jnp.einsum("...h,h->...", h.astype(jnp.float32), lp.sh_gate_inp.astype(jnp.float32)))
+        y = y + (s[..., None] * _swiglu(h, lp.sh_gate, lp.sh_up, lp.sh_down, g)).astype(y.dtype)
     return y
 
 
@@ -577,13 +577,14 @@ def forward(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: 
     conv0 = conv0.reshape((G, d.n_lin // G) + conv0.shape[1:])
     ssm0 = ssm0.reshape((G, d.n_lin // G) + ssm0.shape[1:])
 
-    # Matrices (tuples over the layers of a kind, in layer order) stay outside the scan's inputs:
-    # position j of a period reads entries j, j + per, ... and the body switches over the period
-    # (weights.pick_linear), so no step copies a weight out of a stack.
-    def split(group: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        fields = common.present(group)
-        return ({k: a for k, a in fields.items() if not isinstance(a, tuple)},
-                {k: a for k, a in fields.items() if isinstance(a, tuple)})
+    # Matrices (tuples over the layers of a kind, in layer order) stay outside the scan's inputs
+    # (their fields set to None there): position j of a period reads entries j, j + per, ... and the
+    # body switches over the period (weights.pick_linear), so no step copies a weight out of a stack.
+    def split(group: Any) -> tuple[Any, dict[str, tuple]]:
+        if group is None:
+            return None, {}
+        ws = {k: a for k, a in common.present(group).items() if isinstance(a, tuple)}
+        return group.replace(**{k: None for k in ws}), ws
 
     per_layer, layer_w = split(params.layer)
     lin_v, lin_w = split(params.lin)
@@ -598,22 +599,21 @@ def forward(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: 
         lyr, lin, attn, conv_g, ssm_g, g = xs
         convs, ssms = [], []
         for p in range(P):
-            lp = {k: a[p] for k, a in lyr.items()}
-            lp.update(position(layer_w, p, P))
-            h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+            lp = jax.tree.map(lambda a: a[p], lyr).replace(**position(layer_w, p, P))
+            h = common.rms_norm(x, lp.attn_norm, cfg.rms_eps)
             if pattern[p]:
                 j = len(convs)
-                mp = {**{k: a[j] for k, a in lin.items()}, **position(lin_w, j, n_lin_per)}
+                mp = jax.tree.map(lambda a: a[j], lin).replace(**position(lin_w, j, n_lin_per))
                 y, c, s = _delta_mixer(h, mp, g, conv_g[j], ssm_g[j], valid, n_new, d, cfg.rms_eps)
                 convs.append(c)
                 ssms.append(s)
             else:
                 j = p - len(convs)
-                mp = {**{k: a[j] for k, a in attn.items()}, **position(attn_w, j, n_attn_per)}
+                mp = jax.tree.map(lambda a: a[j], attn).replace(**position(attn_w, j, n_attn_per))
                 y, kc, vc = _attn_mixer(h, mp, g, kc, vc, g * attn_per + j, slots, start, positions, cos, sin,
                                         span, cfg)
             x = x + y
-            x = x + _ffn(common.rms_norm(x, lp["post_norm"], cfg.rms_eps), lp, g, cfg)
+            x = x + _ffn(common.rms_norm(x, lp.post_norm, cfg.rms_eps), lp, g, cfg)
         if not convs:  # a period without DeltaNet layers passes its (empty) state through
             return (x, kc, vc), (conv_g, ssm_g)
         return (x, kc, vc), (jnp.stack(convs), jnp.stack(ssms))

@@ -361,8 +361,7 @@ def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
     arch = arch_registry.module_for(cfg.arch)
     bpt = int(arch.state_bytes_per_token(cfg)) if arch is not None else int(cfg.kv_bytes_per_token)
     bpt = kv_bytes(bpt, resolve_kv_dtype(opts, platform))
-    per_seq = int(arch.state_bytes_per_sequence(cfg)) if arch is not None and hasattr(
-        arch, "state_bytes_per_sequence") else 0
+    per_seq = int(arch.state_bytes_per_sequence(cfg)) if arch is not None else 0
     n_slots = max(1, int(getattr(opts, "n_slots", 8)))
     max_seq = int(getattr(opts, "max_seq", 2048))
     if cfg.context_length:

@@ -39,26 +39,11 @@ from . import compile_guard, decode_state, memory, native, osthread, weights
 from .config import load_settings
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
-from .jax_models.common import last_valid
 from .decode_state import DecodeState
 from .gen_types import GREEDY, ModelCard, SamplingParams
+from .jax_models.common import last_valid
+from .jax_models.registry import capabilities_of
 from .weights import XLA, Kernels
-
-
-
-@dataclass(frozen=True)
-class _Caps:
-    """What an architecture module can do (stand-in until the modules declare CAPABILITIES)."""
-
-    mixed_steps: bool
-    recurrent_state: bool
-
-
-def capabilities_of(arch: Any) -> Any:
-    declared = getattr(arch, "CAPABILITIES", None)
-    if declared is not None:
-        return declared
-    return _Caps(mixed_steps=hasattr(arch, "forward_groups"), recurrent_state=hasattr(arch, "snapshot_slot"))
 
 
 @dataclass(frozen=True)
@@ -707,7 +692,7 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
         raise
     except Exception as exc:
         raise ModelLoadError(p, f"failed to build parameters: {type(exc).__name__}: {exc}") from exc
-    if len(devices) == 1 and hasattr(arch, "fuse_projections"):  # sharding splits q/k/v by their own heads
+    if len(devices) == 1 and capabilities_of(arch).fused_projections:  # sharding splits q/k/v by their own heads
         host_params = arch.fuse_projections(host_params)
     host_params = weights.stamp(host_params, kernels)
     weight_bytes = weights.tree_bytes(host_params)

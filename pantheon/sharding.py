@@ -1,10 +1,11 @@
 """Tensor-parallel placement of one model over several dies: a 1-D mesh and a spec per parameter.
 
-Why a table of rules keyed by the parameter's name rather than per-architecture code: every arch file
-names its matrices the same way (wq/wk/wv/wo, w_gate/w_up/w_down, the *_e expert stacks, the sh_*
-shared expert), always stored (out, in) on the last two axes after any stacking axes (layers, or
-groups x per-group). So one rule set covers llama/mistral/qwen2/qwen3/qwen3moe/mixtral/phi3/gemma3
-and the attention + FFN parts of the qwen35 hybrids; anything it does not name is replicated.
+Why a table of rules keyed by the parameter's name rather than per-architecture code: the params
+dataclasses of every arch file name their matrix fields the same way (wq/wk/wv/wo, w_gate/w_up/w_down,
+the *_e expert stacks, the sh_* shared expert), always stored (out, in) on the last two axes after
+any stacking axes (layers, or groups x per-group). So one rule set covers llama/mistral/qwen2/qwen3/
+qwen3moe/mixtral/phi3/gemma3 and the attention + FFN parts of the qwen35 hybrids; anything it does
+not name is replicated.
 
 The layout is the classic Megatron split:
 - column-parallel (rows of an (out, in) matrix split by head / FFN column): wq (by query head), wk and
@@ -24,6 +25,7 @@ row-parallel matmul raises ShardingTypeError (jax-cpu-findings Q6), hence the ex
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +45,8 @@ _ROW = {"wo": "heads", "w_down": "dim", "sh_down": "dim"}
 _EXPERTS = {"w_gate_e": -2, "w_up_e": -2, "w_down_e": -1}  # fallback FFN axis when E does not divide
 _BIASES = ("bq", "bk", "bv")  # 1-D per layer: the output axis is the last one
 KV_KEYS = ("k", "v")
+# A QuantWeight's own array fields: a path into a weight is named after the weight, not "data".
+_WEIGHT_FIELDS = frozenset(f.name for f in dataclasses.fields(QuantWeight) if f.metadata.get("pytree_node", True))
 
 
 def make_mesh(devices: Sequence[Any]) -> Mesh:
@@ -51,11 +55,17 @@ def make_mesh(devices: Sequence[Any]) -> Mesh:
 
 
 def leaf_name(path: tuple) -> str:
-    """The innermost dict key on a tree path (list indices and stacking do not matter)."""
+    """The innermost field name on a tree path: the params and caches are flax.struct dataclasses, so
+    a leaf's name is its `GetAttrKey` (a dict key is accepted too). Tuple indices (the per-layer
+    weights) and stacking axes do not matter: `.layers.wq[3]` is "wq", and so is the path of that
+    weight's own array, `.layers.wq[3].data`."""
     for k in reversed(path):
-        key = getattr(k, "key", None)
-        if isinstance(key, str):
-            return key
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            if k.name in _WEIGHT_FIELDS:
+                continue
+            return k.name
+        if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str):
+            return k.key
     return ""
 
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from pantheon.decode_state import IDLE, LENGTH, RUNNING, STOP
+from pantheon.jax_models.interface import Capabilities
 
 
 def fake_token(history: list[int], vocab: int = 1000) -> int:
@@ -45,7 +46,7 @@ class FakeModel:
                  mixed: bool = True):
         self.n_slots, self.chunk, self.max_seq, self.name = n_slots, chunk, max_seq, name
         self.supports_mixed = mixed
-        self.caps = SimpleNamespace(mixed_steps=mixed, recurrent_state=False)
+        self.caps = Capabilities(mixed_steps=mixed)
         self.devices: list = []
         self.steps: list = []  # every plan stepped, in order
         self.gate: threading.Event | None = None  # when set to an Event, each step waits for it

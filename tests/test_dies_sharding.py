@@ -229,7 +229,7 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
             "greedy_equal": g1 == g2 and argmax_equal, "greedy": g2,
             "param_devices": sorted({d.id for _, x in leaves for d in x.sharding.device_set}),
             "split": split,
-            "kv_spec": list(state.cache["k"].sharding.spec),
+            "kv_spec": list(state.cache.k.sharding.spec),
             "programs": many._forward._cache_size() + many._serve._cache_size(), "shapes": len(many.compiled_shapes()),
         }
     # A mixed step (one prompt chunk + one decode row) on two dies equals the same step on one die.
@@ -285,10 +285,10 @@ def test_two_dies_match_one_die(multi_die):
         assert r["param_devices"] == devs
         assert r["kv_spec"] == [None, None, "tp", None, None]  # 2 kv heads over 2 dies
         assert r["programs"] == r["shapes"] == 3  # logits, prefill, decode: no recompiles from a drifting layout
-    assert "['layers']['wq']" in multi_die["llama@2"]["split"]
-    assert "['layers']['w_down']" in multi_die["llama@2"]["split"]
-    assert "['layers']['w_gate_e']" in multi_die["qwen3moe@2"]["split"]  # 8 experts over 2 dies
-    assert "['embed']" not in multi_die["llama@2"]["split"]
+    assert ".layers.wq" in multi_die["llama@2"]["split"]
+    assert ".layers.w_down" in multi_die["llama@2"]["split"]
+    assert ".layers.w_gate_e" in multi_die["qwen3moe@2"]["split"]  # 8 experts over 2 dies
+    assert ".embed" not in multi_die["llama@2"]["split"]
 
 
 def test_four_dies_replicate_what_does_not_divide(multi_die):
@@ -296,7 +296,7 @@ def test_four_dies_replicate_what_does_not_divide(multi_die):
     assert r["max_diff"] < 1e-4 and r["greedy_equal"]
     assert r["param_devices"] == [0, 1, 2, 3]
     assert r["kv_spec"] == []  # 2 kv heads cannot split 4 ways
-    assert "['layers']['wk']" not in r["split"] and "['layers']['wq']" in r["split"]
+    assert ".layers.wk" not in r["split"] and ".layers.wq" in r["split"]
 
 
 def test_die_manager_over_four_devices(multi_die):

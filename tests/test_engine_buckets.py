@@ -33,24 +33,24 @@ def test_attention_spans_double_from_128_to_the_capacity():
 def test_fused_projections_compute_what_the_separate_ones_do():
     path, _, _ = tiny_fixture("qwen2")  # has q/k/v biases, so the fused bias is exercised too
     model = engine.load(path, engine.LoadOptions(n_slots=1, max_seq=64, prefill_chunk=16))
-    lay = model.params["layers"]
-    assert "wqkv" in lay and "bqkv" in lay and "w_gu" in lay and "wq" not in lay
+    lay = model.params.layers
+    assert lay.wqkv is not None and lay.bqkv is not None and lay.w_gu is not None and lay.wq is None
     ids = list(range(3, 20))
     fused = model.logits(ids)
     cfg = model.config
     nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    sep = dict(lay)
-    w, b = sep.pop("wqkv"), sep.pop("bqkv")  # per layer: rows [q | k | v] of one weight
+    w, b = lay.wqkv, lay.bqkv  # per layer: rows [q | k | v] of one weight
 
     def rows(ws, lo, hi):
         return tuple(weights.row_slice(x, lo, hi) for x in ws)
 
-    sep.update(wq=rows(w, 0, nq), wk=rows(w, nq, nq + nk), wv=rows(w, nq + nk, nq + 2 * nk),
-               bq=b[:, :nq], bk=b[:, nq:nq + nk], bv=b[:, nq + nk:])
-    gu = sep.pop("w_gu")
+    gu = lay.w_gu
     half = gu[0].rows // 2
-    sep.update(w_gate=rows(gu, 0, half), w_up=rows(gu, half, 2 * half))
-    model.params = {**model.params, "layers": sep}
+    sep = lay.replace(wqkv=None, bqkv=None, w_gu=None,
+                      wq=rows(w, 0, nq), wk=rows(w, nq, nq + nk), wv=rows(w, nq + nk, nq + 2 * nk),
+                      bq=b[:, :nq], bk=b[:, nq:nq + nk], bv=b[:, nq + nk:],
+                      w_gate=rows(gu, 0, half), w_up=rows(gu, half, 2 * half))
+    model.params = model.params.replace(layers=sep)
     separate = model.logits(ids)
     assert np.abs(fused - separate).max() < 1e-4
 

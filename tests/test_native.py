@@ -243,9 +243,9 @@ def test_a_quantized_file_decodes_from_its_blocks_with_the_f32_results(kernel, t
     opts = dict(n_slots=2, max_seq=64, prefill_chunk=16)
     on = engine.load(path, engine.LoadOptions(native_matmul=True, **opts))
     off = engine.load(path, engine.LoadOptions(native_matmul=False, **opts))
-    lay = on.params["layers"]
+    lay = common.present(on.params.layers)
     assert {k for k in lay if isinstance(lay[k], tuple)} == {"wqkv", "wo", "w_gu", "w_down"}  # fused in place
-    assert [w.qtype for w in lay["wqkv"]] == ["Q4_1"] * 2 and on.params["embed"].qtype == "Q8_0"
+    assert [w.qtype for w in lay["wqkv"]] == ["Q4_1"] * 2 and on.params.embed.qtype == "Q8_0"
     text = _lowered(on, 2, 1)
     # every layer's 4 matmuls (one switch branch each) and the tied LM head read their blocks
     assert text.count("call @" + native.QUANT_TARGET) == 4 * on.config.n_layers + 1
@@ -261,10 +261,10 @@ def test_matrices_whose_formats_differ_stay_apart_each_in_its_own_format(kernel,
     path = tmp_path / "mixed.gguf"
     _write_quantized_llama(path, {"attn_q": "Q4_1", "attn_k": "Q8_0", "ffn_gate": "Q4_0", "ffn_up": "Q4_0"})
     model = engine.load(path, engine.LoadOptions(native_matmul=True, n_slots=1, max_seq=32, prefill_chunk=16))
-    lay = model.params["layers"]
-    assert "wqkv" not in lay and "w_gu" in lay  # q/k/v differ (v is F32); gate/up share Q4_0
-    assert (lay["wq"][0].qtype, lay["wk"][0].qtype, lay["wv"][0].qtype) == ("Q4_1", "Q8_0", "F32")
-    assert model.params["embed"].qtype == "F32"
+    lay = model.params.layers
+    assert lay.wqkv is None and lay.w_gu is not None  # q/k/v differ (v is F32); gate/up share Q4_0
+    assert (lay.wq[0].qtype, lay.wk[0].qtype, lay.wv[0].qtype) == ("Q4_1", "Q8_0", "F32")
+    assert model.params.embed.qtype == "F32"
     assert len(list(model.generate([5, 6, 7], max_tokens=3, stop_ids=[]))) == 3
 
 

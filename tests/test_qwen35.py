@@ -73,13 +73,14 @@ def test_snapshot_restore_round_trip():
     _, _, state = m.prefill(state, 1, ids[::-1])  # and slot 1 too; restoring slot 0 must not touch it
     before1 = jax.tree.map(np.asarray, qwen35.snapshot_slot(state.cache, 1))
     state = state.replace(cache=qwen35.restore_slot(state.cache, 0, snap))
-    for k in snap:
-        np.testing.assert_array_equal(np.asarray(qwen35.snapshot_slot(state.cache, 0)[k]), snap[k])
-        np.testing.assert_array_equal(np.asarray(qwen35.snapshot_slot(state.cache, 1)[k]), before1[k])
+    for a, b in zip(jax.tree.leaves(qwen35.snapshot_slot(state.cache, 0)), jax.tree.leaves(snap)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    for a, b in zip(jax.tree.leaves(qwen35.snapshot_slot(state.cache, 1)), jax.tree.leaves(before1)):
+        np.testing.assert_array_equal(np.asarray(a), b)
     _, tail, state = m.prefill(state, 0, ids[12:], start=12, all_logits=True)
     assert close(tail, ref[12:])
     cache = qwen35.reset_slot(state.cache, 1)
-    assert all(not np.asarray(v).any() for v in qwen35.snapshot_slot(cache, 1).values())
+    assert all(not np.asarray(v).any() for v in jax.tree.leaves(qwen35.snapshot_slot(cache, 1)))
 
 
 def test_chunked_delta_rule_equals_recurrence():

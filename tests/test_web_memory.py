@@ -28,6 +28,7 @@ from pantheon.dies import Die, DieManager, estimate_load_bytes
 from pantheon.engine import LoadOptions
 from pantheon.errors import BusyError, RequestError
 from pantheon.gen_types import ModelCard
+from pantheon.jax_models.interface import Capabilities
 from pantheon.memory import MemSnapshot, MemWatch, PoolSample
 from pantheon.scheduler import GenRequest, make_backend
 from pantheon.sampler import SamplingParams
@@ -120,7 +121,7 @@ class BlockingModel:
     """Enough of a Model for BatchScheduler: one slot; a step blocks until unblocked, then fails."""
 
     n_slots, chunk, max_seq, name, supports_mixed = 1, 16, 64, "blocking", False
-    caps = SimpleNamespace(mixed_steps=False, recurrent_state=False)
+    caps = Capabilities()
 
     def __init__(self, die: int):
         self.devices = [SimpleNamespace(id=die, platform="cpu")]

@@ -6,8 +6,12 @@ C cache capacity (positions), K kv heads, G query heads per kv head, D head dim,
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from ..gguf_loader import ROPE_NORM
 
@@ -44,11 +48,36 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, n_rot: int, rope_ty
     return jnp.concatenate([rot.astype(x.dtype), xp], axis=-1) if n_rot < x.shape[-1] else rot.astype(x.dtype)
 
 
+@struct.dataclass
+class KVCache:
+    """The static slot cache of the attention layers: keys and values [L, S, K, C, D].
+
+    The [.., K, C, D] (heads before positions) layout is the fastest for batched attention; one
+    stack over all layers lets a step update it in place when the state is donated. Any position of
+    any slot can be overwritten, so a slot can be rewound to any earlier length (prefix reuse).
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+
 def init_kv(n_layers: int, n_slots: int, n_kv: int, capacity: int, head_dim: int,
-            dtype=jnp.float32) -> dict[str, jax.Array]:
-    """The static slot cache: k, v of [L, S, K, C, D] (B,H,S,D layout: fastest batched attention)."""
+            dtype=jnp.float32) -> KVCache:
+    """A zeroed KVCache of [n_layers, n_slots, n_kv, capacity, head_dim]."""
     shape = (n_layers, n_slots, n_kv, capacity, head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def present(obj: Any) -> dict[str, Any]:
+    """A params dataclass's fields that are set (not None), by name, without copying any leaf.
+
+    Why: the layer loops treat a layer's parameters as a bag (split stacked vectors from per-layer
+    weight tuples for the scan, test which optional parts a file has); the dataclass says which
+    parts exist, this gives the loop its view of the ones that do. None (an absent group) is empty.
+    """
+    if obj is None:
+        return {}
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if getattr(obj, f.name) is not None}
 
 
 def write_kv(cache: jax.Array, layer: jax.Array | int, new: jax.Array, slots: jax.Array,

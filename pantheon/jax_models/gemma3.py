@@ -28,18 +28,21 @@ cannot share one ``lax.scan`` body.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from .. import weights
 from ..gguf_loader import ModelConfig, TensorSource
-from ..weights import XLA, Kernels
+from ..weights import XLA, Kernels, QuantWeight
 from . import common
+from .interface import Capabilities
 
 ARCHS = ("gemma3",)
+CAPABILITIES = Capabilities()
 SWA_PATTERN = 6  # llama.cpp's gemma3 loader: every 6th layer is global (no GGUF key carries this)
 LOCAL_ROPE_BASE = 10000.0  # hard-coded in llama.cpp for gemma3's local layers
 
@@ -57,15 +60,40 @@ def attn_scale(cfg: ModelConfig) -> float:
     return cfg.attn_scale
 
 
-def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
-    """Per-layer dicts in a list (the forward is unrolled, so no stacking and no slicing copies);
-    matrices as the file stores them (QuantWeight views of the mapped file), vectors f32."""
+@struct.dataclass
+class Gemma3Layer:
+    """One layer's parameters: matrices as QuantWeights, vectors f32 (norms as stored: the GGUF
+    converter already folded Gemma's (1 + w))."""
+
+    attn_norm: Any  # [H]
+    wq: QuantWeight  # [nh*hd, H]
+    wk: QuantWeight  # [nkv*hd, H]
+    wv: QuantWeight  # [nkv*hd, H]
+    wo: QuantWeight  # [H, nh*hd]
+    q_norm: Any  # [hd]
+    k_norm: Any  # [hd]
+    post_attn_norm: Any  # [H]
+    ffn_norm: Any  # [H]
+    w_gate: QuantWeight  # [F, H]
+    w_up: QuantWeight  # [F, H]
+    w_down: QuantWeight  # [H, F]
+    post_ffw_norm: Any  # [H]
+
+
+@struct.dataclass
+class Gemma3Params:
+    """One `Gemma3Layer` per layer, in a tuple: the forward is unrolled (local and global layers read
+    different key lengths), so nothing is stacked and no step slices a copy. `head` None: tied."""
+
+    embed: QuantWeight  # [V, H]
+    norm: Any  # [H]
+    layers: tuple[Gemma3Layer, ...]
+    head: Optional[QuantWeight] = None
+
+
+def load_params(src: TensorSource, cfg: ModelConfig) -> Gemma3Params:
+    """Matrices as the file stores them (QuantWeight views of the mapped file), vectors f32."""
     H, nh, nkv, hd, F = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn
-    params: dict[str, Any] = {
-        "embed": src.matrix("token_embd.weight", (cfg.vocab, H)),
-        "norm": src.get("output_norm.weight", (H,)),
-        "head": None if cfg.tied_output else src.matrix("output.weight", (cfg.vocab, H)),
-    }
     shapes = {  # our name -> (GGUF name, shape, is a matrix)
         "attn_norm": ("attn_norm", (H,), False),
         "wq": ("attn_q", (nh * hd, H), True),
@@ -81,20 +109,27 @@ def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
         "w_down": ("ffn_down", (H, F), True),
         "post_ffw_norm": ("post_ffw_norm", (H,), False),
     }
-    params["layers"] = [
-        {ours: (src.matrix if matrix else src.get)(f"blk.{i}.{name}.weight", shape)
-         for ours, (name, shape, matrix) in shapes.items()}
-        for i in range(cfg.n_layers)
-    ]
-    return params
+    layers = tuple(
+        Gemma3Layer(**{ours: (src.matrix if matrix else src.get)(f"blk.{i}.{name}.weight", shape)
+                       for ours, (name, shape, matrix) in shapes.items()})
+        for i in range(cfg.n_layers))
+    return Gemma3Params(embed=src.matrix("token_embd.weight", (cfg.vocab, H)),
+                        norm=src.get("output_norm.weight", (H,)), layers=layers,
+                        head=None if cfg.tied_output else src.matrix("output.weight", (cfg.vocab, H)))
 
 
-def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> common.KVCache:
+    """Full-capacity K and V [L, S, K, C, D] for every layer, local ones included (see the module doc)."""
     return common.init_kv(cfg.n_layers, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim, dtype)
 
 
 def state_bytes_per_token(cfg: ModelConfig) -> int:
     return cfg.kv_bytes_per_token
+
+
+def state_bytes_per_sequence(cfg: ModelConfig) -> int:
+    """Nothing: a KV cache only grows with the sequence's length."""
+    return 0
 
 
 def _gather_recent(cache: jax.Array, layer: int, slots: jax.Array, first: jax.Array, length: int) -> jax.Array:
@@ -108,9 +143,9 @@ def _gather_recent(cache: jax.Array, layer: int, slots: jax.Array, first: jax.Ar
     return jax.vmap(one)(slots, first)
 
 
-def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
+def forward(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
+            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
     """Same contract as llama.forward: B rows of T tokens; logits [B, V] (or [B, T, V]) and new state."""
     B, T = tokens.shape
     nh, nkv, hd, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.sliding_window
@@ -123,16 +158,16 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     # Local layers read only what a window can see: the last W + T - 1 positions up to start + T.
     local_len = min(span, W + T - 1) if W > 0 else span
     local_first = jnp.maximum(start + T - local_len, 0)  # [B]; first + local_len <= start + T <= span
-    x = weights.embed(params["embed"], tokens) * np.float32(math.sqrt(cfg.hidden))
-    kc, vc = state["k"], state["v"]
+    x = weights.embed(params.embed, tokens) * np.float32(math.sqrt(cfg.hidden))
+    kc, vc = state.k, state.v
 
-    for li, lp in enumerate(params["layers"]):
+    for li, lp in enumerate(params.layers):
         glob = is_global(cfg, li)
         cos, sin = rope[glob]
-        h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        q = common.rms_norm(weights.linear(h, lp["wq"]).reshape(B, T, nh, hd), lp["q_norm"], cfg.rms_eps)
-        k = common.rms_norm(weights.linear(h, lp["wk"]).reshape(B, T, nkv, hd), lp["k_norm"], cfg.rms_eps)
-        v = weights.linear(h, lp["wv"]).reshape(B, T, nkv, hd)
+        h = common.rms_norm(x, lp.attn_norm, cfg.rms_eps)
+        q = common.rms_norm(weights.linear(h, lp.wq).reshape(B, T, nh, hd), lp.q_norm, cfg.rms_eps)
+        k = common.rms_norm(weights.linear(h, lp.wk).reshape(B, T, nkv, hd), lp.k_norm, cfg.rms_eps)
+        v = weights.linear(h, lp.wv).reshape(B, T, nkv, hd)
         q = common.apply_rope(q, cos, sin, cfg.n_rot, cfg.rope_type)
         k = common.apply_rope(k, cos, sin, cfg.n_rot, cfg.rope_type)
         kc = common.write_kv(kc, li, k, slots, start)  # write before any read of the cache
@@ -145,16 +180,16 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
             vs = _gather_recent(vc, li, slots, local_first, local_len)
             q_pos = positions - local_first[:, None]
         o = common.attention(q, ks, vs, q_pos, scale, window=0 if glob else W, softcap=cfg.attn_softcap)
-        x = x + common.rms_norm(weights.linear(o, lp["wo"]), lp["post_attn_norm"], cfg.rms_eps)
-        h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-        f = jax.nn.gelu(weights.linear(h, lp["w_gate"]), approximate=True) * weights.linear(h, lp["w_up"])
-        x = x + common.rms_norm(weights.linear(f, lp["w_down"]), lp["post_ffw_norm"], cfg.rms_eps)
+        x = x + common.rms_norm(weights.linear(o, lp.wo), lp.post_attn_norm, cfg.rms_eps)
+        h = common.rms_norm(x, lp.ffn_norm, cfg.rms_eps)
+        f = jax.nn.gelu(weights.linear(h, lp.w_gate), approximate=True) * weights.linear(h, lp.w_up)
+        x = x + common.rms_norm(weights.linear(f, lp.w_down), lp.post_ffw_norm, cfg.rms_eps)
 
     if not all_logits:
         x = common.last_valid(x, n_new)
-    x = common.rms_norm(x, params["norm"], cfg.rms_eps)
-    head = params["embed"] if params["head"] is None else params["head"]
+    x = common.rms_norm(x, params.norm, cfg.rms_eps)
+    head = params.embed if params.head is None else params.head
     logits = weights.linear(x, head).astype(jnp.float32)
     if cfg.final_softcap:
         logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-    return logits, {"k": kc, "v": vc}
+    return logits, state.replace(k=kc, v=vc)

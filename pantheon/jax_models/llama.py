@@ -8,21 +8,71 @@ QuantWeight per layer, which the scan body switches over (weights.pick_linear).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from .. import native, weights
 from ..gguf_loader import ModelConfig, TensorSource
 from ..weights import XLA, Kernels, QuantWeight
 from . import common, moe_kernels
+from .interface import Capabilities, Group
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+CAPABILITIES = Capabilities(mixed_steps=True, fused_projections=True)
+
+Matrices = tuple[QuantWeight, ...]  # one weight per layer, in layer order
+Vectors = Any  # a stacked [L, ...] array (numpy on the host, jax on the device)
 
 
-def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
+@struct.dataclass
+class LlamaLayers:
+    """Every layer's parameters. Matrices are a tuple of per-layer QuantWeights (the scan body
+    switches over them, so no step copies a weight out of a stack); vectors are stacked [L, ...]
+    and sliced by the scan. Exactly one form of each projection is set: the separate q/k/v and
+    gate/up as loaded, or the fused `wqkv` / `w_gu` after `fuse_projections`; a dense FFN or the
+    MoE experts. Absent parts are None."""
+
+    attn_norm: Vectors  # [L, H]
+    wo: Matrices  # [H, nh*hd]
+    ffn_norm: Vectors  # [L, H]
+    wq: Optional[Matrices] = None  # [nh*hd, H]
+    wk: Optional[Matrices] = None  # [nkv*hd, H]
+    wv: Optional[Matrices] = None  # [nkv*hd, H]
+    wqkv: Optional[Matrices] = None  # rows [q | k | v]
+    bq: Optional[Vectors] = None  # qwen2's biases [L, out]
+    bk: Optional[Vectors] = None
+    bv: Optional[Vectors] = None
+    bqkv: Optional[Vectors] = None
+    bo: Optional[Vectors] = None
+    q_norm: Optional[Vectors] = None  # qwen3's per-head RMSNorm [L, hd]
+    k_norm: Optional[Vectors] = None
+    w_gate: Optional[Matrices] = None  # dense SwiGLU [F, H], [F, H], [H, F]
+    w_up: Optional[Matrices] = None
+    w_gu: Optional[Matrices] = None  # rows [gate | up]
+    w_down: Optional[Matrices] = None
+    router: Optional[Vectors] = None  # MoE: [L, E, H] and experts [E, F, H] / [E, H, F] per layer
+    w_gate_e: Optional[Matrices] = None
+    w_up_e: Optional[Matrices] = None
+    w_down_e: Optional[Matrices] = None
+
+
+@struct.dataclass
+class LlamaParams:
+    """A llama-family model. `head` is None when the LM head is tied to the embedding."""
+
+    embed: QuantWeight  # [V, H]
+    norm: Vectors  # [H]
+    layers: LlamaLayers
+    head: Optional[QuantWeight] = None  # [V, H]
+    head_bias: Optional[Vectors] = None  # [V]
+    rope_freqs: Optional[Vectors] = None  # [n_rot/2] per-pair frequency divisors (llama 3.1 scaling)
+
+
+def load_params(src: TensorSource, cfg: ModelConfig) -> LlamaParams:
     """Host params: every matrix as the file stores it (a tuple of per-layer QuantWeights, views of
     the mapped file), vectors (norms, biases) as f32 stacks [L, ...] for the layer scan."""
     H, nh, nkv, hd, L = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
@@ -70,8 +120,7 @@ def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
         layers["w_gate"] = matrices("blk.{}.ffn_gate.weight", (cfg.ffn, H))
         layers["w_up"] = matrices("blk.{}.ffn_up.weight", (cfg.ffn, H))
         layers["w_down"] = matrices("blk.{}.ffn_down.weight", (H, cfg.ffn))
-    params["layers"] = layers
-    return params
+    return LlamaParams(layers=LlamaLayers(**layers), **params)
 
 
 def _fused(parts: list[tuple[QuantWeight, ...]]) -> tuple[QuantWeight, ...] | None:
@@ -80,15 +129,15 @@ def _fused(parts: list[tuple[QuantWeight, ...]]) -> tuple[QuantWeight, ...] | No
     return None if any(w is None for w in out) else out
 
 
-def fuse_projections(params: dict[str, Any]) -> dict[str, Any]:
-    """Concatenate q/k/v into "wqkv" and gate/up into "w_gu" (their biases likewise), along the output axis.
+def fuse_projections(params: LlamaParams) -> LlamaParams:
+    """Concatenate q/k/v into `wqkv` and gate/up into `w_gu` (their biases likewise), along the output axis.
 
     Why: matrices that read the same input become one larger product per layer, which runs faster
     than two or three small ones (the input is read once, one kernel call). Only when every layer's
     parts share a format (a Q4_K_M file's Q6_K attn_v keeps q, k, v apart), and only for a single
     die: the tensor-parallel rules in pantheon.sharding split q, k and v by their own heads.
     """
-    lay = dict(params["layers"])
+    lay = common.present(params.layers)
     qkv = _fused([lay["wq"], lay["wk"], lay["wv"]]) if all(k in lay for k in ("wq", "wk", "wv")) else None
     if qkv is not None:
         lay["wqkv"] = qkv
@@ -99,16 +148,18 @@ def fuse_projections(params: dict[str, Any]) -> dict[str, Any]:
     if gu is not None:
         lay["w_gu"] = gu
         del lay["w_gate"], lay["w_up"]
-    return {**params, "layers": lay}
+    return params.replace(layers=LlamaLayers(**lay))
 
 
-def matmul(lp: dict[str, Any], name: str, h: jax.Array, li: jax.Array, bias: str | None = None,
+def matmul(lp: LlamaLayers, name: str, h: jax.Array, li: jax.Array, bias: str | None = None,
            skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """weights.linear with layer li's weight `name` (a tuple over layers: a switch reads it in place)."""
-    return weights.pick_linear(lp[name], li, h, lp.get(bias) if bias else None, skip)
+    """weights.linear with layer li's weight `name` (a tuple over layers: a switch reads it in place)
+    and, when the file has it, this layer's bias `bias`."""
+    return weights.pick_linear(getattr(lp, name), li, h, getattr(lp, bias) if bias else None, skip)
 
 
-def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> common.KVCache:
+    """K and V [L, S, K, C, D] for every layer."""
     return common.init_kv(cfg.n_layers, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim, dtype)
 
 
@@ -116,24 +167,26 @@ def state_bytes_per_token(cfg: ModelConfig) -> int:
     return cfg.kv_bytes_per_token
 
 
-def moe(h: jax.Array, lp: dict[str, Any], li: jax.Array, cfg: ModelConfig) -> jax.Array:
+def state_bytes_per_sequence(cfg: ModelConfig) -> int:
+    """Nothing: a KV cache only grows with the sequence's length."""
+    return 0
+
+
+def moe(h: jax.Array, lp: LlamaLayers, li: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Softmax router -> top-k -> renormalise -> weighted SwiGLU experts (the shared MoE kernels),
     with layer li's experts (per-layer tuples: one branch per layer reads its own in place)."""
     def run(h: jax.Array, wg: Any, wu: Any, wd: Any) -> jax.Array:
-        return moe_kernels.moe_ffn(h, lp["router"], wg, wu, wd, cfg.n_experts_used)
+        return moe_kernels.moe_ffn(h, lp.router, wg, wu, wd, cfg.n_experts_used)
 
-    wg, wu, wd = lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"]
+    wg, wu, wd = lp.w_gate_e, lp.w_up_e, lp.w_down_e
     if not isinstance(wg, tuple):
         return run(h, wg, wu, wd)
     return jax.lax.switch(li, [lambda v, i=i: run(v, wg[i], wu[i], wd[i]) for i in range(len(wg))], h)
 
 
-Group = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # tokens [B, T], slots [B], start [B], n_new [B]
-
-
-def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
+def forward(params: LlamaParams, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
+            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
     """One step over B rows of T tokens each.
 
     tokens [B, T] (row b holds n_new[b] real tokens, then padding), slots [B] cache slot of each row,
@@ -160,9 +213,9 @@ def _chunk_padding(groups: tuple[Group, ...], shapes: list[tuple[int, int]]) -> 
     return None
 
 
-def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: tuple[Group, ...], *,
+def forward_groups(params: LlamaParams, state: common.KVCache, groups: tuple[Group, ...], *,
                    cfg: ModelConfig, span: int, all_logits: bool = False,
-                   kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
     """One step over several groups of rows, each group with its own tokens-per-row.
 
     Why groups: a prefill chunk ([1, T]) and the decode rows of every other slot ([B, 1]) can share
@@ -178,12 +231,12 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
     sizes = [b * t for b, t in shapes]
     cuts = list(np.cumsum(sizes)[:-1])
     positions = [st[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :] for (_, _, st, _), (_, t) in zip(groups, shapes)]
-    ropes = [common.rope_angles(p, cfg.n_rot, cfg.rope_base, cfg.rope_scale, params.get("rope_freqs"))
+    ropes = [common.rope_angles(p, cfg.n_rot, cfg.rope_base, cfg.rope_scale, params.rope_freqs)
              for p in positions]
     if cfg.arch == "phi3" and cfg.rope_attn_factor != 1.0:  # LongRoPE: q and k's rotated dims scaled
         f = np.float32(cfg.rope_attn_factor)
         ropes = [(c * f, s * f) for c, s in ropes]
-    x = weights.embed(params["embed"], jnp.concatenate([g[0].reshape(-1) for g in groups]))  # [N, H] f32
+    x = weights.embed(params.embed, jnp.concatenate([g[0].reshape(-1) for g in groups]))  # [N, H] f32
     skip = _chunk_padding(groups, shapes)
 
     def per_group(a: jax.Array, heads: int) -> list[jax.Array]:
@@ -192,15 +245,15 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
     def layer(carry, inputs):
         x, kc, vc = carry
         lp, li = inputs
-        h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        if "wqkv" in lp:
+        h = common.rms_norm(x, lp.attn_norm, cfg.rms_eps)
+        if lp.wqkv is not None:
             q, k, v = jnp.split(matmul(lp, "wqkv", h, li, "bqkv", skip), [nh * hd, (nh + nkv) * hd], axis=-1)
         else:
             q, k, v = (matmul(lp, w, h, li, "b" + w[1], skip) for w in ("wq", "wk", "wv"))
         qs, ks, vs = per_group(q, nh), per_group(k, nkv), per_group(v, nkv)
-        if "q_norm" in lp:
-            qs = [common.rms_norm(a, lp["q_norm"], cfg.rms_eps) for a in qs]
-            ks = [common.rms_norm(a, lp["k_norm"], cfg.rms_eps) for a in ks]
+        if lp.q_norm is not None:
+            qs = [common.rms_norm(a, lp.q_norm, cfg.rms_eps) for a in qs]
+            ks = [common.rms_norm(a, lp.k_norm, cfg.rms_eps) for a in ks]
         qs = [common.apply_rope(a, c, s, cfg.n_rot, cfg.rope_type) for a, (c, s) in zip(qs, ropes)]
         ks = [common.apply_rope(a, c, s, cfg.n_rot, cfg.rope_type) for a, (c, s) in zip(ks, ropes)]
         for (_, slots, start, _), kg, vg in zip(groups, ks, vs):  # every write before any read of the layer
@@ -217,11 +270,11 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
             outs.append(o.reshape(-1, nh * hd))
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
         x = x + matmul(lp, "wo", o, li, "bo", skip)
-        h = common.rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+        h = common.rms_norm(x, lp.ffn_norm, cfg.rms_eps)
         if cfg.n_experts:
             x = x + moe(h, lp, li, cfg)
         else:
-            if "w_gu" in lp:
+            if lp.w_gu is not None:
                 g, u = jnp.split(matmul(lp, "w_gu", h, li, skip=skip), 2, axis=-1)
             else:
                 g, u = matmul(lp, "w_gate", h, li, skip=skip), matmul(lp, "w_up", h, li, skip=skip)
@@ -230,22 +283,24 @@ def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: 
 
     # Per-layer weight tuples stay out of the scan's inputs: the body switches over them by layer
     # (weights.pick_linear) instead of slicing a stack, which would copy every matrix each step.
-    listed = {k: a for k, a in params["layers"].items() if isinstance(a, tuple)}
-    per_layer = {k: a for k, a in params["layers"].items() if k not in listed}
+    # The scan slices the stacked vectors (the matrices' fields set to None there) and the body puts
+    # the matrix tuples back, whole.
+    listed = {k: a for k, a in common.present(params.layers).items() if isinstance(a, tuple)}
+    per_layer = params.layers.replace(**{k: None for k in listed})
 
     def scanned(carry, inputs):
         lp, li = inputs
-        return layer(carry, ({**lp, **listed}, li))
+        return layer(carry, (lp.replace(**listed), li))
 
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    carry, _ = jax.lax.scan(scanned, (x, state["k"], state["v"]), (per_layer, layer_ids))
+    carry, _ = jax.lax.scan(scanned, (x, state.k, state.v), (per_layer, layer_ids))
     x, kc, vc = carry
     xs = [p.reshape(b, t, H) for p, (b, t) in zip(jnp.split(x, cuts), shapes)]
     if all_logits:
         x = xs[0]
     else:
         x = jnp.concatenate([common.last_valid(xg, g[3]) for xg, g in zip(xs, groups)])
-    x = common.rms_norm(x, params["norm"], cfg.rms_eps)
-    head = params["embed"] if params["head"] is None else params["head"]
-    logits = weights.linear(x, head, params.get("head_bias")).astype(jnp.float32)
-    return logits, {"k": kc, "v": vc}
+    x = common.rms_norm(x, params.norm, cfg.rms_eps)
+    head = params.embed if params.head is None else params.head
+    logits = weights.linear(x, head, params.head_bias).astype(jnp.float32)
+    return logits, state.replace(k=kc, v=vc)

@@ -16,21 +16,32 @@ llama.cpp disables sliding-window attention for phi3, and so do we.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from ..errors import ModelLoadError
 from .. import weights
 from ..gguf_loader import ModelConfig, TensorSource
 from ..weights import XLA, Kernels, QuantWeight
-from . import llama
-
-fuse_projections = llama.fuse_projections  # the forward is llama.forward
+from . import common, llama
+from .interface import Capabilities, Group
 
 ARCHS = ("phi3",)
+CAPABILITIES = Capabilities(mixed_steps=True, fused_projections=True)
+
+
+@struct.dataclass
+class Phi3Params:
+    """llama's params (q/k/v and gate/up already split) plus LongRoPE's two divisor sets [n_rot/2],
+    both None for a file without LongRoPE."""
+
+    llama: llama.LlamaParams
+    rope_factors_long: Optional[Any] = None
+    rope_factors_short: Optional[Any] = None
 
 
 class _SplitFused:
@@ -83,15 +94,20 @@ class _SplitFused:
         return part
 
 
-def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
-    params = llama.load_params(_SplitFused(src, cfg), cfg)
+def load_params(src: TensorSource, cfg: ModelConfig) -> Phi3Params:
+    params = Phi3Params(llama=llama.load_params(_SplitFused(src, cfg), cfg))
     if src.has("rope_factors_long.weight"):
-        params["rope_factors_long"] = src.get("rope_factors_long.weight", (cfg.n_rot // 2,))
-        params["rope_factors_short"] = src.get("rope_factors_short.weight", (cfg.n_rot // 2,))
+        params = params.replace(rope_factors_long=src.get("rope_factors_long.weight", (cfg.n_rot // 2,)),
+                                rope_factors_short=src.get("rope_factors_short.weight", (cfg.n_rot // 2,)))
     return params
 
 
-def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+def fuse_projections(params: Phi3Params) -> Phi3Params:
+    """llama.fuse_projections on the llama part (the forward is llama.forward)."""
+    return params.replace(llama=llama.fuse_projections(params.llama))
+
+
+def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> common.KVCache:
     return llama.init_state(cfg, n_slots, capacity, dtype)
 
 
@@ -99,26 +115,30 @@ def state_bytes_per_token(cfg: ModelConfig) -> int:
     return llama.state_bytes_per_token(cfg)
 
 
-def _long_or_short(params: dict[str, Any], state: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, Any]:
-    """LongRoPE's divisors, chosen by the cache capacity (a static shape)."""
-    if "rope_factors_long" in params:
-        capacity = state["k"].shape[3]
-        use_long = cfg.rope_orig_context > 0 and capacity > cfg.rope_orig_context
-        params = {**params, "rope_freqs": params["rope_factors_long" if use_long else "rope_factors_short"]}
-    return params
+def state_bytes_per_sequence(cfg: ModelConfig) -> int:
+    return llama.state_bytes_per_sequence(cfg)
 
 
-def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
+def _long_or_short(params: Phi3Params, state: common.KVCache, cfg: ModelConfig) -> llama.LlamaParams:
+    """llama's params with LongRoPE's divisors, chosen by the cache capacity (a static shape)."""
+    if params.rope_factors_long is None:
+        return params.llama
+    capacity = state.k.shape[3]
+    use_long = cfg.rope_orig_context > 0 and capacity > cfg.rope_orig_context
+    return params.llama.replace(rope_freqs=params.rope_factors_long if use_long else params.rope_factors_short)
+
+
+def forward(params: Phi3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
+            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
     """llama.forward with LongRoPE's divisors."""
     return llama.forward(_long_or_short(params, state, cfg), state, tokens, slots, start, n_new, cfg=cfg,
                          span=span, all_logits=all_logits, kernels=kernels)
 
 
-def forward_groups(params: dict[str, Any], state: dict[str, jax.Array], groups: tuple[llama.Group, ...], *,
+def forward_groups(params: Phi3Params, state: common.KVCache, groups: tuple[Group, ...], *,
                    cfg: ModelConfig, span: int, all_logits: bool = False,
-                   kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
     """llama.forward_groups with LongRoPE's divisors."""
     return llama.forward_groups(_long_or_short(params, state, cfg), state, groups, cfg=cfg, span=span,
                                 all_logits=all_logits, kernels=kernels)

@@ -23,19 +23,24 @@ Why the code is shaped this way:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from ..errors import ModelLoadError
 from .. import weights
 from ..gguf_loader import ModelConfig, TensorSource
 from ..weights import XLA, Kernels, QuantWeight
 from . import common, moe_kernels
+from .interface import Capabilities
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+# No forward_groups: a mixed step would have to gather and scatter the recurrent state of two row
+# groups of different T; the engine runs prefill and decode as separate steps instead.
+CAPABILITIES = Capabilities(recurrent_state=True)
 DELTA_CHUNK = 64  # chunk length of the prefill delta rule (llama.cpp and HF use 64 too)
 HIGHEST = jax.lax.Precision.HIGHEST  # delta-rule matmuls must not drop to TF32/bf16 passes on GPU
 
@@ -115,6 +120,73 @@ def hybrid_dims(cfg: ModelConfig) -> HybridDims:
 
 
 # ---- parameters ------------------------------------------------------------------------------------
+# Vectors of a layer kind are stacked [G, per, ...] (G periods of `per` layers of that kind) for the
+# period scan; matrices are a tuple over that kind's layers in layer order (the scan body switches
+# over them, so no step copies a weight out of a stack).
+Matrices = tuple[QuantWeight, ...]
+Stacked = Any  # [G, per, ...] f32 (numpy on the host, jax on the device)
+
+
+@struct.dataclass
+class DeltaNetLayers:
+    """The Gated DeltaNet token mixers (qwen3next's packed ssm_in / ssm_ba already unpacked)."""
+
+    w_qkv: Matrices  # [conv_dim, H]: rows [all q | all k | all v]
+    w_z: Matrices  # [value_dim, H] output gate
+    w_beta: Matrices  # [n_v, H] write strength
+    w_alpha: Matrices  # [n_v, H] decay input
+    a: Stacked  # [.., n_v] decay rate (negative)
+    dt_bias: Stacked  # [.., n_v]
+    conv: Stacked  # [.., conv_dim, conv_k] depthwise causal conv taps
+    ssm_norm: Stacked  # [.., d_v]
+    w_out: Matrices  # [H, value_dim]
+
+
+@struct.dataclass
+class GatedAttentionLayers:
+    """The full-attention token mixers: q rows interleave [q | gate] per head (a sigmoid output gate)."""
+
+    wq: Matrices  # [2*nh*hd, H]
+    wk: Matrices  # [nkv*hd, H]
+    wv: Matrices  # [nkv*hd, H]
+    wo: Matrices  # [H, nh*hd]
+    q_norm: Stacked  # [.., hd]
+    k_norm: Stacked  # [.., hd]
+
+
+@struct.dataclass
+class BlockLayers:
+    """What every main layer has whatever its mixer: the two norms and the FFN, either a dense
+    SwiGLU (qwen35) or routed experts with an optional sigmoid-gated shared expert."""
+
+    attn_norm: Stacked  # [.., H]
+    post_norm: Stacked  # [.., H]
+    w_gate: Optional[Matrices] = None  # dense [F, H], [F, H], [H, F]
+    w_up: Optional[Matrices] = None
+    w_down: Optional[Matrices] = None
+    router: Optional[Stacked] = None  # [.., E, H]
+    w_gate_e: Optional[Matrices] = None  # [E, F, H]
+    w_up_e: Optional[Matrices] = None  # [E, F, H]
+    w_down_e: Optional[Matrices] = None  # [E, H, F]
+    sh_gate_inp: Optional[Stacked] = None  # [.., H]
+    sh_gate: Optional[Matrices] = None  # [Fs, H], [Fs, H], [H, Fs]
+    sh_up: Optional[Matrices] = None
+    sh_down: Optional[Matrices] = None
+
+
+@struct.dataclass
+class Qwen35Params:
+    """A hybrid model. `lin` / `attn` are None when the model has no layer of that kind; `head`
+    None means the LM head is tied to the embedding."""
+
+    embed: QuantWeight  # [V, H]
+    norm: Any  # [H]
+    layer: BlockLayers
+    lin: Optional[DeltaNetLayers] = None
+    attn: Optional[GatedAttentionLayers] = None
+    head: Optional[QuantWeight] = None
+
+
 def _split_ssm_in(w: QuantWeight, d: HybridDims) -> tuple[QuantWeight, QuantWeight]:
     """Legacy qwen3next `ssm_in` [(2 key + 2 value dims), H] packed per k-head group as
     [q, k, v (r heads), z (r heads)] -> (attn_qkv rows [all q | all k | all v], attn_gate rows).
@@ -198,21 +270,21 @@ def _ffn_layer(src: TensorSource, i: int, cfg: ModelConfig, d: HybridDims) -> di
     return out
 
 
-def _stack_groups(layers: list[dict[str, Any]], groups: int) -> dict[str, Any]:
-    """Per-layer dicts (in layer order) -> vectors stacked [groups, per_group, ...] for the period
-    scan, matrices as a tuple over the layers in order (the scan body switches over them)."""
+def _stack_groups(layers: list[dict[str, Any]], groups: int, cls: type) -> Any:
+    """Per-layer dicts (in layer order) -> a `cls` of vectors stacked [groups, per_group, ...] for the
+    period scan and matrices as a tuple over the layers in order; None when there are no layers."""
     if not layers:
-        return {}
+        return None
     out: dict[str, Any] = {}
     for k in layers[0]:
         if isinstance(layers[0][k], QuantWeight):
             out[k] = tuple(lp[k] for lp in layers)
         else:
             out[k] = np.stack([lp[k] for lp in layers]).reshape((groups, len(layers) // groups) + layers[0][k].shape)
-    return out
+    return cls(**out)
 
 
-def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
+def load_params(src: TensorSource, cfg: ModelConfig) -> Qwen35Params:
     """Host params: embedding/head and matrices as the file stores them (QuantWeight), vectors in
     per-type f32 stacks shaped [G, per, ...]."""
     try:
@@ -225,25 +297,45 @@ def load_params(src: TensorSource, cfg: ModelConfig) -> dict[str, Any]:
     lin = [_linear_layer(src, i, cfg, d) for i in range(d.n_main) if d.recurrent[i]]
     attn = [_attn_layer(src, i, cfg) for i in range(d.n_main) if not d.recurrent[i]]
     per_layer = [_ffn_layer(src, i, cfg, d) for i in range(d.n_main)]
-    return {
-        "embed": src.matrix("token_embd.weight", (cfg.vocab, H)),
-        "norm": src.get("output_norm.weight", (H,)),
-        "head": None if cfg.tied_output else src.matrix("output.weight", (cfg.vocab, H)),
-        "lin": _stack_groups(lin, d.groups),
-        "attn": _stack_groups(attn, d.groups),
-        "layer": _stack_groups(per_layer, d.groups),
-    }
+    return Qwen35Params(
+        embed=src.matrix("token_embd.weight", (cfg.vocab, H)),
+        norm=src.get("output_norm.weight", (H,)),
+        head=None if cfg.tied_output else src.matrix("output.weight", (cfg.vocab, H)),
+        lin=_stack_groups(lin, d.groups, DeltaNetLayers),
+        attn=_stack_groups(attn, d.groups, GatedAttentionLayers),
+        layer=_stack_groups(per_layer, d.groups, BlockLayers),
+    )
 
 
 # ---- state -----------------------------------------------------------------------------------------
-def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+@struct.dataclass
+class RecurrentState:
+    """The DeltaNet layers' per-slot state, f32: conv [L_lin, (S,) K-1, conv_dim] (the last K-1
+    pre-conv inputs) and ssm [L_lin, (S,) n_v, d_k, d_v] (the delta-rule matrix). Unlike KV rows it
+    cannot be rewound: it is only valid at the position it was last advanced to. With the slot
+    axis it is part of the cache; without it, one slot's copy (`snapshot_slot`)."""
+
+    conv: jax.Array
+    ssm: jax.Array
+
+
+@struct.dataclass
+class HybridCache:
+    """KV [L_attn, S, K, C, D] of the attention layers, and the DeltaNet layers' recurrent state."""
+
+    k: jax.Array
+    v: jax.Array
+    recurrent: RecurrentState
+
+
+def init_state(cfg: ModelConfig, n_slots: int, capacity: int, dtype=jnp.float32) -> HybridCache:
     """KV [L_attn, S, K, C, D] for attention layers; f32 conv [L_lin, S, K-1, conv_dim] and
     delta-rule state [L_lin, S, n_v, d_k, d_v] for DeltaNet layers."""
     d = hybrid_dims(cfg)
-    state = common.init_kv(d.n_attn, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim, dtype)
-    state["conv"] = jnp.zeros((d.n_lin, n_slots, d.conv_k - 1, d.conv_dim), jnp.float32)
-    state["ssm"] = jnp.zeros((d.n_lin, n_slots, d.n_v, d.d_k, d.d_v), jnp.float32)
-    return state
+    kv = common.init_kv(d.n_attn, n_slots, cfg.n_kv_heads, capacity, cfg.head_dim, dtype)
+    return HybridCache(k=kv.k, v=kv.v, recurrent=RecurrentState(
+        conv=jnp.zeros((d.n_lin, n_slots, d.conv_k - 1, d.conv_dim), jnp.float32),
+        ssm=jnp.zeros((d.n_lin, n_slots, d.n_v, d.d_k, d.d_v), jnp.float32)))
 
 
 def state_bytes_per_token(cfg: ModelConfig) -> int:
@@ -257,31 +349,31 @@ def state_bytes_per_sequence(cfg: ModelConfig) -> int:
     return d.n_lin * ((d.conv_k - 1) * d.conv_dim + d.n_v * d.d_k * d.d_v) * 4
 
 
-RECURRENT_KEYS = ("conv", "ssm")
-
-
 @jax.jit
-def snapshot_slot(state: dict[str, jax.Array], slot: jax.Array | int) -> dict[str, jax.Array]:
+def snapshot_slot(state: HybridCache, slot: jax.Array | int) -> RecurrentState:
     """Copies of one slot's conv and delta-rule state (what a KV prefix cache must store with the
     KV rows at a committed boundary: the recurrent state cannot be recomputed from KV)."""
-    return {k: jax.lax.dynamic_index_in_dim(state[k], slot, axis=1, keepdims=False) for k in RECURRENT_KEYS}
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=False), state.recurrent)
 
 
-def _set_slot(state: dict[str, jax.Array], slot: jax.Array | int,
-              values: dict[str, jax.Array] | None) -> dict[str, jax.Array]:
-    out = dict(state)
-    for k in RECURRENT_KEYS:
-        v = jnp.zeros_like(state[k][:, 0]) if values is None else values[k].astype(state[k].dtype)
-        out[k] = jax.lax.dynamic_update_index_in_dim(state[k], v, slot, axis=1)
-    return out
+def _set_slot(state: HybridCache, slot: jax.Array | int, values: RecurrentState | None) -> HybridCache:
+    def one(a: jax.Array, v: jax.Array | None) -> jax.Array:
+        v = jnp.zeros_like(a[:, 0]) if v is None else v.astype(a.dtype)
+        return jax.lax.dynamic_update_index_in_dim(a, v, slot, axis=1)
+
+    rec = state.recurrent
+    if values is None:
+        new = jax.tree.map(lambda a: one(a, None), rec)
+    else:
+        new = jax.tree.map(one, rec, values)
+    return state.replace(recurrent=new)
 
 
 _restore = jax.jit(_set_slot, donate_argnums=0)  # donated like every engine step: use the result
 _reset = jax.jit(lambda state, slot: _set_slot(state, slot, None), donate_argnums=0)
 
 
-def restore_slot(state: dict[str, jax.Array], slot: jax.Array | int,
-                 snap: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def restore_slot(state: HybridCache, slot: jax.Array | int, snap: RecurrentState) -> HybridCache:
     """The state with one slot's conv/recurrent state replaced by `snap` (from snapshot_slot).
 
     `state` is donated (as in every engine step): only the returned state may be used after.
@@ -289,7 +381,7 @@ def restore_slot(state: dict[str, jax.Array], slot: jax.Array | int,
     return _restore(state, jnp.asarray(slot, jnp.int32), snap)
 
 
-def reset_slot(state: dict[str, jax.Array], slot: jax.Array | int) -> dict[str, jax.Array]:
+def reset_slot(state: HybridCache, slot: jax.Array | int) -> HybridCache:
     """The state with one slot's conv/recurrent state zeroed. forward already does this for any
     row starting at position 0; this is for callers that recycle a slot outside a step. `state`
     is donated."""
@@ -367,23 +459,23 @@ def delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: 
     return O, S
 
 
-def _delta_mixer(h: jax.Array, mp: dict[str, Any], period: jax.Array, conv_state: jax.Array, S: jax.Array,
+def _delta_mixer(h: jax.Array, mp: DeltaNetLayers, period: jax.Array, conv_state: jax.Array, S: jax.Array,
                  valid: jax.Array, n_new: jax.Array, d: HybridDims,
                  eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated DeltaNet token mixer of h [B, T, H]; returns (output, new conv state, new S).
     mp's matrices are this layer position's weights over the periods, picked by `period`."""
     B, T, _ = h.shape
-    mix = weights.pick_linear(mp["w_qkv"], period, h).astype(jnp.float32)  # [B, T, conv_dim]
-    z = weights.pick_linear(mp["w_z"], period, h).astype(jnp.float32)
-    b = weights.pick_linear(mp["w_beta"], period, h).astype(jnp.float32)
-    a = weights.pick_linear(mp["w_alpha"], period, h).astype(jnp.float32)
+    mix = weights.pick_linear(mp.w_qkv, period, h).astype(jnp.float32)  # [B, T, conv_dim]
+    z = weights.pick_linear(mp.w_z, period, h).astype(jnp.float32)
+    b = weights.pick_linear(mp.w_beta, period, h).astype(jnp.float32)
+    a = weights.pick_linear(mp.w_alpha, period, h).astype(jnp.float32)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(b), 0.0)
-    g = jnp.where(valid[..., None], mp["a"] * jax.nn.softplus(a + mp["dt_bias"]), 0.0)
+    g = jnp.where(valid[..., None], mp.a * jax.nn.softplus(a + mp.dt_bias), 0.0)
 
     # Causal depthwise conv over [last K-1 inputs | this step's inputs]; newest tap is w[:, K-1].
     K = d.conv_k
     buf = jnp.concatenate([conv_state, mix], axis=1)  # [B, K-1+T, conv_dim]
-    w = mp["conv"].astype(jnp.float32)
+    w = mp.conv.astype(jnp.float32)
     c = sum(w[:, j] * buf[:, j: j + T] for j in range(K))
     new_conv = jax.vmap(lambda bb, n: jax.lax.dynamic_slice_in_dim(bb, n, K - 1, axis=0))(buf, n_new)
     c = jax.nn.silu(c)
@@ -404,30 +496,30 @@ def _delta_mixer(h: jax.Array, mp: dict[str, Any], period: jax.Array, conv_state
     delta = delta_recurrent if T == 1 else delta_chunked
     o, S = delta(qh, kh, vh, bh, gh, S)
     o = jnp.swapaxes(o, 1, 2)  # [B, T, n_v, d_v]
-    o = common.rms_norm(o, mp["ssm_norm"], eps) * jax.nn.silu(z.reshape(B, T, d.n_v, d.d_v))
-    y = weights.pick_linear(mp["w_out"], period, o.reshape(B, T, d.value_dim).astype(h.dtype))
+    o = common.rms_norm(o, mp.ssm_norm, eps) * jax.nn.silu(z.reshape(B, T, d.n_v, d.d_v))
+    y = weights.pick_linear(mp.w_out, period, o.reshape(B, T, d.value_dim).astype(h.dtype))
     return y, new_conv, S
 
 
 # ---- gated attention -------------------------------------------------------------------------------
-def _attn_mixer(h: jax.Array, mp: dict[str, Any], g: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array,
+def _attn_mixer(h: jax.Array, mp: GatedAttentionLayers, g: jax.Array, kc: jax.Array, vc: jax.Array, layer: jax.Array,
                 slots: jax.Array, start: jax.Array, positions: jax.Array, cos: jax.Array, sin: jax.Array,
                 span: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Full attention with per-head q/k RMSNorm, partial NEOX RoPE and a sigmoid output gate."""
     B, T, _ = h.shape
     nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qg = weights.pick_linear(mp["wq"], g, h).reshape(B, T, nh, 2 * hd)  # per head [q | gate]
+    qg = weights.pick_linear(mp.wq, g, h).reshape(B, T, nh, 2 * hd)  # per head [q | gate]
     q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
-    k = weights.pick_linear(mp["wk"], g, h).reshape(B, T, nkv, hd)
-    v = weights.pick_linear(mp["wv"], g, h).reshape(B, T, nkv, hd)
-    q = common.apply_rope(common.rms_norm(q, mp["q_norm"], cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
-    k = common.apply_rope(common.rms_norm(k, mp["k_norm"], cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
+    k = weights.pick_linear(mp.wk, g, h).reshape(B, T, nkv, hd)
+    v = weights.pick_linear(mp.wv, g, h).reshape(B, T, nkv, hd)
+    q = common.apply_rope(common.rms_norm(q, mp.q_norm, cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
+    k = common.apply_rope(common.rms_norm(k, mp.k_norm, cfg.rms_eps), cos, sin, cfg.n_rot, cfg.rope_type)
     kc = common.write_kv(kc, layer, k, slots, start)
     vc = common.write_kv(vc, layer, v, slots, start)
     o = common.attention(q, common.gather_span(kc, layer, slots, span), common.gather_span(vc, layer, slots, span),
                          positions, cfg.attn_scale)
     o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
-    return weights.pick_linear(mp["wo"], g, o), kc, vc
+    return weights.pick_linear(mp.wo, g, o), kc, vc
 
 
 # ---- FFN -------------------------------------------------------------------------------------------
@@ -436,32 +528,32 @@ def _swiglu(h: jax.Array, wg: Any, wu: Any, wd: Any, g: jax.Array) -> jax.Array:
     return weights.pick_linear(wd, g, jax.nn.silu(gate) * up)
 
 
-def _ffn(h: jax.Array, lp: dict[str, Any], g: jax.Array, cfg: ModelConfig) -> jax.Array:
+def _ffn(h: jax.Array, lp: BlockLayers, g: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Dense SwiGLU (qwen35) or routed experts + sigmoid-gated shared expert (section 5.6).
     The experts of this layer position over the periods are a tuple: one branch per period."""
-    if "router" not in lp:
-        return _swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], g)
+    if lp.router is None:
+        return _swiglu(h, lp.w_gate, lp.w_up, lp.w_down, g)
     scale = float(cfg.extra.get("expert_weights_scale", 0.0) or 0.0)
     scale = scale if scale not in (0.0, 1.0) else 1.0
 
     def routed(v: jax.Array, wg: Any, wu: Any, wd: Any) -> jax.Array:
-        return moe_kernels.moe_ffn(v, lp["router"], wg, wu, wd, cfg.n_experts_used, scale=scale)
+        return moe_kernels.moe_ffn(v, lp.router, wg, wu, wd, cfg.n_experts_used, scale=scale)
 
-    wg, wu, wd = lp["w_gate_e"], lp["w_up_e"], lp["w_down_e"]
+    wg, wu, wd = lp.w_gate_e, lp.w_up_e, lp.w_down_e
     if isinstance(wg, tuple):
         y = jax.lax.switch(g, [lambda v, i=i: routed(v, wg[i], wu[i], wd[i]) for i in range(len(wg))], h)
     else:
         y = routed(h, wg, wu, wd)
-    if "sh_gate" in lp:
-        s = jax.nn.sigmoid(jnp.einsum("...h,h->...", h.astype(jnp.float32), lp["sh_gate_inp"].astype(jnp.float32)))
-        y = y + (s[..., None] * _swiglu(h, lp["sh_gate"], lp["sh_up"], lp["sh_down"], g)).astype(y.dtype)
+    if lp.sh_gate is not None:
+        s = jax.nn.sigmoid(jnp.einsum("...h,h->...", h.astype(jnp.float32), lp.sh_gate_inp.astype(jnp.float32)))
+        y = y + (s[..., None] * _swiglu(h, lp.sh_gate, lp.sh_up, lp.sh_down, g)).astype(y.dtype)
     return y
 
 
 # ---- forward ---------------------------------------------------------------------------------------
-def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Array, slots: jax.Array,
+def forward(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
+            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, HybridCache]:
     """One step over B rows of T tokens each; the contract of llama.forward.
 
     Row b feeds n_new[b] real tokens (then padding) into slot slots[b] at positions start[b]...;
@@ -476,24 +568,27 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     valid = jnp.arange(T, dtype=jnp.int32)[None, :] < n_new[:, None]
     cos, sin = common.rope_angles(positions, cfg.n_rot, cfg.rope_base, cfg.rope_scale)
-    x = weights.embed(params["embed"], tokens)
+    x = weights.embed(params.embed, tokens)
 
     keep = (start != 0).astype(jnp.float32)  # start 0 = a new sequence: forget the slot's old state
-    conv0 = state["conv"][:, slots] * keep[None, :, None, None]
-    ssm0 = state["ssm"][:, slots] * keep[None, :, None, None, None]
+    rec = state.recurrent
+    conv0 = rec.conv[:, slots] * keep[None, :, None, None]
+    ssm0 = rec.ssm[:, slots] * keep[None, :, None, None, None]
     conv0 = conv0.reshape((G, d.n_lin // G) + conv0.shape[1:])
     ssm0 = ssm0.reshape((G, d.n_lin // G) + ssm0.shape[1:])
 
-    # Matrices (tuples over the layers of a kind, in layer order) stay outside the scan's inputs:
-    # position j of a period reads entries j, j + per, ... and the body switches over the period
-    # (weights.pick_linear), so no step copies a weight out of a stack.
-    def split(group: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        return ({k: a for k, a in group.items() if not isinstance(a, tuple)},
-                {k: a for k, a in group.items() if isinstance(a, tuple)})
+    # Matrices (tuples over the layers of a kind, in layer order) stay outside the scan's inputs
+    # (their fields set to None there): position j of a period reads entries j, j + per, ... and the
+    # body switches over the period (weights.pick_linear), so no step copies a weight out of a stack.
+    def split(group: Any) -> tuple[Any, dict[str, tuple]]:
+        if group is None:
+            return None, {}
+        ws = {k: a for k, a in common.present(group).items() if isinstance(a, tuple)}
+        return group.replace(**{k: None for k in ws}), ws
 
-    per_layer, layer_w = split(params["layer"])
-    lin_v, lin_w = split(params["lin"])
-    attn_v, attn_w = split(params["attn"])
+    per_layer, layer_w = split(params.layer)
+    lin_v, lin_w = split(params.lin)
+    attn_v, attn_w = split(params.attn)
     n_lin_per, n_attn_per = sum(pattern), attn_per
 
     def position(ws: dict[str, tuple], j: int, per: int) -> dict[str, tuple]:
@@ -504,36 +599,33 @@ def forward(params: dict[str, Any], state: dict[str, jax.Array], tokens: jax.Arr
         lyr, lin, attn, conv_g, ssm_g, g = xs
         convs, ssms = [], []
         for p in range(P):
-            lp = {k: a[p] for k, a in lyr.items()}
-            lp.update(position(layer_w, p, P))
-            h = common.rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+            lp = jax.tree.map(lambda a: a[p], lyr).replace(**position(layer_w, p, P))
+            h = common.rms_norm(x, lp.attn_norm, cfg.rms_eps)
             if pattern[p]:
                 j = len(convs)
-                mp = {**{k: a[j] for k, a in lin.items()}, **position(lin_w, j, n_lin_per)}
+                mp = jax.tree.map(lambda a: a[j], lin).replace(**position(lin_w, j, n_lin_per))
                 y, c, s = _delta_mixer(h, mp, g, conv_g[j], ssm_g[j], valid, n_new, d, cfg.rms_eps)
                 convs.append(c)
                 ssms.append(s)
             else:
                 j = p - len(convs)
-                mp = {**{k: a[j] for k, a in attn.items()}, **position(attn_w, j, n_attn_per)}
+                mp = jax.tree.map(lambda a: a[j], attn).replace(**position(attn_w, j, n_attn_per))
                 y, kc, vc = _attn_mixer(h, mp, g, kc, vc, g * attn_per + j, slots, start, positions, cos, sin,
                                         span, cfg)
             x = x + y
-            x = x + _ffn(common.rms_norm(x, lp["post_norm"], cfg.rms_eps), lp, g, cfg)
+            x = x + _ffn(common.rms_norm(x, lp.post_norm, cfg.rms_eps), lp, g, cfg)
         if not convs:  # a period without DeltaNet layers passes its (empty) state through
             return (x, kc, vc), (conv_g, ssm_g)
         return (x, kc, vc), (jnp.stack(convs), jnp.stack(ssms))
 
     xs = (per_layer, lin_v, attn_v, conv0, ssm0, jnp.arange(G, dtype=jnp.int32))
-    (x, kc, vc), (conv1, ssm1) = jax.lax.scan(period, (x, state["k"], state["v"]), xs)
-    new_state = {
-        "k": kc, "v": vc,
-        "conv": state["conv"].at[:, slots].set(conv1.reshape((d.n_lin,) + conv1.shape[2:])),
-        "ssm": state["ssm"].at[:, slots].set(ssm1.reshape((d.n_lin,) + ssm1.shape[2:])),
-    }
+    (x, kc, vc), (conv1, ssm1) = jax.lax.scan(period, (x, state.k, state.v), xs)
+    new_state = state.replace(k=kc, v=vc, recurrent=RecurrentState(
+        conv=rec.conv.at[:, slots].set(conv1.reshape((d.n_lin,) + conv1.shape[2:])),
+        ssm=rec.ssm.at[:, slots].set(ssm1.reshape((d.n_lin,) + ssm1.shape[2:]))))
     if not all_logits:
         x = common.last_valid(x, n_new)
-    x = common.rms_norm(x, params["norm"], cfg.rms_eps)
-    head = params["embed"] if params["head"] is None else params["head"]
+    x = common.rms_norm(x, params.norm, cfg.rms_eps)
+    head = params.embed if params.head is None else params.head
     return weights.linear(x, head).astype(jnp.float32), new_state
 

@@ -1,14 +1,16 @@
-"""GGUF architecture string -> the module that implements it.
+"""GGUF architecture string -> the module that implements it, and what that module can do.
 
-Each module provides load_params(src, cfg, dtype), init_state(cfg, n_slots, capacity, dtype),
-state_bytes_per_token(cfg) and forward(params, state, tokens, slots, start, n_new, *, cfg, span,
-all_logits) -> (logits, state).
+Every module satisfies `interface.ArchModule` and declares its optional capabilities in
+`CAPABILITIES`; callers read them with `capabilities_of` instead of probing for functions.
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
+
+from .interface import Capabilities
 
 _MODULES = {
     "llama": "llama",
@@ -23,6 +25,8 @@ _MODULES = {
     "qwen3next": "qwen35",
 }
 
+NO_CAPABILITIES = Capabilities()
+
 
 def module_for(arch: str) -> ModuleType | None:
     """The implementing module, or None when the arch is known but its file does not exist yet."""
@@ -35,3 +39,23 @@ def module_for(arch: str) -> ModuleType | None:
         if exc.name == f"pantheon.jax_models.{mod}":
             return None
         raise
+
+
+def capabilities_of(arch: Any) -> Capabilities:
+    """The optional capabilities `arch` (a module from `module_for`) declares.
+
+    None (no module) and stand-ins without a declaration (test doubles) have none: every optional
+    path then stays off, which is always a correct, if slower, way to run.
+    """
+    caps = getattr(arch, "CAPABILITIES", None)
+    return caps if isinstance(caps, Capabilities) else NO_CAPABILITIES
+
+
+def registered_modules() -> list[ModuleType]:
+    """Every distinct module the table names (those whose file exists), in table order."""
+    out: list[ModuleType] = []
+    for arch in _MODULES:
+        mod = module_for(arch)
+        if mod is not None and mod not in out:
+            out.append(mod)
+    return out

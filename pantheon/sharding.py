@@ -128,6 +128,9 @@ class ShardPlan:
         self.n = len(self.devices)
         self.mesh = make_mesh(self.devices)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        # Multi-process (pantheon.distributed): some dies belong to other processes. Every array is then
+        # a global one this process holds only its shards of; see put_params, wrap_forward, on_first_die.
+        self.multiprocess = any(d.process_index != jax.process_index() for d in self.devices)
 
     def _named(self, spec: PartitionSpec) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -149,7 +152,8 @@ class ShardPlan:
     def put_params(self, host_params: Any) -> Any:
         """device_put every host leaf straight into its shards (no full copy lands on one die first)."""
         shardings = self.param_shardings(host_params)
-        return jax.tree.map(lambda x, s: None if x is None else put_leaf(x, s), host_params, shardings)
+        put = _put_global if self.multiprocess else put_leaf
+        return jax.tree.map(lambda x, s: None if x is None else put(x, s), host_params, shardings)
 
     def state_initializer(self, init: Callable[[], Any]) -> Callable[[], Any]:
         """A function building the state directly in its shards (`init` under jit with the state's
@@ -167,6 +171,9 @@ class ShardPlan:
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
             last, every, state = fn(*args, **kwargs)
+            if self.multiprocess:  # every process samples (and the leader reads) its own full copy
+                last = jax.lax.with_sharding_constraint(last, self.replicated)
+                every = None if every is None else jax.lax.with_sharding_constraint(every, self.replicated)
             return last, every, self.constrain_state(state)
 
         return wrapped
@@ -179,6 +186,15 @@ class ShardPlan:
         partition. Sampling on one die costs one small copy and sidesteps that entirely.
         """
         first = self.devices[0]
+        if self.multiprocess:
+            # Another process's die cannot be written from here. The logits are replicated
+            # (wrap_forward), so each process samples its own local copy with the same inputs and
+            # gets the same ids; the leader reads its own.
+            @functools.wraps(fn)
+            def local(x: Any, *rest: Any, **kwargs: Any) -> Any:
+                return fn(x.addressable_data(0), *rest, **kwargs)
+
+            return local
 
         @functools.wraps(fn)
         def wrapped(x: Any, *rest: Any, **kwargs: Any) -> Any:
@@ -195,6 +211,13 @@ class ShardPlan:
                     else param_spec(name, tuple(np.shape(x)), self.cfg, self.n))
             out[jax.tree_util.keystr(path)] = str(spec)
         return out
+
+
+def _put_global(host: Any, sharding: NamedSharding) -> Any:
+    """A global array over a multi-process mesh from a host leaf every process can read (the mmapped
+    file): each process slices out only the shards of its own dies, so no process reads the rest."""
+    a = np.asarray(host) if not hasattr(host, "__getitem__") or not hasattr(host, "shape") else host
+    return jax.make_array_from_callback(tuple(a.shape), sharding, lambda idx: np.ascontiguousarray(a[idx]))
 
 
 def shard_bytes(params: Any, cfg: Any, n: int) -> int:

@@ -92,6 +92,12 @@ class Settings:
     # Test-only (PANTHEON_TEST_PRESSURE=0..3): the memory watch reports the host at this pressure level
     # (OK, ELEVATED, HIGH, CRITICAL) instead of measuring it, so tests can force admission denials.
     test_pressure: int | None = None
+    # One model over several hosts (pantheon.distributed): process 0 of num_processes serves HTTP, the
+    # others mirror its steps. coordinator is HOST:PORT of process 0's jax.distributed service.
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    cluster_timeout_s: float = 120.0  # start-up wait for every process to join (and their loads' acks)
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -136,6 +142,10 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         native_matmul=_flag(env, "PANTHEON_NATIVE_MATMUL", True),
         kv_dtype=_kv_dtype(env),
         test_pressure=_test_pressure(env),
+        coordinator=(env.get("PANTHEON_COORDINATOR") or "").strip() or None,
+        num_processes=max(1, _int(env, "PANTHEON_NUM_PROCESSES", 1)),
+        process_id=_int(env, "PANTHEON_PROCESS_ID", 0),
+        cluster_timeout_s=max(1.0, _float(env, "PANTHEON_CLUSTER_TIMEOUT_S", 120.0)),
     )
 
 

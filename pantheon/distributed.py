@@ -271,9 +271,12 @@ class Leader:
                 raise ClusterFailed(f"only {len(self.followers)} of {want} follower(s) connected to the control "
                                     f"channel within {self.spec.timeout_s:.0f} s")
             try:
-                conn, _addr = lis.accept()
+                # _accept + the original class: socket.accept would wrap the fd in the module-level
+                # (gevent-patched) class, whose blocking calls are not for real OS threads.
+                fd, _addr = lis._accept()
             except sk.timeout:
                 continue
+            conn = sk.socket(lis.family, lis.type, lis.proto, fileno=fd)
             conn.settimeout(self.spec.timeout_s)
             conn.setsockopt(sk.IPPROTO_TCP, sk.TCP_NODELAY, 1)
             hello = recv_frame(conn)

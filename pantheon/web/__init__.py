@@ -92,6 +92,10 @@ def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
     then flip `/` to ok."""
     settings = state.settings
     try:
+        from .. import distributed
+        cluster = distributed.spec_from_settings(settings)
+        if cluster is not None:  # process 0 of a multi-host cluster: join before anything touches JAX
+            distributed.start_leader(cluster)
         if settings.compile_cache:
             from .. import compile_guard
             compile_guard.enable_persistent_cache(settings.home)
@@ -99,7 +103,8 @@ def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
         for text in settings.models:
             spec = parse_spec(text)
             log.info("loading %s", text)
-            state.registry.load(spec.source, spec.name, spec.dies)
+            # In a cluster a model without a die list spans every process's dies.
+            state.registry.load(spec.source, spec.name, spec.dies or distributed.all_dies())
         state.status = "ok"
         log.info("ready: %d model instance(s) loaded", state.registry.ready_count())
     except BaseException as exc:  # noqa: BLE001 - any failure ends startup with a message

@@ -14,6 +14,7 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
+from .. import distributed
 from .body import parse_json, read_body
 from . import bridge
 from .chat import ClientGone, Generation, SSEStream, cache_scope, parse_chat_request
@@ -46,11 +47,12 @@ def read_json() -> Any:
 @bp.get("/")
 def health() -> Response:
     st = server()
-    if st.status == "ok":
+    broken = distributed.failure()  # multi-host: a follower is gone, its models cannot step
+    if st.status == "ok" and broken is None:
         return jsonify(service="pantheon", status="ok")
-    body = {"service": "pantheon", "status": st.status}
-    if st.error:
-        body["error"] = st.error
+    body = {"service": "pantheon", "status": "failed" if broken else st.status}
+    if st.error or broken:
+        body["error"] = broken or st.error
     resp = jsonify(body)
     resp.status_code = 503
     return resp
@@ -79,6 +81,7 @@ def chat_completions() -> Response:
     creq.size = len(raw)
     creq.cache_scope = cache_scope(presented_key(), creq)
     registry = server().registry
+    distributed.check_healthy()  # 503 while a multi-host model has lost a process
     entry = registry.acquire(creq.model, creq.session_id)
     try:
         gen = Generation(registry, entry, creq, request.environ, metrics=server().metrics, t0=t0,

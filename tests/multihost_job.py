@@ -1,0 +1,60 @@
+"""One process of a two-process engine job for tests/test_multihost.py (not a test itself).
+
+`python tests/multihost_job.py PORT PROCESS_ID OUT.npz`: process 0 loads the tiny llama fixture over
+the 4 dies of both processes through pantheon.distributed, computes teacher-forced logits, a greedy
+continuation and one two-row batched step, and writes them to OUT.npz; process 1 mirrors it until
+process 0 stops the cluster. Each process sees 2 CPU devices (XLA_FLAGS set by the caller).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import TINY  # noqa: E402
+
+from pantheon import distributed, engine  # noqa: E402
+from pantheon.sampler import SamplingParams  # noqa: E402
+
+OPTS = engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, kv_dtype="float32")
+
+
+def main() -> int:
+    port, pid, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    spec = distributed.ClusterSpec(f"127.0.0.1:{port}", 2, pid, 90.0)
+    if pid != 0:
+        return distributed.run_follower(spec)
+    leader = distributed.start_leader(spec)
+    fixture = json.loads((TINY / "llama.json").read_text())
+    model = leader.load(TINY / "llama.gguf", OPTS, [0, 1, 2, 3])
+    prompt = fixture["prompt_ids"]
+    logits = model.logits(prompt)
+    t0 = time.perf_counter()
+    greedy = list(model.generate(prompt, SamplingParams(temperature=0.0), max_tokens=len(fixture["greedy_ids"]),
+                                 stop_ids=[]))
+    gen_s = time.perf_counter() - t0
+    # Two rows in one step: a prompt chunk in slot 0 and another in slot 1, then a decode row each.
+    state = model.new_state()
+    h, state = model.step_begin(state, [prompt[:5], prompt[5:12]], [0, 1], [0, 0], want_logits=True)
+    first = model.step_wait(h)
+    h, state = model.step_begin(state, [[int(first[0])], [int(first[1])]], [0, 1], [5, 7], want_logits=True)
+    second = model.step_wait(h)
+    batch_logits = np.asarray(h.logits)[:2]
+    np.savez(out, logits=logits, greedy=np.asarray(greedy), first=first, second=second,
+             batch_logits=batch_logits, gen_s=gen_s, devices=len(model.devices))
+    leader.stop()
+    sys.stdout.flush()
+    os._exit(0)  # as a follower would: no exit-time barrier with a process that has already gone
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""One model over several hosts (pantheon.distributed): two processes on this machine, 2 CPU devices each,
+serve one tiny model tensor-parallel over all 4 devices.
+
+Specification:
+* the cluster computes what one process computes: teacher-forced logits, a greedy continuation and a
+  batched step equal the single-process engine (and the HF float64 oracle within the parity tolerance);
+* `pantheon serve --coordinator --num-processes --process-id`: process 0 serves HTTP, its chat answers
+  equal the single-process engine's greedy output; stopping it ends the follower with status 0;
+* a killed follower turns the leader's `GET /` into 503 naming the model within seconds, chat requests
+  get 503, and the leader still stops promptly: nothing hangs.
+
+Every process started here runs in its own session, dies with the test process, and is killed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from conftest import TINY, centered, tiny_fixture
+from server_util import LLAMA, ROOT, Server, die_with_parent, free_port
+
+TOL = 1e-3  # the oracle parity tolerance (tests/test_oracle_parity.py)
+JOB = Path(__file__).resolve().parent / "multihost_job.py"
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+# The servers: small caches, no warm-up (programs compile on first use, in both processes), 2 slots.
+SERVER_ENV = {**TWO_DEVICES, "PANTHEON_WARMUP": "0", "QWEN35_BATCH_SLOTS": "2", "PANTHEON_KV_DTYPE": "float32",
+              "PANTHEON_CLUSTER_TIMEOUT_S": "120"}
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("PANTHEON_", "QWEN35_", "XLA_"))}
+    full.update(env)
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=die_with_parent)
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def _wait_exit(proc: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+# ---- the engine over two processes ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def single():
+    """The same fixture model in this one process (one die): the reference."""
+    from pantheon import engine
+    from multihost_job import OPTS
+    return engine.load(TINY / "llama.gguf", OPTS)
+
+
+@pytest.fixture(scope="module")
+def cluster_result(tmp_path_factory):
+    """Run tests/multihost_job.py as processes 0 and 1 and return what process 0 computed."""
+    tmp = tmp_path_factory.mktemp("multihost")
+    out, port = tmp / "out.npz", free_port()
+    procs = [_spawn([sys.executable, str(JOB), str(port), str(pid), str(out)], TWO_DEVICES, tmp / f"p{pid}.log")
+             for pid in (0, 1)]
+    try:
+        codes = [_wait_exit(p, 240) for p in procs]
+        assert codes == [0, 0], f"exit codes {codes}\n--- p0\n{_tail(tmp / 'p0.log')}\n--- p1\n{_tail(tmp / 'p1.log')}"
+        return dict(np.load(out))
+    finally:
+        for p in procs:
+            _kill(p)
+
+
+def test_the_cluster_spans_the_four_devices_of_both_processes(cluster_result):
+    assert int(cluster_result["devices"]) == 4
+
+
+def test_teacher_forced_logits_equal_the_single_process_and_the_oracle(cluster_result, single):
+    _, fixture, oracle = tiny_fixture("llama")
+    got = cluster_result["logits"]
+    ref = single.logits(fixture["prompt_ids"])
+    assert got.shape == ref.shape == oracle.shape
+    assert np.abs(got - ref).max() < 1e-4  # same function, only the summation order of the all-reduce differs
+    assert np.abs(centered(got) - centered(oracle)).max() < TOL
+
+
+def test_greedy_continuation_equals_the_single_process_and_the_oracle(cluster_result, single):
+    from pantheon.sampler import SamplingParams
+    _, fixture, _ = tiny_fixture("llama")
+    ref = list(single.generate(fixture["prompt_ids"], SamplingParams(temperature=0.0),
+                               max_tokens=len(fixture["greedy_ids"]), stop_ids=[]))
+    assert cluster_result["greedy"].tolist() == ref == fixture["greedy_ids"]
+
+
+def test_a_batched_step_equals_the_single_process(cluster_result, single):
+    prompt = tiny_fixture("llama")[1]["prompt_ids"]
+    state = single.new_state()
+    h, state = single.step_begin(state, [prompt[:5], prompt[5:12]], [0, 1], [0, 0])
+    first = single.step_wait(h)
+    h, state = single.step_begin(state, [[int(first[0])], [int(first[1])]], [0, 1], [5, 7], want_logits=True)
+    assert cluster_result["first"].tolist() == first.tolist()
+    assert cluster_result["second"].tolist() == single.step_wait(h).tolist()
+    assert np.abs(cluster_result["batch_logits"] - np.asarray(h.logits)[:2]).max() < 1e-4
+
+
+# ---- `pantheon serve` over two processes ----------------------------------------------------------------
+class Cluster:
+    """A leader (`gunicorn`, as `pantheon serve` execs it) and a follower (`pantheon serve --process-id 1`)."""
+
+    def __init__(self) -> None:
+        port = free_port()
+        cluster = {"PANTHEON_COORDINATOR": f"127.0.0.1:{port}", "PANTHEON_NUM_PROCESSES": "2"}
+        self.leader = Server([LLAMA], env={**SERVER_ENV, **cluster, "PANTHEON_PROCESS_ID": "0"})
+        self.follower_log = Path(tempfile.mkstemp(prefix="pantheon-follower-", suffix=".log")[1])
+        self.follower_cmd = [sys.executable, "-m", "pantheon.cli", "serve", "--model", LLAMA,
+                             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1"]
+        self.follower: subprocess.Popen | None = None
+
+    def start(self) -> "Cluster":
+        self.leader.start()
+        self.follower = _spawn(self.follower_cmd, SERVER_ENV, self.follower_log)
+        try:
+            self.leader.wait_ready(240)
+        except BaseException as exc:
+            self.stop()
+            raise AssertionError(f"{exc}\n--- follower\n{_tail(self.follower_log)}") from None
+        return self
+
+    def chat(self, text: str, max_tokens: int = 8) -> requests.Response:
+        return self.leader.post("/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
+                                                         "temperature": 0, "max_tokens": max_tokens}, timeout=120)
+
+    def stop(self) -> None:
+        self.leader.stop()
+        _kill(self.follower)
+        try:
+            self.follower_log.unlink()
+        except OSError:
+            pass
+
+
+def _poll(fn, timeout: float, every: float = 0.1):
+    """fn() until it returns a truthy value or `timeout` passes; returns the last value."""
+    deadline = time.monotonic() + timeout
+    value = fn()
+    while not value and time.monotonic() < deadline:
+        time.sleep(every)
+        value = fn()
+    return value
+
+
+def _single_process_reply(single, text: str, max_tokens: int) -> str:
+    from pantheon.sampler import SamplingParams
+    prompt = single.template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    ids = single.tokenizer.encode(prompt)
+    out = list(single.generate(ids, SamplingParams(temperature=0.0), max_tokens=max_tokens))
+    out = [t for t in out if t not in single.tokenizer.eot_ids]
+    return single.tokenizer.decode(out)
+
+
+def test_the_leader_serves_the_single_process_greedy_reply_and_its_stop_ends_the_follower(single):
+    cl = Cluster().start()
+    try:
+        assert cl.leader.get("/").json() == {"service": "pantheon", "status": "ok"}
+        for text in ("hello there", "tell me about the sea"):
+            r = cl.chat(text)
+            assert r.status_code == 200, r.text[:500]
+            assert r.json()["choices"][0]["message"]["content"] == _single_process_reply(single, text, 8)
+        assert cl.follower.poll() is None  # the follower serves no HTTP: it only mirrors the steps
+        cl.leader.stop()
+        assert _wait_exit(cl.follower, 20) == 0, _tail(cl.follower_log)
+    finally:
+        cl.stop()
+
+
+def test_a_killed_follower_turns_the_leader_503_within_seconds_and_nothing_hangs():
+    cl = Cluster().start()
+    try:
+        assert cl.chat("warm the steps up", 4).status_code == 200
+        os.killpg(cl.follower.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        health = _poll(lambda: (lambda r: r if r.status_code == 503 else None)(cl.leader.get("/", timeout=5)), 15)
+        assert health is not None and health.status_code == 503, "GET / still 200 after the follower died"
+        assert time.monotonic() - t0 < 10
+        body = health.json()
+        assert body["status"] == "failed"
+        assert "follower process 1" in body["error"] and "'llama'" in body["error"], body
+        r = cl.chat("are you there?")
+        assert r.status_code == 503, r.text[:300]
+        assert r.json()["error"]["code"] == "cluster_failed"
+        assert cl.leader.proc.poll() is None  # the leader answers; it did not crash
+        t1 = time.monotonic()
+        cl.leader.stop()
+        assert cl.leader.proc.poll() is not None and time.monotonic() - t1 < 20
+    finally:
+        cl.stop()

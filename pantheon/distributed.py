@@ -67,6 +67,11 @@ VERBS: tuple[str, ...] = ("new_state", "warmup", "step_begin", "forward_step_beg
 
 BEAT_S = 0.5  # a follower's heartbeat period on the control channel
 DEAD_AFTER_S = 5.0  # a follower silent this long is declared dead
+# Calls that block until a step's device arrays are ready (reading the sampled ids). On the leader they
+# first wait for those arrays while watching the cluster: a step whose collective lost its peer may
+# never finish, and the driver thread must come back with ClusterFailed instead of hanging with it.
+WAITS: tuple[str, ...] = ("step_wait",)
+VERDICT_WAIT_S = 2.0  # how long a failed step waits for the reader threads to name a lost process
 KV_KEY = "pantheon/control"  # where the leader publishes its control address in jax's key-value store
 _LEN = struct.Struct("!Q")
 MAX_FRAME = 1 << 30
@@ -211,6 +216,18 @@ def _holds_device_arrays(x: Any) -> bool:
 def _first_array(x: Any) -> Any:
     import jax
     return next(leaf for leaf in jax.tree.leaves(x) if isinstance(leaf, jax.Array))
+
+
+def _arrays_in(x: Any) -> list[Any]:
+    """Every jax.Array in `x`: pytree leaves, and the fields of plain dataclasses such as a StepHandle."""
+    import jax
+    out = []
+    for leaf in jax.tree.leaves(x):
+        if isinstance(leaf, jax.Array):
+            out.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out.extend(_arrays_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
+    return out
 
 
 def states_in(result: Any) -> list[Any]:
@@ -428,11 +445,55 @@ class LeaderModel:
         if name in VERBS:
             if not callable(getattr(self._model, name, None)):
                 raise AttributeError(name)
-            return lambda *args, **kwargs: self._call(name, args, kwargs)
+            return self._translated(lambda *args, **kwargs: self._call(name, args, kwargs))
         raw = inspect.getattr_static(type(self._model), name, None)
         if isinstance(raw, types.FunctionType):  # a method built on the verbs: run it with self = proxy
             return raw.__get__(self)
-        return getattr(self._model, name)
+        value = getattr(self._model, name)
+        if name in WAITS and callable(value):
+            return self._translated(self._watched(value))
+        return self._translated(value) if callable(value) else value
+
+    def _watched(self, fn: Any) -> Any:
+        """`fn` called only once the device arrays in its arguments are ready, or ClusterFailed as soon
+        as the cluster fails while waiting (the arrays may then never become ready)."""
+        leader = self._leader
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            arrays = _arrays_in((args, kwargs))
+            pause = 0.0001
+            while not all(a.is_ready() for a in arrays):
+                with leader._cond:  # fail() notifies: a failure ends the wait at once
+                    if leader.failure is None:
+                        leader._cond.wait(pause)
+                leader.check()
+                pause = min(pause * 2, 0.002)  # a short step is read at once, a long one costs <= 2 ms
+            return fn(*args, **kwargs)
+
+        return call
+
+    def _translated(self, fn: Any) -> Any:
+        """`fn` whose device errors become ClusterFailed (503) when they come from a lost process.
+
+        A step in flight when a follower dies fails inside gloo ("Connection reset by peer"), often
+        before the reader thread has seen the EOF: wait briefly for its verdict before deciding."""
+        leader = self._leader
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except ClusterFailed:
+                raise
+            except Exception as exc:
+                import jax
+                if isinstance(exc, jax.errors.JaxRuntimeError):
+                    with leader._cond:
+                        leader._cond.wait_for(lambda: leader.failure is not None, VERDICT_WAIT_S)
+                    if leader.failure is not None:
+                        raise ClusterFailed(leader.failure) from exc
+                raise
+
+        return call
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._OWN:

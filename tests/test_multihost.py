@@ -200,12 +200,25 @@ def test_a_killed_follower_turns_the_leader_503_within_seconds_and_nothing_hangs
     cl = Cluster().start()
     try:
         assert cl.chat("warm the steps up", 4).status_code == 200
+        # A stream in flight when the follower dies ends at once with a cluster_failed error event.
+        stream = requests.post(cl.leader.url + "/v1/chat/completions", stream=True, timeout=60, json={
+            "messages": [{"role": "user", "content": "tell me a long story about the sea"}], "temperature": 0,
+            "max_tokens": 120, "stream": True})
+        assert stream.status_code == 200
+        events = stream.iter_lines(decode_unicode=True)
+        assert next(line for line in events if line.startswith("data: "))  # generation is under way
         os.killpg(cl.follower.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        health = _poll(lambda: (lambda r: r if r.status_code == 503 else None)(cl.leader.get("/", timeout=5)), 15)
-        assert health is not None and health.status_code == 503, "GET / still 200 after the follower died"
+        rest = [line for line in events if line.startswith("data: ")]
+        assert time.monotonic() - t0 < 10 and rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "cluster_failed", rest[-2:]
+        t0 = time.monotonic()
+        # (a Response is falsy for a 503, so the poll returns its status and body)
+        health = _poll(lambda: (lambda r: (r.status_code, r.json()) if r.status_code == 503 else None)(
+            cl.leader.get("/", timeout=5)), 15)
+        assert health is not None, "GET / still 200 fifteen seconds after the follower died"
         assert time.monotonic() - t0 < 10
-        body = health.json()
+        body = health[1]
         assert body["status"] == "failed"
         assert "follower process 1" in body["error"] and "'llama'" in body["error"], body
         r = cl.chat("are you there?")

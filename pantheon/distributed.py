@@ -366,6 +366,9 @@ class Leader:
         with self._dispatch:
             self.check()
             model = load_on(path, opts, list(dies) or list(all_dies()))
+            import jax
+            if all(d.process_index == jax.process_index() for d in model.devices):
+                return model  # only this process's dies: an ordinary local model, nothing to mirror
             # The followers must build exactly this model: pin what the leader resolved from its env.
             fopts = dataclasses.replace(opts, kv_dtype=model.kv_dtype.name)
             with self._cond:

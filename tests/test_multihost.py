@@ -69,6 +69,120 @@ def _tail(path: Path, n: int = 40) -> str:
         return "(no log)"
 
 
+# ---- the verb broadcast, in one process -----------------------------------------------------------------
+class SeamModel:
+    """A stand-in with the *future* seam's verbs (insert / step / release), to show the broadcast does not
+    depend on today's step_begin signature: a verb is a name in distributed.VERBS, nothing more."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+        self.calls: list[tuple] = []
+        self.released = False
+
+    def new_state(self):
+        import jax.numpy as jnp
+        self.calls.append(("new_state",))
+        return {"kv": jnp.zeros((4,))}
+
+    def insert(self, state, slot: int, tokens: list[int]):
+        self.calls.append(("insert", slot, tuple(tokens)))
+        return {"kv": state["kv"].at[slot].add(self.scale * sum(tokens))}
+
+    def step(self, state):
+        from pantheon.engine import StepHandle
+        self.calls.append(("step",))
+        new = {"kv": state["kv"] + 1}
+        return StepHandle(ids=new["kv"].astype("int32"), logits=None, n_rows=4), new
+
+    def release(self):
+        self.calls.append(("release",))
+        self.released = True
+
+    @staticmethod
+    def step_wait(handle):
+        return np.asarray(handle.ids)[: handle.n_rows]
+
+    def run(self, tokens: list[int]):
+        """A convenience built on the verbs (like Model.prefill / logits / generate)."""
+        state = self.insert(self.new_state(), 1, tokens)
+        handle, state = self.step(state)
+        return self.step_wait(handle)
+
+
+@pytest.fixture
+def channel():
+    """A Leader with one follower whose end of the control channel is a local socket pair."""
+    import socket
+
+    from pantheon import distributed
+    ours, theirs = socket.socketpair()
+    leader = distributed.Leader(distributed.ClusterSpec("127.0.0.1:1", 2, 0))
+    leader.followers.append(distributed._Follower(1, ours))
+    yield leader, theirs
+    leader._stopped = True
+    ours.close()
+    theirs.close()
+
+
+def _frames(sock, n: int) -> list:
+    from pantheon import distributed
+    sock.settimeout(5)
+    return [distributed.recv_frame(sock) for _ in range(n)]
+
+
+def test_each_verb_goes_to_the_followers_before_it_runs_with_device_state_as_a_reference(channel):
+    from pantheon import distributed
+    leader, theirs = channel
+    proxy = distributed.LeaderModel(leader, 7, SeamModel(scale=1.0))
+    assert proxy.run([2, 3]).tolist() == [1, 6, 1, 1]
+    frames = _frames(theirs, 3)
+    assert [f[:3] for f in frames] == [("call", 7, "new_state"), ("call", 7, "insert"), ("call", 7, "step")]
+    # host arguments travel as they are; the state a verb returned travels as "state number k"
+    assert frames[1][3] == (distributed.StateRef(0), 1, [2, 3]) and frames[2][3] == (distributed.StateRef(1),)
+    assert [f[5] for f in frames] == [0, 1, 2]  # the number the next returned state will get
+
+    # A follower replays the frames on its own model (its own shard) and ends in the same state.
+    follower = distributed.Follower(distributed.ClusterSpec("127.0.0.1:1", 2, 1))
+    mirror = follower.models[7] = SeamModel(scale=1.0)
+    for f in frames:
+        follower._call(*f[1:])
+    assert mirror.calls == proxy.inner.calls
+    assert np.asarray(follower.states[(7, 2)]["kv"]).tolist() == [1, 6, 1, 1]
+
+    # States that died on the leader (donated, dropped) are dropped by the followers with the next call.
+    import gc
+    gc.collect()
+    proxy.release()
+    (last,) = _frames(theirs, 1)
+    assert last[2] == "release" and set(frames[2][6]) | set(last[6]) == {0, 1, 2}
+    follower._call(*last[1:])
+    assert 7 not in follower.models and not follower.states  # a released model is forgotten
+
+
+def test_after_a_failure_every_verb_and_wait_answers_503(channel):
+    from pantheon import distributed
+    leader, _ = channel
+    proxy = distributed.LeaderModel(leader, 0, SeamModel(scale=1.0))
+    handle, _ = proxy.step(proxy.new_state())
+    leader.fail("follower process 1 is gone (test)")
+    for call in (lambda: proxy.new_state(), lambda: proxy.run([1]), lambda: proxy.release()):
+        with pytest.raises(distributed.ClusterFailed) as err:
+            call()
+        assert err.value.status == 503 and "follower process 1 is gone" in str(err.value)
+
+
+def test_a_closed_follower_connection_fails_the_cluster_within_a_second(channel):
+    from pantheon import distributed, osthread
+    leader, theirs = channel
+    leader._models[0] = "tiny"
+    osthread.start_thread(lambda: leader._read(leader.followers[0]), name="test-ctl-reader")
+    theirs.close()
+    deadline = time.monotonic() + 1.0
+    while leader.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert leader.failure is not None and "follower process 1 is gone" in leader.failure and "'tiny'" in leader.failure
+
+
 # ---- the engine over two processes ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def single():

@@ -294,10 +294,14 @@ class Leader:
             except sk.timeout:
                 continue
             conn = sk.socket(lis.family, lis.type, lis.proto, fileno=fd)
-            conn.settimeout(self.spec.timeout_s)
-            conn.setsockopt(sk.IPPROTO_TCP, sk.TCP_NODELAY, 1)
-            hello = recv_frame(conn)
-            if not (isinstance(hello, tuple) and hello[:1] == ("hello",)):
+            try:
+                conn.settimeout(min(self.spec.timeout_s, 30.0))
+                conn.setsockopt(sk.IPPROTO_TCP, sk.TCP_NODELAY, 1)
+                hello = recv_frame(conn)
+                if not (isinstance(hello, tuple) and hello[:1] == ("hello",)):
+                    raise ValueError("not a pantheon follower")
+            except Exception as exc:  # noqa: BLE001 - a stray connection: drop it, keep waiting
+                log.warning("dropped a control connection that did not say hello: %s", exc)
                 conn.close()
                 continue
             conn.settimeout(DEAD_AFTER_S)
@@ -362,15 +366,19 @@ class Leader:
 
     def load(self, path: Path, opts: Any, dies: Sequence[int]) -> "LeaderModel":
         """Load a model over `dies` (global die ids) here, then on every follower; waits for their acks."""
+        import jax
+
         from .engine import load_on
+        self.check()
+        # Reading and placing the weights runs no program (no collective): it needs no lock, so the
+        # other models keep stepping meanwhile. (The followers load in their one main thread: their
+        # steps of other models wait until they are done.)
+        model = load_on(path, opts, list(dies) or list(all_dies()))
+        if all(d.process_index == jax.process_index() for d in model.devices):
+            return model  # only this process's dies: an ordinary local model, nothing to mirror
+        # The followers must build exactly this model: pin what the leader resolved from its env.
+        fopts = dataclasses.replace(opts, kv_dtype=model.kv_dtype.name)
         with self._dispatch:
-            self.check()
-            model = load_on(path, opts, list(dies) or list(all_dies()))
-            import jax
-            if all(d.process_index == jax.process_index() for d in model.devices):
-                return model  # only this process's dies: an ordinary local model, nothing to mirror
-            # The followers must build exactly this model: pin what the leader resolved from its env.
-            fopts = dataclasses.replace(opts, kv_dtype=model.kv_dtype.name)
             with self._cond:
                 mid, self._next_mid = self._next_mid, self._next_mid + 1
                 seq, self._seq = self._seq, self._seq + 1
@@ -388,7 +396,10 @@ class Leader:
         if self.failure is not None or not done or errors:
             model.release()
             self.check()
-            raise ClusterFailed("followers failed to load the model: " + ("; ".join(errors) or "timed out"))
+            with self._dispatch:  # the followers that did load it free theirs
+                self._send_locked(("call", mid, "release", (), {}, 0, []))
+            from .errors import ModelLoadError
+            raise ModelLoadError(path, "the followers could not load it: " + ("; ".join(errors) or "timed out"))
         return LeaderModel(self, mid, model)
 
     def stop(self) -> None:

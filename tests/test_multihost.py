@@ -344,3 +344,12 @@ def test_a_killed_follower_turns_the_leader_503_within_seconds_and_nothing_hangs
         assert cl.leader.proc.poll() is not None and time.monotonic() - t1 < 20
     finally:
         cl.stop()
+
+
+def test_a_killed_leader_ends_the_follower_at_once():
+    cl = Cluster().start()
+    try:
+        os.killpg(cl.leader.proc.pid, signal.SIGKILL)  # no stop frame: the follower sees the channel close
+        assert _wait_exit(cl.follower, 15) == 0, _tail(cl.follower_log)
+    finally:
+        cl.stop()

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from .weights import QuantWeight, put_leaf
+from .weights import QuantWeight, drop_file_pages, put_leaf
 
 AXIS = "tp"
 
@@ -216,8 +216,12 @@ class ShardPlan:
 def _put_global(host: Any, sharding: NamedSharding) -> Any:
     """A global array over a multi-process mesh from a host leaf every process can read (the mmapped
     file): each process slices out only the shards of its own dies, so no process reads the rest."""
-    a = np.asarray(host) if not hasattr(host, "__getitem__") or not hasattr(host, "shape") else host
-    return jax.make_array_from_callback(tuple(a.shape), sharding, lambda idx: np.ascontiguousarray(a[idx]))
+    a = host if isinstance(host, np.ndarray) else np.asarray(host)  # a memmap stays a view of the file
+    out = jax.make_array_from_callback(tuple(a.shape), sharding, lambda idx: np.ascontiguousarray(a[idx]))
+    if a.size:  # the shards are copies: once made, the file pages they read leave our RSS
+        out.block_until_ready()
+        drop_file_pages(a)
+    return out
 
 
 def shard_bytes(params: Any, cfg: Any, n: int) -> int:

@@ -71,6 +71,8 @@ DEAD_AFTER_S = 5.0  # a follower silent this long is declared dead
 # first wait for those arrays while watching the cluster: a step whose collective lost its peer may
 # never finish, and the driver thread must come back with ClusterFailed instead of hanging with it.
 WAITS: tuple[str, ...] = ("step_wait",)
+# Verbs that still run locally once the cluster has failed: freeing this process's memory needs no follower.
+LOCAL_ON_FAILURE: tuple[str, ...] = ("release",)
 VERDICT_WAIT_S = 2.0  # how long a failed step waits for the reader threads to name a lost process
 KV_KEY = "pantheon/control"  # where the leader publishes its control address in jax's key-value store
 _LEN = struct.Struct("!Q")
@@ -540,6 +542,8 @@ class LeaderModel:
 
     def _call(self, verb: str, args: tuple, kwargs: dict) -> Any:
         leader = self._leader
+        if leader.failure is not None and verb in LOCAL_ON_FAILURE:
+            return getattr(self._model, verb)(*args, **kwargs)
         with leader._dispatch:
             leader.check()
             sargs = tuple(self._ref(a) for a in args)

@@ -158,22 +158,19 @@ def _kv_client() -> Any:
 
 # ---- frames ------------------------------------------------------------------------------------
 def _socket_module() -> Any:
-    """The unpatched socket module: the channel is used from real OS threads inside a gevent worker."""
+    """The socket module with its original socket class. The leader's channel lives in real OS threads
+    of the gevent worker, where a patched (cooperative) socket must not block; constants are shared."""
+    import socket
     try:
         from gevent import monkey
-        if monkey.is_module_patched("socket"):
-            import types as _t
-            orig = _t.SimpleNamespace(**{n: monkey.get_original("socket", n)
-                                         for n in ("socket", "create_connection")})
-            import socket as patched
-            for n in ("AF_INET", "AF_INET6", "SOCK_STREAM", "SOL_SOCKET", "SO_REUSEADDR", "IPPROTO_TCP",
-                      "TCP_NODELAY", "SHUT_RDWR", "timeout", "getaddrinfo", "AF_UNSPEC"):
-                setattr(orig, n, getattr(patched, n))
-            return orig
     except ImportError:
-        pass
-    import socket
-    return socket
+        return socket
+    if not monkey.is_module_patched("socket"):
+        return socket
+    names = ("AF_INET", "AF_INET6", "SOCK_STREAM", "SOL_SOCKET", "SO_REUSEADDR", "IPPROTO_TCP", "TCP_NODELAY",
+             "timeout")
+    return types.SimpleNamespace(socket=monkey.get_original("socket", "socket"),
+                                 **{n: getattr(socket, n) for n in names})
 
 
 def send_frame(sock: Any, obj: Any) -> None:

@@ -175,7 +175,7 @@ def test_after_a_failure_every_verb_answers_503_but_an_unload_still_frees_memory
 
 
 def test_a_closed_follower_connection_fails_the_cluster_within_a_second(channel):
-    from pantheon import distributed, osthread
+    from pantheon import osthread
     leader, theirs = channel
     leader._models[0] = "tiny"
     osthread.start_thread(lambda: leader._read(leader.followers[0]), name="test-ctl-reader")

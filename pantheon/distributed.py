@@ -352,6 +352,17 @@ class Leader:
         if self.failure is not None:
             raise ClusterFailed(self.failure)
 
+    def wait_ready(self, arrays: list[Any]) -> None:
+        """Return once every array is ready; raise ClusterFailed as soon as the cluster fails meanwhile
+        (a program whose collective lost its peer may never finish)."""
+        pause = 0.0001
+        while not all(a.is_ready() for a in arrays):
+            with self._cond:  # fail() notifies: a failure ends the wait at once
+                if self.failure is None:
+                    self._cond.wait(pause)
+            self.check()
+            pause = min(pause * 2, 0.002)  # a short step is seen at once, a long one costs <= 2 ms
+
     # -- sending --
     def _send_locked(self, msg: Any) -> None:
         """Send `msg` to every follower; caller holds `_dispatch`. A send error fails the cluster."""
@@ -473,14 +484,7 @@ class LeaderModel:
         leader = self._leader
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            arrays = _arrays_in((args, kwargs))
-            pause = 0.0001
-            while not all(a.is_ready() for a in arrays):
-                with leader._cond:  # fail() notifies: a failure ends the wait at once
-                    if leader.failure is None:
-                        leader._cond.wait(pause)
-                leader.check()
-                pause = min(pause * 2, 0.002)  # a short step is read at once, a long one costs <= 2 ms
+            leader.wait_ready(_arrays_in((args, kwargs)))
             return fn(*args, **kwargs)
 
         return call
@@ -549,6 +553,11 @@ class LeaderModel:
             leader._send_locked(("call", self._mid, verb, sargs, skw, self._next_sid, dropped))
             result = getattr(self._model, verb)(*args, **kwargs)
             self._register(result)
+            # One program at a time in the cluster: two models' steps overlapping on shared dies would
+            # rely on XLA keeping their cross-process collectives apart, which nothing documents. So
+            # the dispatch lock is held until this call's device work has finished. (It costs no
+            # overlap: the scheduler reads each step's ids right after starting it.)
+            leader.wait_ready(_arrays_in(result))
         return result
 
 

@@ -2,7 +2,7 @@
 
 `python tests/multihost_job.py PORT PROCESS_ID OUT.npz`: process 0 loads the tiny llama fixture over
 the 4 dies of both processes through pantheon.distributed, computes teacher-forced logits, a greedy
-continuation and one two-row batched step, and writes them to OUT.npz; process 1 mirrors it until
+continuation, one two-row batched step, and two models generating from two threads at once, and writes them to OUT.npz; process 1 mirrors it until
 process 0 stops the cluster. Each process sees 2 CPU devices (XLA_FLAGS set by the caller).
 """
 
@@ -26,6 +26,7 @@ from pantheon import distributed, engine  # noqa: E402
 from pantheon.sampler import SamplingParams  # noqa: E402
 
 OPTS = engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, kv_dtype="float32")
+TWO_MODEL_PROMPT = list(range(3, 15))
 
 
 def main() -> int:
@@ -49,8 +50,23 @@ def main() -> int:
     h, state = model.step_begin(state, [[int(first[0])], [int(first[1])]], [0, 1], [5, 7], want_logits=True)
     second = model.step_wait(h)
     batch_logits = np.asarray(h.logits)[:2]
+    # Two models on the same dies, stepped from two threads at once (as two schedulers would).
+    import threading
+    other = leader.load(TINY / "qwen2.gguf", OPTS, [0, 1, 2, 3])
+    both: dict[str, list[int]] = {}
+
+    def run(name: str, m) -> None:
+        both[name] = list(m.generate(TWO_MODEL_PROMPT, SamplingParams(temperature=0.0), max_tokens=20, stop_ids=[]))
+
+    threads = [threading.Thread(target=run, args=(n, m), name=f"job-{n}") for n, m in (("llama", model),
+                                                                                      ("qwen2", other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
     np.savez(out, logits=logits, greedy=np.asarray(greedy), first=first, second=second,
-             batch_logits=batch_logits, gen_s=gen_s, devices=len(model.devices))
+             batch_logits=batch_logits, gen_s=gen_s, devices=len(model.devices),
+             both_llama=np.asarray(both.get("llama", [])), both_qwen2=np.asarray(both.get("qwen2", [])))
     leader.stop()
     sys.stdout.flush()
     os._exit(0)  # as a follower would: no exit-time barrier with a process that has already gone

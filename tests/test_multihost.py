@@ -243,6 +243,17 @@ def test_a_batched_step_equals_the_single_process(cluster_result, single):
     assert np.abs(cluster_result["batch_logits"] - np.asarray(h.logits)[:2]).max() < 1e-4
 
 
+def test_two_models_stepping_at_once_from_two_threads_each_equal_the_single_process(cluster_result, single):
+    from multihost_job import OPTS, TWO_MODEL_PROMPT
+
+    from pantheon import engine
+    from pantheon.sampler import SamplingParams
+    qwen2 = engine.load(TINY / "qwen2.gguf", OPTS)
+    for name, model in (("llama", single), ("qwen2", qwen2)):
+        ref = list(model.generate(TWO_MODEL_PROMPT, SamplingParams(temperature=0.0), max_tokens=20, stop_ids=[]))
+        assert cluster_result[f"both_{name}"].tolist() == ref, name
+
+
 # ---- `pantheon serve` over two processes ----------------------------------------------------------------
 class Cluster:
     """A leader (`gunicorn`, as `pantheon serve` execs it) and a follower (`pantheon serve --process-id 1`)."""

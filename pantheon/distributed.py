@@ -250,14 +250,15 @@ class Leader:
     """Process 0's end of the control channel: sends every verb to the followers and watches them.
 
     Threads: one reader per follower (`pantheon-ctl-<i>`) receiving beats, acks and failures.
-    Locks: `_dispatch` is held across sending a call *and* starting it locally, so the order in which
-    programs start on the leader is the order the followers receive them (collectives of two models'
-    steps must meet in the same order everywhere); `_cond` guards `failure`, the acks and `_models`.
+    Locks: `_dispatch` is held across sending a call, running it locally and waiting until its device
+    work is done, so programs run one at a time in the cluster and in the order the followers receive
+    them (two models' collectives must meet in the same order everywhere); `_cond` guards `failure`,
+    the acks, `_models` and the id counters, and is notified by `fail()`.
     """
 
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
-        self._dispatch = osthread.Lock()  # invariant: frames go out in the order calls start locally
+        self._dispatch = osthread.Lock()  # invariant: frames go out in the order calls run; one call at a time
         self._cond = osthread.Condition()  # guards failure, every follower's acks, _models, _seq
         self.failure: str | None = None  # first failure seen; never cleared (a broken mesh stays broken)
         self.followers: list[_Follower] = []

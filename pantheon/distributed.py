@@ -550,7 +550,7 @@ class LeaderModel:
             leader.check()
             sargs = tuple(self._ref(a) for a in args)
             skw = {k: self._ref(v) for k, v in kwargs.items()}
-            dropped, self._dropped[:] = list(self._dropped), []
+            dropped = [self._dropped.pop() for _ in range(len(self._dropped))]  # pop: a finalizer may append
             leader._send_locked(("call", self._mid, verb, sargs, skw, self._next_sid, dropped))
             result = getattr(self._model, verb)(*args, **kwargs)
             self._register(result)

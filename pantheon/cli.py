@@ -149,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=int, default=0, help="gunicorn worker timeout (0 = none)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="one model over several hosts: process 0's jax.distributed address (PANTHEON_COORDINATOR)")
+    p.add_argument("--num-processes", type=int, default=None, help="processes in the cluster (PANTHEON_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="this process's rank; 0 serves HTTP, the others follow (PANTHEON_PROCESS_ID)")
     p.set_defaults(fn=cmd_serve)
 
     from .router_cmd import add_parser as add_router_parser

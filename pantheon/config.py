@@ -97,6 +97,12 @@ class Settings:
     registry_transport: str = "local"
     advertise_url: str | None = None  # how the router reaches this server; default: the bound address
     registry_interval_s: float = 5.0  # keep-alive: how often the router's view is checked
+    # One model over several hosts (pantheon.distributed): process 0 of num_processes serves HTTP, the
+    # others mirror its steps. coordinator is HOST:PORT of process 0's jax.distributed service.
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    cluster_timeout_s: float = 120.0  # start-up wait for every process to join (and their loads' acks)
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -145,6 +151,10 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         registry_transport=(env.get("PANTHEON_REGISTRY_TRANSPORT") or "local").strip() or "local",
         advertise_url=_url(env, "PANTHEON_ADVERTISE_URL"),
         registry_interval_s=max(0.2, _float(env, "PANTHEON_REGISTRY_INTERVAL_S", 5.0)),
+        coordinator=(env.get("PANTHEON_COORDINATOR") or "").strip() or None,
+        num_processes=max(1, _int(env, "PANTHEON_NUM_PROCESSES", 1)),
+        process_id=_int(env, "PANTHEON_PROCESS_ID", 0),
+        cluster_timeout_s=max(1.0, _float(env, "PANTHEON_CLUSTER_TIMEOUT_S", 120.0)),
     )
 
 

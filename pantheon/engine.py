@@ -307,7 +307,8 @@ class Model:
         self._note_shape(p.key)
         logits, rows, cache = p.fn(self.params, state.cache, state.slots, *p.args, **p.kwargs)
         packed, table = self._advance(state.slots, logits, rows)
-        packed.copy_to_host_async()  # the host reads it after dispatching the next step
+        if packed.is_fully_addressable:  # (over several processes each reads its own replicated copy)
+            packed.copy_to_host_async()  # the host reads it after dispatching the next step
         n = (plan.chunk is not None) + len(plan.decode)
         state = self._track(DecodeState(cache=cache, slots=table))
         return StepHandle(packed=packed, logits=logits if want_logits else None, n_rows=n), state
@@ -315,7 +316,7 @@ class Model:
     @staticmethod
     def read(handle: StepHandle) -> np.ndarray:
         """The step's packed [rows, 2] (id, flag), waiting for the device if needed."""
-        return np.asarray(handle.packed)[: handle.n_rows]
+        return _to_host(handle.packed)[: handle.n_rows]
 
     @staticmethod
     def poll(handle: StepHandle) -> np.ndarray | None:
@@ -413,7 +414,7 @@ class Model:
         self._note_shape(plan.key)
         last, every, cache = plan.fn(self.params, state.cache, *plan.args, **plan.kwargs)
         state = self._track(state.replace(cache=cache))
-        out = np.asarray(every if all_logits else last)[: len(tokens)]
+        out = _to_host(every if all_logits else last)[: len(tokens)]
         return out, state
 
     def _plan(self, tokens: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
@@ -546,6 +547,14 @@ class Model:
     def compiled_shapes(self) -> set[tuple]:
         with self._keys_lock:
             return set(self._compiled_keys)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A step output's host copy. Outputs are replicated; over a mesh spanning processes only this
+    process's copy is readable (pantheon.distributed), and it is the whole value."""
+    if not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
 
 
 def _delete_arrays(tree: Any) -> None:

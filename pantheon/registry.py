@@ -159,7 +159,11 @@ def _manager_from_table(table: list[dict]) -> Any:
 
 
 def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings) -> Any:
+    from . import distributed
     from .engine import load_on
+    cluster = distributed.leader()
+    if cluster is not None:  # multi-host: the followers load their shards too (pantheon.distributed)
+        return cluster.load(path, _load_options(name, settings), dies)
     return load_on(path, _load_options(name, settings), list(dies) or None)
 
 

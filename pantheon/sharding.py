@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from .weights import QuantWeight, put_leaf
+from .weights import QuantWeight, drop_file_pages, put_leaf
 
 AXIS = "tp"
 
@@ -138,6 +138,9 @@ class ShardPlan:
         self.n = len(self.devices)
         self.mesh = make_mesh(self.devices)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        # Multi-process (pantheon.distributed): some dies belong to other processes. Every array is then
+        # a global one this process holds only its shards of; see put_params and wrap_forward.
+        self.multiprocess = any(d.process_index != jax.process_index() for d in self.devices)
 
     def _named(self, spec: PartitionSpec) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -159,7 +162,8 @@ class ShardPlan:
     def put_params(self, host_params: Any) -> Any:
         """device_put every host leaf straight into its shards (no full copy lands on one die first)."""
         shardings = self.param_shardings(host_params)
-        return jax.tree.map(lambda x, s: None if x is None else put_leaf(x, s), host_params, shardings)
+        put = _put_global if self.multiprocess else put_leaf
+        return jax.tree.map(lambda x, s: None if x is None else put(x, s), host_params, shardings)
 
     def state_initializer(self, init: Callable[[], Any]) -> Callable[[], Any]:
         """A function building the state directly in its shards (`init` under jit with the state's
@@ -177,22 +181,10 @@ class ShardPlan:
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
             last, every, state = fn(*args, **kwargs)
+            if self.multiprocess:  # every process samples (and the leader reads) its own full copy of the logits
+                last = jax.lax.with_sharding_constraint(last, self.replicated)
+                every = None if every is None else jax.lax.with_sharding_constraint(every, self.replicated)
             return last, every, self.constrain_state(state)
-
-        return wrapped
-
-    def on_first_die(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn(x, *rest)` with `x` moved to the first die first, so `fn` compiles as a 1-device program.
-
-        Used for the sampler: its input is only [B, V] logits, and XLA:CPU (jax 0.10) aborts the
-        process (TopkDecomposer check failure) compiling its lax.top_k under a multi-device SPMD
-        partition. Sampling on one die costs one small copy and sidesteps that entirely.
-        """
-        first = self.devices[0]
-
-        @functools.wraps(fn)
-        def wrapped(x: Any, *rest: Any, **kwargs: Any) -> Any:
-            return fn(jax.device_put(x, first), *rest, **kwargs)
 
         return wrapped
 
@@ -205,6 +197,17 @@ class ShardPlan:
                     else param_spec(name, tuple(np.shape(x)), self.cfg, self.n))
             out[jax.tree_util.keystr(path)] = str(spec)
         return out
+
+
+def _put_global(host: Any, sharding: NamedSharding) -> Any:
+    """A global array over a multi-process mesh from a host leaf every process can read (the mmapped
+    file): each process slices out only the shards of its own dies, so no process reads the rest."""
+    a = host if isinstance(host, np.ndarray) else np.asarray(host)  # a memmap stays a view of the file
+    out = jax.make_array_from_callback(tuple(a.shape), sharding, lambda idx: np.ascontiguousarray(a[idx]))
+    if a.size:  # the shards are copies: once made, the file pages they read leave our RSS
+        out.block_until_ready()
+        drop_file_pages(a)
+    return out
 
 
 def shard_bytes(params: Any, cfg: Any, n: int) -> int:

@@ -95,6 +95,10 @@ def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
     then flip `/` to ok."""
     settings = state.settings
     try:
+        from .. import distributed
+        cluster = distributed.spec_from_settings(settings)
+        if cluster is not None:  # process 0 of a multi-host cluster: join before anything touches JAX
+            distributed.start_leader(cluster)
         if settings.compile_cache:
             from .. import compile_guard
             compile_guard.enable_persistent_cache(settings.home)
@@ -102,7 +106,8 @@ def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
         for text in settings.models:
             spec = parse_spec(text)
             log.info("loading %s", text)
-            state.registry.load(spec.source, spec.name, spec.dies)
+            # In a cluster a model without a die list spans every process's dies.
+            state.registry.load(spec.source, spec.name, spec.dies or distributed.all_dies())
             if state.registration is not None:
                 state.registration.sync()  # each model is registered as soon as it is ready
         state.status = "ok"

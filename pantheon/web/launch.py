@@ -53,6 +53,21 @@ def serve(args: argparse.Namespace) -> int:
             print(f"pantheon: {exc}", file=sys.stderr)
             return 1
     env = dict(os.environ, PANTHEON_MODELS=";".join(specs))
+    for flag, var in (("coordinator", "PANTHEON_COORDINATOR"), ("num_processes", "PANTHEON_NUM_PROCESSES"),
+                      ("process_id", "PANTHEON_PROCESS_ID")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            env[var] = str(value)
+    from ..config import load_settings
+    from ..distributed import run_follower, spec_from_settings
+    try:
+        cluster = spec_from_settings(load_settings(env))
+    except ValueError as exc:
+        print(f"pantheon: {exc}", file=sys.stderr)
+        return 2
+    if cluster is not None and not cluster.is_leader:  # a follower serves no HTTP: it mirrors process 0
+        os.environ.update(env)
+        return run_follower(cluster)
     argv = gunicorn_argv(args.host, args.port, int(getattr(args, "timeout", 0) or 0))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -14,6 +14,7 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
+from .. import distributed
 from ..errors import RequestError
 from .body import parse_json, read_body
 from . import bridge
@@ -49,9 +50,12 @@ def health_body() -> tuple[dict, int]:
     driver has failed (named in `error`) -- the one rule every health route answers with."""
     st = server()
     status, error = st.status, st.error
+    broken = distributed.failure()  # multi-host: a follower is gone, its models cannot step
     if status == "ok":
         failed = st.registry.failures()
-        if failed:
+        if broken:
+            status, error = "failed", broken
+        elif failed:
             status, error = "failed", "; ".join(failed)
     body = {"service": "pantheon", "status": status}
     if error:
@@ -62,9 +66,9 @@ def health_body() -> tuple[dict, int]:
 @bp.get("/")
 @bp.get("/health")
 def health() -> Response:
-    """200 once every configured model is loaded and no model's driver has failed; 503 while loading,
-    after a failed start or while a model has failed (the body says which). `/health` is the path
-    routers probe (SMG's default)."""
+    """200 once every configured model is loaded and no model's driver (or cluster peer) has failed;
+    503 while loading, after a failed start or while a model has failed (the body says which).
+    `/health` is the path routers probe (SMG's default)."""
     body, code = health_body()
     resp = jsonify(body)
     resp.status_code = code
@@ -105,6 +109,7 @@ def handle_chat(root_model: str | None = None) -> Response:
     creq.size = len(raw)
     creq.cache_scope = cache_scope(presented_key(), creq)
     registry = server().registry
+    distributed.check_healthy()  # 503 while a multi-host model has lost a process
     entry = registry.acquire(creq.model, creq.session_id)
     try:
         gen = Generation(registry, entry, creq, request.environ, metrics=server().metrics, t0=t0,

@@ -15,6 +15,7 @@ import time
 import openai
 import pytest
 
+from conftest import wait_until
 from server_util import assert_error, start_server
 
 pytestmark = pytest.mark.real
@@ -105,8 +106,7 @@ def test_real_chat_while_another_model_loads(srv, client, qwen_load):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
-    if not loading:
-        pytest.skip("qwen finished loading before the smollm2 requests (the load/stream overlap was not tested)")
+    assert loading, "qwen finished loading before the smollm2 requests: the load/stream overlap was not tested"
 
 
 def test_tool_call_on_the_runtime_loaded_model(srv, client, qwen_load):
@@ -135,24 +135,23 @@ def test_tool_call_on_the_runtime_loaded_model(srv, client, qwen_load):
     result: dict = {}
 
     def smol_stream():
-        r = srv.post("/v1/chat/completions", {"model": "smol", "messages": QUESTION, "max_tokens": 32,
-                                              "stream": True}, stream=True, timeout=300)
+        # long enough (ignore_eos) to be still streaming when qwen's unload returns
+        r = srv.post("/v1/chat/completions", {"model": "smol", "messages": QUESTION, "max_tokens": 600,
+                                              "ignore_eos": True, "stream": True}, stream=True, timeout=300)
         lines = r.iter_lines()
         result["first"] = next(line for line in lines if line)
         result["events"] = sse_events_from([result["first"], *lines])
 
     t = threading.Thread(target=smol_stream)
     t.start()
-    while "first" not in result and t.is_alive():
-        time.sleep(0.01)
+    wait_until(lambda: "first" in result or not t.is_alive(), 120, "the smol stream's first event")
     assert admin(srv, "/models/unload", {"name": "qwen", "timeout_s": 10}).status_code == 200
     streaming_during_unload = t.is_alive()
     t.join(300)
     assert result["events"][-1] == "[DONE]"
     assert result["events"][-2]["choices"][0]["finish_reason"] in ("stop", "length")
     assert [m["id"] for m in srv.get("/v1/models").json()["data"]] == ["smol"]
-    if not streaming_during_unload:
-        pytest.skip("the smol stream ended before the unload returned (overlap not observed)")
+    assert streaming_during_unload, "the smol stream ended before the unload returned (overlap not observed)"
 
 
 def test_unload_meets_a_request_in_flight(srv):
@@ -172,8 +171,7 @@ def test_unload_meets_a_request_in_flight(srv):
     # 1) with a timeout shorter than the generation: 409, nothing unloaded, the stream is complete
     t = threading.Thread(target=streamer, args=("a",))
     t.start()
-    while "a-started" not in results:
-        time.sleep(0.01)
+    wait_until(lambda: "a-started" in results or not t.is_alive(), 120, "stream a to start")
     err = assert_error(admin(srv, "/models/unload", {"name": "smol", "timeout_s": 0.2}), 409)
     assert err["code"] == "unload_timeout"
     t.join(300)
@@ -186,8 +184,7 @@ def test_unload_meets_a_request_in_flight(srv):
     # 2) without a timeout: the unload waits for the stream to finish, which loses nothing
     t = threading.Thread(target=streamer, args=("b",))
     t.start()
-    while "b-started" not in results:
-        time.sleep(0.01)
+    wait_until(lambda: "b-started" in results or not t.is_alive(), 120, "stream b to start")
     r = admin(srv, "/models/unload", {"name": "smol"})
     unloaded_at = time.monotonic()
     t.join(300)

@@ -604,7 +604,7 @@ class Generation:
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
         self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled)
         session = None if self.prompt_capped else self.creq.session_id  # a capped turn starts over
-        req = GenRequest(prompt_ids=ids, params=self.creq.params.resolved(), max_tokens=max_tokens,
+        req = GenRequest(prompt_ids=ids, params=self.creq.params, max_tokens=max_tokens,  # resolves the seed, once
                          stop_ids=self._stop_ids, session_id=session, cache_scope=self.creq.cache_scope,
                          request_id=self.id)
         t_submit = time.perf_counter()

@@ -229,9 +229,9 @@ def _arrays_in(x: Any) -> list[Any]:
 
 
 def states_in(result: Any) -> list[Any]:
-    """The device states a verb returned, in order: the result itself when it holds device arrays and
-    is not a tuple, else the tuple's elements that do. (A StepHandle is not a pytree: its arrays are
-    not found, so it is not mistaken for a state.)"""
+    """The device values a verb returned, in order: the result itself when it holds device arrays and
+    is not a tuple, else the tuple's elements that do. A step's output (StepHandle) is numbered like a
+    state; each follower holds its own, and it is dropped with the leader's."""
     if isinstance(result, tuple):
         return [r for r in result if _holds_device_arrays(r)]
     return [result] if _holds_device_arrays(result) else []

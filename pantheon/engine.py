@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from . import compile_guard, decode_state, memory, native, osthread, weights
 from .config import load_settings
@@ -111,13 +112,14 @@ class StepPlan:
     reach: int = 0
 
 
-@dataclass
+@struct.dataclass
 class StepHandle:
-    """A dispatched step: its packed [rows, 2] output is being copied to the host asynchronously."""
+    """A dispatched step's output (a typed pytree): the packed [rows, 2] int32 (id, flag), already
+    being copied to the host asynchronously, and the logits when asked for."""
 
     packed: jax.Array
     logits: jax.Array | None
-    n_rows: int
+    n_rows: int = struct.field(pytree_node=False)  # the plan's rows (the rest is padding)
 
     def ready(self) -> bool:
         return self.packed.is_ready()

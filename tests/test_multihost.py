@@ -147,14 +147,15 @@ def test_each_verb_goes_to_the_followers_before_it_runs_with_device_state_as_a_r
     for f in frames:
         follower._call(*f[1:])
     assert mirror.calls == proxy.inner.calls
-    assert np.asarray(follower.states[(7, 2)]["kv"]).tolist() == [1, 6, 1, 1]
+    # the step returned (its output, the state): numbered 2 and 3 on both sides
+    assert np.asarray(follower.states[(7, 3)]["kv"]).tolist() == [1, 6, 1, 1]
 
     # States that died on the leader (donated, dropped) are dropped by the followers with the next call.
     import gc
     gc.collect()
     proxy.free()
     (last,) = _frames(theirs, 1)
-    assert last[2] == "free" and set(frames[2][6]) | set(last[6]) == {0, 1, 2}
+    assert last[2] == "free" and set(frames[2][6]) | set(last[6]) == {0, 1, 2, 3}
     follower._call(*last[1:])
     assert 7 not in follower.models and not follower.states  # a released model is forgotten
 

@@ -604,7 +604,7 @@ class Follower:
         self.states: dict[tuple[int, int], Any] = {}  # (model id, sid) -> this process's state; main thread only
         self._next_sid: dict[int, int] = {}  # model id -> next sid; main thread only
         self._send_lock = osthread.Lock()  # invariant: one frame at a time on the socket
-        self._queue = osthread._original("queue", "SimpleQueue")()
+        self._queue = osthread.original("queue", "SimpleQueue")()
         self.sock: Any = None
 
     def connect(self) -> None:

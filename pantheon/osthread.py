@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import importlib
 import sys
 import tempfile
 import time
@@ -21,22 +22,24 @@ from typing import Any
 _PR_SET_NAME = 15  # prctl option: the calling thread's name, 15 bytes at most
 
 
-def _original(module: str, name: str) -> Any:
+def original(module: str, name: str) -> Any:
+    """`module.name` as it was before gevent patched it (the plain object when nothing is patched):
+    real locks, threads and sockets for code that runs in OS threads of the gevent worker."""
     try:
         from gevent import monkey
         if monkey.is_module_patched(module):
-            return monkey.get_original(module, name)
+            return monkey.getoriginal(module, name)
     except ImportError:
         pass
-    return getattr(__import__(module), name)
+    return getattr(importlib.import_module(module), name)
 
 
 def Lock() -> Any:
-    return _original("threading", "Lock")()
+    return original("threading", "Lock")()
 
 
 def RLock() -> Any:
-    return _original("threading", "RLock")()
+    return original("threading", "RLock")()
 
 
 class Condition:
@@ -176,7 +179,7 @@ def start_thread(target: Callable[[], None], name: str) -> OSThread:
         finally:
             handle._done.release()
 
-    _original("_thread", "start_new_thread")(run, ())
+    original("_thread", "start_new_thread")(run, ())
     return handle
 
 
@@ -211,7 +214,7 @@ def map_threads(fn: Callable[[Any], Any], items: list[Any], workers: int, name: 
 
 def sleep(seconds: float) -> None:
     """time.sleep that really sleeps this OS thread (the patched one would switch greenlets)."""
-    _original("time", "sleep")(seconds)
+    original("time", "sleep")(seconds)
 
 
 def run_process(cmd: Sequence[str], timeout: float, show_stdout: bool = False) -> tuple[int | None, str]:
@@ -227,7 +230,7 @@ def run_process(cmd: Sequence[str], timeout: float, show_stdout: bool = False) -
     the group is killed and the child reaped. Once gevent's child watcher has been used in the
     process it may reap our child first: the status is then None and the caller judges by results.
     """
-    spawn, waitpid = _original("os", "posix_spawn"), _original("os", "waitpid")
+    spawn, waitpid = original("os", "posix_spawn"), original("os", "waitpid")
     with tempfile.TemporaryFile() as log_file:
         fd = log_file.fileno()
         actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, fd, 2)]

@@ -34,7 +34,6 @@ threads, where gevent's cooperative sockets would need a hub of their own.
 from __future__ import annotations
 
 import http.client
-import importlib
 import json
 import logging
 import socket as _socket_mod
@@ -60,22 +59,12 @@ def note_bound_address(host: str, port: int) -> None:
     _bound.append((host, int(port)))
 
 
-def _original(module: str, name: str) -> Any:
-    try:
-        from gevent import monkey
-        if monkey.is_module_patched(module):
-            return monkey.get_original(module, name)
-    except ImportError:
-        pass
-    return getattr(importlib.import_module(module), name)
-
-
 class _Connection(http.client.HTTPConnection):
     """http.client over the original (blocking) socket, whatever gevent has patched."""
 
     def connect(self) -> None:
-        getaddrinfo = _original("socket", "getaddrinfo")
-        sock_cls = _original("socket", "socket")
+        getaddrinfo = osthread.original("socket", "getaddrinfo")
+        sock_cls = osthread.original("socket", "socket")
         err: OSError | None = None
         for family, kind, proto, _, addr in getaddrinfo(self.host, self.port, 0, _socket_mod.SOCK_STREAM):
             sock = sock_cls(family, kind, proto)
@@ -98,7 +87,7 @@ class _TLSConnection(_Connection):
     default_port = 443
 
     def _wrap(self, sock: Any) -> Any:
-        ctx = _original("ssl", "create_default_context")()
+        ctx = osthread.original("ssl", "create_default_context")()
         return ctx.wrap_socket(sock, server_hostname=self.host)
 
 

@@ -101,3 +101,33 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.002)
+
+
+class Collector:
+    """A backend sink that records a request's events and lets a test wait for its Finished."""
+
+    def __init__(self) -> None:
+        import threading
+        self.events: list = []
+        self.done = threading.Event()
+
+    def __call__(self, ev) -> None:
+        from pantheon.gen_types import Finished
+        self.events.append(ev)
+        if isinstance(ev, Finished):
+            self.done.set()
+
+    @property
+    def ids(self) -> list[int]:
+        from pantheon.gen_types import Tokens
+        return [i for ev in self.events if isinstance(ev, Tokens) for i in ev.ids]
+
+    @property
+    def finished(self):
+        from pantheon.gen_types import Finished
+        return next(ev for ev in self.events if isinstance(ev, Finished))
+
+    @property
+    def started(self):
+        from pantheon.gen_types import Started
+        return next((ev for ev in self.events if isinstance(ev, Started)), None)

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import tiny_fixture, tiny_model, wait_until
+from conftest import Collector, tiny_fixture, tiny_model, wait_until
 from pantheon import engine
 from pantheon.config import Settings
 from pantheon.decode_state import IDLE, LENGTH, RUNNING, STOP, slot_insert
 from pantheon.engine import Chunk, StepPlan
 from pantheon.errors import ModelFailed
-from pantheon.gen_types import GREEDY, Finished, GenRequest, SamplingParams, Started, Tokens
+from pantheon.gen_types import GREEDY, GenRequest, SamplingParams
 from pantheon.scheduler.batch import BatchScheduler
 
 
@@ -116,29 +115,6 @@ def test_the_web_package_and_the_request_types_import_no_jax():
 
 
 # ---- loud failure ---------------------------------------------------------------------------------------
-class Collector:
-    def __init__(self) -> None:
-        self.events: list = []
-        self.done = threading.Event()
-
-    def __call__(self, ev) -> None:
-        self.events.append(ev)
-        if isinstance(ev, Finished):
-            self.done.set()
-
-    @property
-    def ids(self) -> list[int]:
-        return [i for ev in self.events if isinstance(ev, Tokens) for i in ev.ids]
-
-    @property
-    def finished(self) -> Finished:
-        return next(ev for ev in self.events if isinstance(ev, Finished))
-
-    @property
-    def started(self) -> Started | None:
-        return next((ev for ev in self.events if isinstance(ev, Started)), None)
-
-
 class Faulty:
     """A model whose `step` or `insert` raises once when armed; everything else is the real model."""
 

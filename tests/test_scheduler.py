@@ -3,44 +3,18 @@ hybrid state, no recompiles. Scheduling policy on a fake engine is in test_sched
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 
-from conftest import tiny_fixture, wait_until
+from conftest import Collector, tiny_fixture, wait_until
 from pantheon import compile_guard, engine
 from pantheon.config import Settings
 from pantheon.sampler import SamplingParams
-from pantheon.scheduler import Finished, GenRequest, Started, Tokens
+from pantheon.scheduler import GenRequest
 from pantheon.scheduler.batch import BatchScheduler
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-class Collector:
-    """A sink that records events and lets the test wait for Finished."""
-
-    def __init__(self) -> None:
-        self.events: list = []
-        self.done = threading.Event()
-
-    def __call__(self, ev) -> None:
-        self.events.append(ev)
-        if isinstance(ev, Finished):
-            self.done.set()
-
-    @property
-    def ids(self) -> list[int]:
-        return [i for ev in self.events if isinstance(ev, Tokens) for i in ev.ids]
-
-    @property
-    def finished(self) -> Finished:
-        return next(ev for ev in self.events if isinstance(ev, Finished))
-
-    @property
-    def started(self) -> Started | None:
-        return next((ev for ev in self.events if isinstance(ev, Started)), None)
 
 
 def settings(**kw) -> Settings:

@@ -10,35 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until
+from conftest import Collector, wait_until
 from fake_engine import FakeModel
 from pantheon.config import Settings
 from pantheon.errors import BusyError
-from pantheon.gen_types import GREEDY, Finished, GenRequest, Started, Tokens
+from pantheon.gen_types import GREEDY, GenRequest
 from pantheon.scheduler.batch import BatchScheduler
-
-
-class Collector:
-    def __init__(self) -> None:
-        self.events: list = []
-        self.done = threading.Event()
-
-    def __call__(self, ev) -> None:
-        self.events.append(ev)
-        if isinstance(ev, Finished):
-            self.done.set()
-
-    @property
-    def ids(self) -> list[int]:
-        return [i for ev in self.events if isinstance(ev, Tokens) for i in ev.ids]
-
-    @property
-    def finished(self) -> Finished:
-        return next(ev for ev in self.events if isinstance(ev, Finished))
-
-    @property
-    def started(self) -> Started | None:
-        return next((ev for ev in self.events if isinstance(ev, Started)), None)
 
 
 def settings(**kw) -> Settings:

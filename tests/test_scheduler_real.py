@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import real_fixture
+from conftest import Collector, real_fixture
 from pantheon.config import Settings
 from pantheon.sampler import SamplingParams
 from pantheon.scheduler import GenRequest
 from pantheon.scheduler.batch import BatchScheduler
-from test_scheduler import Collector
 
 GREEDY = SamplingParams(temperature=0.0)
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about rain.",

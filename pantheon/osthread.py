@@ -28,7 +28,7 @@ def original(module: str, name: str) -> Any:
     try:
         from gevent import monkey
         if monkey.is_module_patched(module):
-            return monkey.getoriginal(module, name)
+            return monkey.get_original(module, name)
     except ImportError:
         pass
     return getattr(importlib.import_module(module), name)

@@ -20,7 +20,9 @@ Lifecycle of a request:
 4. The driver is asynchronous: it dispatches step N+1 before it reads step N's ids (the next decode
    token is already in the decode state on the device), so planning, emitting and bookkeeping overlap
    the device. The step samples, spends the budget and checks stop ids itself; a slot that finished in
-   step N costs at most one dead row in step N+1 (the device sends it to the scratch slot).
+   step N costs at most one dead row in step N+1 (the device sends it to the scratch slot). Two steps
+   are read before the next is dispatched: one that carries a prompt's last chunk (so the first token
+   is not a step late) and, while requests wait, one that ends a request by its budget.
 
 Threads and locks (docs/architecture.md has the whole map):
 - the driver thread `driver-<model>` is the only one that touches the device state (`_state`), the
@@ -219,6 +221,9 @@ class BatchScheduler:
 
     def _drive_loop(self) -> None:
         while True:
+            if self._inflight is not None and self._read_first(self._inflight):
+                done, self._inflight = self._inflight, None
+                self._collect(done)
             events: list[tuple[_Job, Event]] = []
             with self._mu:
                 if self._closed:
@@ -245,6 +250,16 @@ class BatchScheduler:
             if done is not None:
                 self._collect(done)
         self._shutdown()
+
+    def _read_first(self, inflight: _InFlight) -> bool:
+        """Whether to read the step in flight before dispatching the next one (giving up one step of
+        overlap): when it carries a prompt's last chunk (its first token should reach the client now,
+        not a step later: time to first token), or when requests wait and it will end a request by
+        its budget (the freed slot is admitted a step sooner)."""
+        if any(r.final for r in inflight.rows):
+            return True
+        return bool(self._queue) and any(not r.part and r.slot.generated + 1 >= r.job.req.max_tokens
+                                         for r in inflight.rows)
 
     # ---- bookkeeping (under _mu) ---------------------------------------------------------------
     def _take_cancelled_locked(self, events: list[tuple[_Job, Event]]) -> list[_Slot]:

@@ -55,10 +55,11 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from . import reference
     model = _load(args)
     tok = model.tokenizer
     if args.chat:
-        text = model.template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        text = model.card.template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         ids = tok.encode(text)
     else:
         ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(args.prompt)
@@ -66,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     n = 0
     first = None
-    for tid in model.generate(ids, _sampling(args), max_tokens=args.max_tokens):
+    for tid in reference.generate(model, ids, _sampling(args), max_tokens=args.max_tokens):
         if first is None:
             first = time.perf_counter() - t0
         n += 1
@@ -84,9 +85,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
+
+    from . import reference
     model = _load(args)
     ids = [int(x) for x in args.ids.split(",") if x.strip()]
-    lg = model.logits(ids).astype(np.float32)
+    lg = reference.logits(model, ids).astype(np.float32)
     np.save(args.out, lg)
     print(f"wrote {args.out}: {lg.shape}")
     return 0

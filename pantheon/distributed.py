@@ -11,8 +11,8 @@ them the scheduler, the leader wraps each `engine.Model` in a `LeaderModel` prox
 on its own `Model`, whose params and state are its shards of the same global arrays. Device-state
 arguments are not sent: each process holds its own shard, so the leader sends a `StateRef` (a small
 integer naming "the state you got back from call k") and the follower substitutes its own. Methods
-that are not verbs but are built on verbs (`prefill`, `logits`, `generate`) run on the leader with the
-proxy as `self`, so the verbs they call are broadcast one by one. Nothing here knows a verb's argument
+built on verbs (`pantheon.reference`'s `prefill`, `logits`, `generate`, or a method of the model) run on
+the leader with the proxy as the model, so the verbs they call are broadcast one by one. Nothing here knows a verb's argument
 list: when the engine's seam changes (`insert` / `step` / `release(slot)`), only `VERBS` changes.
 
 The control channel is a plain TCP connection from each follower to the leader, carrying

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from .config import load_settings
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
 from .decode_state import DecodeState
-from .gen_types import GREEDY, ModelCard, SamplingParams
+from .gen_types import GREEDY, ModelCard
 from .jax_models.common import last_valid
 from .jax_models.registry import capabilities_of
 from .weights import XLA, Kernels
@@ -144,18 +144,14 @@ class Model:
     description the web layer reads: config, tokenizer, chat template and limits.
     """
 
-    def __init__(self, path: Path, name: str, cfg: ModelConfig, meta: dict[str, Any], arch: Any,
+    def __init__(self, path: Path, name: str, cfg: ModelConfig, arch: Any,
                  params: Any, tokenizer: Any, template: Any, opts: LoadOptions, devices: list[Any],
                  compute_dtype: Any, weight_bytes: int, kernels: Kernels = XLA, kv_dtype: Any = jnp.float32):
-        self.path = path
         self.name = name
         self.config = cfg
-        self.meta = meta
         self.arch = arch
         self.caps = capabilities_of(arch)
         self.params = params
-        self.tokenizer = tokenizer
-        self.template = template
         self.opts = opts
         self.devices = devices
         self.dtype = compute_dtype
@@ -214,6 +210,11 @@ class Model:
         # itself when its leaf dies (donated or dropped).
         self._states: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self.released = False
+
+    @property
+    def tokenizer(self) -> Any:
+        """The card's tokenizer (host side: for tools and tests that tokenize beside the engine)."""
+        return self.card.tokenizer
 
     # ---- state ---------------------------------------------------------------------------------
     def new_state(self) -> DecodeState:
@@ -485,67 +486,6 @@ class Model:
         state = self.release(state, 0)
         return self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert
 
-    # ---- conveniences built on the verbs -----------------------------------------------------------
-    def prefill(self, state: DecodeState, slot: int, ids: Sequence[int], start: int = 0, chunk: int | None = None,
-                all_logits: bool = False) -> tuple[int, np.ndarray, DecodeState]:
-        """Teacher-force `ids` into `slot` from position `start` in chunks (no sampling).
-
-        Returns (the greedy next id, logits: the last position's [V], or every position's
-        [len(ids), V] with all_logits, the new state)."""
-        chunk = chunk or self.chunk
-        ids = list(ids)
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        parts, pos = [], start
-        for i in range(0, len(ids), chunk):
-            part = ids[i: i + chunk]
-            lg, state = self.forward_rows(state, [part], [slot], [pos], all_logits=all_logits)
-            parts.append(lg[0, : len(part)] if all_logits else lg[0])
-            pos += len(part)
-        if all_logits:
-            every = np.concatenate(parts, axis=0)
-            return int(np.argmax(every[-1])), every, state
-        return int(np.argmax(parts[-1])), parts[-1], state
-
-    def logits(self, ids: Sequence[int], chunk: int | None = None) -> np.ndarray:
-        """Teacher-forced logits [len(ids), V] as float32 (for comparison with other engines)."""
-        _, lg, _ = self.prefill(self.new_state(), 0, ids, chunk=chunk, all_logits=True)
-        return lg
-
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, max_tokens: int = 128,
-                 stop_ids: Sequence[int] | None = None, state: DecodeState | None = None, slot: int = 0,
-                 cancel: Any = None, chunk: int | None = None,
-                 decode_from: int | None = None) -> Iterator[int]:
-        """One sequence, alone, through the serving verbs (insert, then steps): yields token ids.
-
-        The reference the scheduler's batched output is compared with. `decode_from` feeds
-        prompt_ids[decode_from:] one token per chunk (a test hook: chunking must not change tokens).
-        """
-        params = (params or SamplingParams(temperature=0.0)).resolved()
-        stop = tuple(self.tokenizer.eot_ids if stop_ids is None and self.tokenizer else (stop_ids or ()))
-        prompt = list(prompt_ids)
-        if len(prompt) + max_tokens > self.max_seq:
-            max_tokens = self.max_seq - len(prompt)
-            if max_tokens <= 0:
-                raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_seq {self.max_seq}")
-        state = state if state is not None else self.new_state()
-        state = self.insert(state, decode_state.slot_insert(slot, prompt, 0, params, max_tokens, stop))
-        chunk = chunk or self.chunk
-        cut = len(prompt) if decode_from is None else max(1, decode_from)
-        pieces = [prompt[i: min(i + chunk, cut)] for i in range(0, cut, chunk)] + [[t] for t in prompt[cut:]]
-        pos = 0
-        for i, part in enumerate(pieces):
-            h, state = self.step(state, StepPlan(chunk=Chunk(slot, tuple(part), pos, i == len(pieces) - 1)))
-            pos += len(part)
-        tok, flag = (int(x) for x in self.read(h)[0])
-        while True:
-            yield tok
-            if flag != decode_state.RUNNING or (cancel is not None and cancel.is_set()):
-                return
-            h, state = self.step(state, StepPlan(decode=(slot,), reach=pos + 1))
-            pos += 1
-            tok, flag = (int(x) for x in self.read(h)[0])
-
     def compiled_shapes(self) -> set[tuple]:
         with self._keys_lock:
             return set(self._compiled_keys)
@@ -722,7 +662,7 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
             raise ModelLoadError(p, f"the tokenizer has {tokenizer.vocab_size} tokens but token_embd.weight has "
                                     f"{cfg.vocab} rows: ids past the embedding would read nothing")
         stage[0] = "building the model"
-        return Model(p, name, cfg, f.meta, arch, params, tokenizer, template, opts, devices, dtype, weight_bytes,
+        return Model(p, name, cfg, arch, params, tokenizer, template, opts, devices, dtype, weight_bytes,
                      kernels=kernels, kv_dtype=resolve_kv_dtype(opts, devices[0]))
     except BaseException:
         _delete_arrays(params)  # nothing may stay on the device when the load fails

@@ -24,6 +24,7 @@ from conftest import TINY  # noqa: E402
 
 from pantheon import distributed, engine  # noqa: E402
 from pantheon.sampler import SamplingParams  # noqa: E402
+from pantheon import reference  # noqa: E402
 
 OPTS = engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, kv_dtype="float32")
 TWO_MODEL_PROMPT = list(range(3, 15))
@@ -56,9 +57,9 @@ def main() -> int:
     fixture = json.loads((TINY / "llama.json").read_text())
     model = leader.load(TINY / "llama.gguf", OPTS, [0, 1, 2, 3])
     prompt = fixture["prompt_ids"]
-    logits = model.logits(prompt)
+    logits = reference.logits(model, prompt)
     t0 = time.perf_counter()
-    greedy = list(model.generate(prompt, SamplingParams(temperature=0.0), max_tokens=len(fixture["greedy_ids"]),
+    greedy = list(reference.generate(model, prompt, SamplingParams(temperature=0.0), max_tokens=len(fixture["greedy_ids"]),
                                  stop_ids=[]))
     gen_s = time.perf_counter() - t0
     first, second, batch_logits = batched_steps(model, prompt)
@@ -68,7 +69,7 @@ def main() -> int:
     both: dict[str, list[int]] = {}
 
     def run(name: str, m) -> None:
-        both[name] = list(m.generate(TWO_MODEL_PROMPT, SamplingParams(temperature=0.0), max_tokens=20, stop_ids=[]))
+        both[name] = list(reference.generate(m, TWO_MODEL_PROMPT, SamplingParams(temperature=0.0), max_tokens=20, stop_ids=[]))
 
     threads = [threading.Thread(target=run, args=(n, m), name=f"job-{n}") for n, m in (("llama", model),
                                                                                       ("qwen2", other))]

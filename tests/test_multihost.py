@@ -29,6 +29,7 @@ import requests
 
 from conftest import TINY, centered, tiny_fixture
 from server_util import LLAMA, ROOT, Server, die_with_parent, free_port
+from pantheon import reference
 
 TOL = 1e-3  # the oracle parity tolerance (tests/test_oracle_parity.py)
 JOB = Path(__file__).resolve().parent / "multihost_job.py"
@@ -219,7 +220,7 @@ def test_the_cluster_spans_the_four_devices_of_both_processes(cluster_result):
 def test_teacher_forced_logits_equal_the_single_process_and_the_oracle(cluster_result, single):
     _, fixture, oracle = tiny_fixture("llama")
     got = cluster_result["logits"]
-    ref = single.logits(fixture["prompt_ids"])
+    ref = reference.logits(single, fixture["prompt_ids"])
     assert got.shape == ref.shape == oracle.shape
     assert np.abs(got - ref).max() < 1e-4  # same function, only the summation order of the all-reduce differs
     assert np.abs(centered(got) - centered(oracle)).max() < TOL
@@ -228,7 +229,7 @@ def test_teacher_forced_logits_equal_the_single_process_and_the_oracle(cluster_r
 def test_greedy_continuation_equals_the_single_process_and_the_oracle(cluster_result, single):
     from pantheon.sampler import SamplingParams
     _, fixture, _ = tiny_fixture("llama")
-    ref = list(single.generate(fixture["prompt_ids"], SamplingParams(temperature=0.0),
+    ref = list(reference.generate(single, fixture["prompt_ids"], SamplingParams(temperature=0.0),
                                max_tokens=len(fixture["greedy_ids"]), stop_ids=[]))
     assert cluster_result["greedy"].tolist() == ref == fixture["greedy_ids"]
 
@@ -249,7 +250,7 @@ def test_two_models_stepping_at_once_from_two_threads_each_equal_the_single_proc
     from pantheon.sampler import SamplingParams
     qwen2 = engine.load(TINY / "qwen2.gguf", OPTS)
     for name, model in (("llama", single), ("qwen2", qwen2)):
-        ref = list(model.generate(TWO_MODEL_PROMPT, SamplingParams(temperature=0.0), max_tokens=20, stop_ids=[]))
+        ref = list(reference.generate(model, TWO_MODEL_PROMPT, SamplingParams(temperature=0.0), max_tokens=20, stop_ids=[]))
         assert cluster_result[f"both_{name}"].tolist() == ref, name
 
 
@@ -301,9 +302,9 @@ def _poll(fn, timeout: float, every: float = 0.1):
 
 def _single_process_reply(single, text: str, max_tokens: int) -> str:
     from pantheon.sampler import SamplingParams
-    prompt = single.template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    prompt = single.card.template.render([{"role": "user", "content": text}], add_generation_prompt=True)
     ids = single.tokenizer.encode(prompt)
-    out = list(single.generate(ids, SamplingParams(temperature=0.0), max_tokens=max_tokens))
+    out = list(reference.generate(single, ids, SamplingParams(temperature=0.0), max_tokens=max_tokens))
     out = [t for t in out if t not in single.tokenizer.eot_ids]
     return single.tokenizer.decode(out)
 

@@ -15,6 +15,7 @@ from conftest import centered, tiny_fixture, tiny_model
 from pantheon.decode_state import RUNNING, slot_insert
 from pantheon.engine import Chunk, StepPlan
 from pantheon.sampler import SamplingParams
+from pantheon import reference
 
 DENSE = ["llama", "llama.q8_0", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma3", "phi3"]
 HYBRID = ["qwen35moe", "qwen35moe.q8_0", "qwen35", "qwen3next"]
@@ -26,7 +27,7 @@ TOL = 1e-3
 @pytest.mark.parametrize("name,chunk", CHUNKED)
 def test_teacher_forced_logits_match_oracle(name, chunk):
     _, j, ref = tiny_fixture(name)
-    got = tiny_model(name).logits(j["prompt_ids"], chunk=chunk)
+    got = reference.logits(tiny_model(name), j["prompt_ids"], chunk=chunk)
     assert got.shape == ref.shape
     assert np.abs(centered(got) - centered(ref)).max() < TOL
 
@@ -34,7 +35,7 @@ def test_teacher_forced_logits_match_oracle(name, chunk):
 @pytest.mark.parametrize("name", ARCHS)
 def test_greedy_continuation_matches_oracle(name):
     _, j, _ = tiny_fixture(name)
-    out = list(tiny_model(name).generate(j["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=16,
+    out = list(reference.generate(tiny_model(name), j["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=16,
                                          stop_ids=[]))
     assert out == j["greedy_ids"]
 
@@ -43,7 +44,7 @@ def test_greedy_continuation_matches_oracle(name):
 def test_prefill_then_stepwise_decode_matches_oracle(name):
     _, j, _ = tiny_fixture(name)
     m = tiny_model(name)
-    out = list(m.generate(j["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=16, stop_ids=[],
+    out = list(reference.generate(m, j["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=16, stop_ids=[],
                           decode_from=7, chunk=5))
     assert out == j["greedy_ids"]
 
@@ -53,8 +54,8 @@ def test_two_slots_do_not_disturb_each_other():  # hybrids: tests/test_qwen35.py
     _, j, _ = tiny_fixture("llama")
     m = tiny_model("llama")
     state = m.new_state()
-    _, _, state = m.prefill(state, 1, j["prompt_ids"][::-1])
-    out = list(m.generate(j["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=16, stop_ids=[],
+    _, _, state = reference.prefill(m, state, 1, j["prompt_ids"][::-1])
+    out = list(reference.generate(m, j["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=16, stop_ids=[],
                           state=state, slot=0))
     assert out == j["greedy_ids"]
 

@@ -17,6 +17,7 @@ from pantheon import weights
 from pantheon.gguf_loader import ModelConfig, ROPE_NEOX
 from pantheon.jax_models import qwen35
 from pantheon.sampler import SamplingParams
+from pantheon import reference
 
 ARCHS = ["qwen35moe", "qwen35moe.q8_0", "qwen35", "qwen3next"]
 TOL = 1e-3
@@ -30,8 +31,8 @@ def test_two_slots_do_not_disturb_each_other(name):
     _, j, _ = tiny_fixture(name)
     m = tiny_model(name)
     state = m.new_state()
-    _, _, state = m.prefill(state, 1, j["prompt_ids"][::-1])
-    out = list(m.generate(j["prompt_ids"], GREEDY, max_tokens=16, stop_ids=[], state=state, slot=0))
+    _, _, state = reference.prefill(m, state, 1, j["prompt_ids"][::-1])
+    out = list(reference.generate(m, j["prompt_ids"], GREEDY, max_tokens=16, stop_ids=[], state=state, slot=0))
     assert out == j["greedy_ids"]
 
 
@@ -41,10 +42,10 @@ def test_reused_slot_starts_from_a_clean_state(name):
     _, j, ref = tiny_fixture(name)
     m = tiny_model(name)
     state = m.new_state()
-    _, _, state = m.prefill(state, 0, j["prompt_ids"][::-1] + j["prompt_ids"][:7])
-    _, got, state = m.prefill(state, 0, j["prompt_ids"], all_logits=True)
+    _, _, state = reference.prefill(m, state, 0, j["prompt_ids"][::-1] + j["prompt_ids"][:7])
+    _, got, state = reference.prefill(m, state, 0, j["prompt_ids"], all_logits=True)
     assert close(got, ref)
-    out = list(m.generate(j["prompt_ids"], GREEDY, max_tokens=16, stop_ids=[], state=state, slot=0))
+    out = list(reference.generate(m, j["prompt_ids"], GREEDY, max_tokens=16, stop_ids=[], state=state, slot=0))
     assert out == j["greedy_ids"]
 
 
@@ -56,8 +57,8 @@ def test_rows_of_different_lengths_in_one_step():
     state = m.new_state()
     lg, state = m.forward_rows(state, [ids[:10], ids[:4]], [0, 1], [0, 0], all_logits=True)
     assert close(lg[0, :10], ref[:10]) and close(lg[1, :4], ref[:4])
-    _, rest0, state = m.prefill(state, 0, ids[10:], start=10, all_logits=True)
-    _, rest1, state = m.prefill(state, 1, ids[4:], start=4, all_logits=True)
+    _, rest0, state = reference.prefill(m, state, 0, ids[10:], start=10, all_logits=True)
+    _, rest1, state = reference.prefill(m, state, 1, ids[4:], start=4, all_logits=True)
     assert close(rest0, ref[10:]) and close(rest1, ref[4:])
 
 
@@ -67,17 +68,17 @@ def test_snapshot_restore_round_trip():
     m = tiny_model("qwen35moe")
     ids = j["prompt_ids"]
     state = m.new_state()
-    _, _, state = m.prefill(state, 0, ids[:12])
+    _, _, state = reference.prefill(m, state, 0, ids[:12])
     snap = jax.tree.map(np.asarray, qwen35.snapshot_slot(state.cache, 0))
-    _, _, state = m.prefill(state, 0, ids[12:] + ids[:5], start=12)  # moves slot 0 past the boundary
-    _, _, state = m.prefill(state, 1, ids[::-1])  # and slot 1 too; restoring slot 0 must not touch it
+    _, _, state = reference.prefill(m, state, 0, ids[12:] + ids[:5], start=12)  # moves slot 0 past the boundary
+    _, _, state = reference.prefill(m, state, 1, ids[::-1])  # and slot 1 too; restoring slot 0 must not touch it
     before1 = jax.tree.map(np.asarray, qwen35.snapshot_slot(state.cache, 1))
     state = state.replace(cache=qwen35.restore_slot(state.cache, 0, snap))
     for a, b in zip(jax.tree.leaves(qwen35.snapshot_slot(state.cache, 0)), jax.tree.leaves(snap)):
         np.testing.assert_array_equal(np.asarray(a), b)
     for a, b in zip(jax.tree.leaves(qwen35.snapshot_slot(state.cache, 1)), jax.tree.leaves(before1)):
         np.testing.assert_array_equal(np.asarray(a), b)
-    _, tail, state = m.prefill(state, 0, ids[12:], start=12, all_logits=True)
+    _, tail, state = reference.prefill(m, state, 0, ids[12:], start=12, all_logits=True)
     assert close(tail, ref[12:])
     cache = qwen35.reset_slot(state.cache, 1)
     assert all(not np.asarray(v).any() for v in jax.tree.leaves(qwen35.snapshot_slot(cache, 1)))

@@ -19,6 +19,7 @@ import pytest
 from conftest import TINY
 from pantheon import engine
 from pantheon.sampler import SamplingParams
+from pantheon import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 # std 0.15 (the tiny fixture's scale) gives logits of std ~1.2, so the 1e-4 checks below are not
@@ -62,18 +63,18 @@ def test_config_read_back(small):
 
 def test_logits_finite_and_chunked_prefill_equals_whole(small):
     _, m = small
-    whole = m.logits(PROMPT, chunk=len(PROMPT))
+    whole = reference.logits(m, PROMPT, chunk=len(PROMPT))
     assert whole.shape == (len(PROMPT), 512)
     assert np.isfinite(whole).all() and float(whole.std()) > 0.5
-    chunked = m.logits(PROMPT, chunk=3)
+    chunked = reference.logits(m, PROMPT, chunk=3)
     assert float(np.abs(chunked - whole).max()) < 1e-4
 
 
 def test_greedy_generation(small):
     _, m = small
-    out = list(m.generate(PROMPT, GREEDY, max_tokens=8, stop_ids=[]))
+    out = list(reference.generate(m, PROMPT, GREEDY, max_tokens=8, stop_ids=[]))
     assert len(out) == 8 and all(0 <= t < 512 for t in out)
-    stepwise = list(m.generate(PROMPT, GREEDY, max_tokens=8, stop_ids=[], decode_from=5, chunk=3))
+    stepwise = list(reference.generate(m, PROMPT, GREEDY, max_tokens=8, stop_ids=[], decode_from=5, chunk=3))
     assert stepwise == out
 
 
@@ -99,5 +100,5 @@ def test_q8_0_synthetic_tokenizer_and_padded_vocab(tmp_path):
     assert m.config.vocab == 320 and m.config.extra["attention.recurrent_layers"] == [True, False]
     ids = m.tokenizer.encode("the cat")
     assert m.tokenizer.decode(ids) == "the cat"
-    lg = m.logits(ids + [5, 6, 7])
+    lg = reference.logits(m, ids + [5, 6, 7])
     assert lg.shape == (len(ids) + 3, 320) and np.isfinite(lg).all()

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import REAL, real_fixture
 from pantheon.sampler import SamplingParams
+from pantheon import reference
 
 MODELS = ["smollm2-135m", "qwen-0.5b"]
 LOGIT_TOL = {"smollm2-135m": 2e-3, "qwen-0.5b": 2e-3}  # f32 KV cache, like the oracle
@@ -35,7 +36,7 @@ def test_logits_and_top1_match_hf(name, kv, load_real):
     tol = LOGIT_TOL[name] if kv == "float32" else F16_KV_LOGIT_TOL[name]
     for case in fx["chat_cases"]:
         ids = case["prompt_ids"]
-        logits = model.logits(ids)
+        logits = reference.logits(model, ids)
         ref = np.load(REAL / case["last_logits_file"])
         assert np.abs(log_softmax(logits[-1]) - log_softmax(ref)).max() < tol
         for row in case["top_logits"]:
@@ -50,7 +51,7 @@ def test_greedy_continuation_matches_hf(name, load_real):
     agree_total, total = 0, 0
     for case in fx["chat_cases"]:
         ref = case["greedy_ids_hf"]
-        out = list(model.generate(case["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=len(ref),
+        out = list(reference.generate(model, case["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=len(ref),
                                   stop_ids=fx["stop_ids"]))
         lead = 0
         while lead < min(len(out), len(ref)) and out[lead] == ref[lead]:
@@ -67,6 +68,6 @@ def test_chat_prompt_renders_like_hf(load_real):
     fx = real_fixture("smollm2-135m")
     model = load_real("smollm2-135m")
     for case in fx["chat_cases"]:
-        text = model.template.render(case["messages"], tools=case.get("tools"), add_generation_prompt=True)
+        text = model.card.template.render(case["messages"], tools=case.get("tools"), add_generation_prompt=True)
         assert text == case["rendered"]
         assert model.tokenizer.encode(text) == case["prompt_ids"]

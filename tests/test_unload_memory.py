@@ -28,6 +28,7 @@ import pytest
 from conftest import tiny_fixture
 from pantheon.config import load_settings
 from pantheon.registry import Registry
+from pantheon import reference
 
 CYCLES = 5
 
@@ -104,7 +105,7 @@ def test_unload_frees_the_models_buffers_and_programs_even_while_referenced(tmp_
     reg.load(str(path), name="m", resolve=Path)
     entry = reg.acquire("m")
     model = entry.model
-    assert len(list(model.generate([5, 6, 7], max_tokens=3, stop_ids=[]))) == 3  # compiles a few programs
+    assert len(list(reference.generate(model, [5, 6, 7], max_tokens=3, stop_ids=[]))) == 3  # compiles a few programs
     held_state = model.new_state()
     forward = model._serve  # the serving step's forward, which generate() compiled
     arrays = [x for x in jax.tree.leaves(model.params) + jax.tree.leaves(held_state) if isinstance(x, jax.Array)]

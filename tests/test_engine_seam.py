@@ -199,7 +199,7 @@ def test_a_failed_admission_fails_everything_and_marks_the_model_failed(model):
 
 def test_a_failed_driver_turns_health_503_naming_the_model_until_unloaded(model):
     """Through the registry and the app: GET / answers 503 naming the failed instance; chat gets 503;
-    after an admin unload the server is healthy again."""
+    after an admin unload the server is healthy again, and the model loads and serves again."""
     from pantheon.registry import Registry
     from pantheon.web import create_app
 
@@ -232,3 +232,8 @@ def test_a_failed_driver_turns_health_503_naming_the_model_until_unloaded(model)
     un = client.post("/admin/models/unload", json={"name": "tiny"}, headers={"Authorization": "Bearer k"})
     assert un.status_code == 200
     assert client.get("/").status_code == 200
+    reg.load("tiny.gguf", "tiny", None, resolve=lambda src: Path(src))  # and it can be loaded again
+    again = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                       "messages": [{"role": "user", "content": "x"}]})
+    assert again.status_code == 200 and again.json["usage"]["completion_tokens"] == 2
+    reg.unload("tiny")

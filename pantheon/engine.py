@@ -483,8 +483,8 @@ class Model:
         for plan in self.warmup_plans(decode, prefill, mixed):
             h, state = self.step(state, plan)
             self.read(h)
-        state = self.release(state, 0)
-        return self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert
+        state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert
+        return self.release(state, 0)  # ... and release, leaving slot 0 idle
 
     def compiled_shapes(self) -> set[tuple]:
         with self._keys_lock:

@@ -387,7 +387,9 @@ class Model:
         reach = max(plan.reach, 1) if dec else 0
         T, ctok, cmeta = 0, np.zeros((1, 1), np.int32), np.zeros(3, np.int32)
         if c is not None:
-            T = _bucket(len(c.tokens), self.chunk_buckets)
+            # A one-token chunk (a prompt whose prefix is all cached) runs unpadded: padding it to the
+            # smallest chunk bucket would cost ~30x its compute, right on the time to first token.
+            T = 1 if len(c.tokens) == 1 else _bucket(len(c.tokens), self.chunk_buckets)
             ctok = np.zeros((1, T), np.int32)
             ctok[0, : len(c.tokens)] = c.tokens
             cmeta = np.array([c.slot, len(c.tokens), int(c.final)], np.int32)
@@ -460,7 +462,7 @@ class Model:
         s = self.scratch_slot
         if decode:
             plans += [StepPlan(decode=(s,) * b, reach=sp) for b in self.row_buckets for sp in self.span_buckets]
-        chunks = [(t, sp) for t in self.chunk_buckets for sp in self.span_buckets if sp >= t]
+        chunks = [(t, sp) for t in (1, *self.chunk_buckets) for sp in self.span_buckets if sp >= t]
         for t, sp in chunks:
             start = max(0, min(sp - t, self.capacity - t)) if sp != self.span_buckets[0] else 0
             if prefill:

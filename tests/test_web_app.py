@@ -361,3 +361,43 @@ def test_admin_load_unload_cycle(client, app_and_reg):
     assert admin(client, "/models/unload", {"name": "m", "timeout_s": 5}).status_code == 200
     r = chat(client)
     assert r.status_code == 503 and r.get_json()["error"]["code"] == "model_not_loaded"
+
+
+# ---- OpenAI fields clients send that change nothing here (issue 20, item 8) ----------------------------
+COMPAT = {"store": False, "metadata": {"trace": "abc"}, "service_tier": "auto", "prompt_cache_key": "k1",
+          "safety_identifier": "u-hash", "user": "me", "parallel_tool_calls": True, "verbosity": "low",
+          "modalities": ["text"]}
+
+
+def test_compatibility_fields_are_accepted_and_change_nothing(client, app_and_reg):
+    plain = chat(client, temperature=0)
+    compat = chat(client, temperature=0, **COMPAT)
+    assert plain.status_code == compat.status_code == 200
+    assert compat.get_json()["choices"] == plain.get_json()["choices"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("store", "yes"), ("metadata", {"k": 1}), ("metadata", {f"k{i}": "v" for i in range(17)}),
+    ("service_tier", "fastest"), ("verbosity", "loud"), ("modalities", ["text", "audio"]),
+    ("reasoning_effort", "extreme"), ("seed", 1 << 63), ("seed", -(1 << 63) - 1),
+    ("tool_choice", "auto"), ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+])
+def test_compatibility_fields_are_still_checked(client, field, value):
+    r = chat(client, **{field: value})
+    assert r.status_code == 400, r.get_data(as_text=True)
+    assert r.get_json()["error"]["param"].startswith(field)
+
+
+def test_seed_takes_the_whole_signed_64_bit_range(client):
+    for seed in (-(1 << 63), (1 << 63) - 1):
+        assert chat(client, seed=seed).status_code == 200
+
+
+def test_reasoning_effort_maps_onto_the_templates_thinking_switch():
+    from pantheon.web.chat import parse_chat_request
+    base = {"messages": HELLO}
+    assert parse_chat_request({**base, "reasoning_effort": "high"}, {}).enable_thinking is True
+    assert parse_chat_request({**base, "reasoning_effort": "minimal"}, {}).enable_thinking is False
+    assert parse_chat_request(base, {}).enable_thinking is None
+    explicit = {**base, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}
+    assert parse_chat_request(explicit, {}).enable_thinking is False  # the explicit switch wins

@@ -55,7 +55,14 @@ TOP_FIELDS = frozenset({
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "stream_options",
     "tools", "tool_choice", "parallel_tool_calls", "session_id", "n", "user", "logprobs", "top_logprobs",
     "response_format", "chat_template_kwargs", "ignore_eos", "cache_salt",
+    # OpenAI fields that change nothing here (validated, then ignored), and reasoning_effort, which maps
+    # onto the chat template's thinking switch (see _compat_fields)
+    "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "modalities",
+    "reasoning_effort",
 })
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+VERBOSITY = ("low", "medium", "high")
+REASONING_EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")  # after the body's session_id, in this order
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content",
                             "reasoning"})
@@ -289,8 +296,8 @@ def _tool_choice(body: Mapping, tools: list[dict] | None) -> Any:
     if isinstance(tc, str):
         if tc not in ("none", "auto", "required"):
             raise _bad("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", ...}")
-        if tc == "required" and not tools:
-            raise _bad("tool_choice", "\"required\" needs tools")
+        if tc != "none" and not tools:
+            raise _bad("tool_choice", f"{tc!r} needs tools (only \"none\" is valid without them)")
         return tc
     if not isinstance(tc, dict) or tc.get("type") != "function" or not isinstance(tc.get("function"), dict) \
             or not isinstance(tc["function"].get("name"), str):
@@ -300,6 +307,38 @@ def _tool_choice(body: Mapping, tools: list[dict] | None) -> Any:
     if tc["function"]["name"] not in names:
         raise _bad("tool_choice.function.name", f"no tool named {shown(tc['function']['name'])!r} in tools")
     return {"type": "function", "function": {"name": tc["function"]["name"]}}
+
+
+def _compat_fields(body: Mapping) -> bool | None:
+    """Check the OpenAI fields accepted for compatibility (clients and agent frameworks send them) and
+    return what `reasoning_effort` asks of the template's thinking switch (None: nothing).
+
+    store, metadata, service_tier, prompt_cache_key, safety_identifier and verbosity change nothing
+    here; modalities may only ask for text.
+    """
+    _boolean(body, "store")
+    md = body.get("metadata")
+    if md is not None:
+        if not isinstance(md, dict) or len(md) > 16:
+            raise _bad("metadata", "must be an object of at most 16 string values")
+        for k, v in md.items():
+            if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
+                raise _bad(f"metadata.{k}", "keys are at most 64 characters and values strings of at most 512")
+    for key, allowed in (("service_tier", SERVICE_TIERS), ("verbosity", VERBOSITY)):
+        v = _string(body, key)
+        if v is not None and v not in allowed:
+            raise _bad(key, f"must be one of {', '.join(allowed)}")
+    _string(body, "prompt_cache_key", 1024)
+    _string(body, "safety_identifier")
+    mods = body.get("modalities")
+    if mods is not None and (not isinstance(mods, list) or any(m != "text" for m in mods)):
+        raise _bad("modalities", "only [\"text\"] is supported")
+    effort = _string(body, "reasoning_effort")
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORT:
+        raise _bad("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORT)}")
+    return REASONING_EFFORT[effort]
 
 
 def _stop(body: Mapping) -> tuple[str, ...]:
@@ -339,7 +378,7 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     rep = _number(body, "repetition_penalty", 0.0, 10.0, lo_open=True)
     pres = _number(body, "presence_penalty", -2.0, 2.0)
     freq = _number(body, "frequency_penalty", -2.0, 2.0)
-    seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
+    seed = _integer(body, "seed", -(1 << 63), (1 << 63) - 1)  # a signed 64-bit integer, as OpenAI's
     stop = _stop(body)
     stream = bool(_boolean(body, "stream"))
     include_usage = False
@@ -391,6 +430,9 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
         if extra:
             raise _bad(f"chat_template_kwargs.{extra[0]}", "is not supported (only enable_thinking)")
         enable_thinking = _boolean(ctk, "enable_thinking")
+    effort_thinking = _compat_fields(body)
+    if enable_thinking is None:  # an explicit chat_template_kwargs.enable_thinking wins
+        enable_thinking = effort_thinking
     try:
         params = SamplingParams(
             temperature=1.0 if temperature is None else temperature,

@@ -29,10 +29,15 @@ HELLO = [{"role": "user", "content": "hi"}]
 class CharTokenizer:
     eot_ids = frozenset({0})
     add_bos = False
+
+    vocab_size = 0x110000
     bos_id = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
         return [ord(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i) for i in ids)
 
     def is_control(self, tid: int) -> bool:
         return tid < 32 and chr(tid) not in "\n\t"
@@ -401,3 +406,31 @@ def test_reasoning_effort_maps_onto_the_templates_thinking_switch():
     assert parse_chat_request(base, {}).enable_thinking is None
     explicit = {**base, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}
     assert parse_chat_request(explicit, {}).enable_thinking is False  # the explicit switch wins
+
+
+# ---- small routes (issue 20, item 6) ----------------------------------------------------------------------
+def test_a_model_by_id(client):
+    r = client.get("/v1/models/m")
+    assert r.status_code == 200 and r.get_json()["id"] == "m" and r.get_json()["object"] == "model"
+    r = client.get("/v1/models/nope")
+    assert r.status_code == 404 and r.get_json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_and_detokenize_in_llama_cpp_shapes(client, app_and_reg):
+    r = client.post("/tokenize", json={"content": "hi"})
+    assert r.status_code == 200 and r.get_json() == {"tokens": [104, 105]}
+    r = client.post("/tokenize", json={"content": "hi", "with_pieces": True, "model": "m"})
+    assert r.get_json() == {"tokens": [{"id": 104, "piece": "h"}, {"id": 105, "piece": "i"}]}
+    r = client.post("/detokenize", json={"tokens": [104, 105]})
+    assert r.status_code == 200 and r.get_json() == {"content": "hi"}
+    assert in_flight(app_and_reg[1]) == 0  # the reference taken for the call is given back
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"content": 5}, "content"), ("/tokenize", {"content": "x", "add_special": "yes"}, "add_special"),
+    ("/tokenize", {"content": "x", "extra": 1}, "extra"), ("/detokenize", {"tokens": "104"}, "tokens"),
+    ("/detokenize", {"tokens": [True]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+])
+def test_tokenize_routes_refuse_bad_bodies(client, path, body, param):
+    r = client.post(path, json=body)
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == param

@@ -109,6 +109,17 @@ def test_real_chat_while_another_model_loads(srv, client, qwen_load):
     assert loading, "qwen finished loading before the smollm2 requests: the load/stream overlap was not tested"
 
 
+def test_tokenize_round_trip_on_the_real_model(srv):
+    text = "The capital of France is Paris."
+    r = srv.post("/tokenize", {"content": text, "model": "smol", "with_pieces": True})
+    assert r.status_code == 200, r.text
+    toks = r.json()["tokens"]
+    assert "".join(t["piece"] for t in toks) == text and len(toks) < len(text)
+    back = srv.post("/detokenize", {"tokens": [t["id"] for t in toks], "model": "smol"})
+    assert back.status_code == 200 and back.json() == {"content": text}
+    assert srv.get("/v1/models/smol").json()["id"] == "smol"
+
+
 def test_tool_call_on_the_runtime_loaded_model(srv, client, qwen_load):
     thread, result = qwen_load
     thread.join(600)

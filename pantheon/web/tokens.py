@@ -1,0 +1,97 @@
+"""Small routes over a model's card: `GET /v1/models/<id>`, `POST /tokenize`, `POST /detokenize`.
+
+`/tokenize` and `/detokenize` take llama.cpp's server shapes so its clients work unchanged:
+`{"content": str, "add_special": bool, "with_pieces": bool}` -> `{"tokens": [id, ...]}` (or, with
+pieces, `[{"id": id, "piece": str}, ...]`), and `{"tokens": [id, ...]}` -> `{"content": str}`. An
+optional `"model"` picks the model as in chat completions. Both only read the model's tokenizer (a
+host object on its card): they hold a registry reference for the call and never touch the device.
+Long texts are tokenized in an OS thread (the same bound as chat prompts), off the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, jsonify
+
+from ..errors import RequestError
+from . import bridge
+from .body import shown
+from .chat import BIG_PROMPT_CHARS
+from .routes import read_json, server
+
+bp = Blueprint("tokens", __name__)
+
+MAX_DETOKENIZE = 1 << 20  # token ids one /detokenize call may carry
+
+
+def _object(body: Any, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(f"{shown(unknown[0])}: is not a supported field", param=shown(unknown[0]))
+    return body
+
+
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if not isinstance(v, bool):
+        raise RequestError(f"{key}: must be true or false", param=key)
+    return v
+
+
+def _with_tokenizer(body: dict, fn: Any) -> Any:
+    """Run `fn(tokenizer)` on the requested model's tokenizer, holding a registry reference meanwhile."""
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise RequestError("model: must be a string", param="model")
+    registry = server().registry
+    entry = registry.acquire(name)
+    try:
+        return fn(entry.card.tokenizer)
+    finally:
+        registry.release(entry)
+
+
+@bp.get("/v1/models/<path:model_id>")
+def get_model(model_id: str) -> Response:
+    for m in server().registry.models():
+        if m["id"] == model_id:
+            return jsonify(m)
+    raise RequestError(f"model {shown(model_id)!r} is not loaded", param="model", status=404, code="model_not_found")
+
+
+@bp.post("/tokenize")
+def tokenize() -> Response:
+    body = _object(read_json(), {"content", "add_special", "with_pieces", "model"})
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise RequestError("content: must be a string", param="content")
+    add_special, with_pieces = _flag(body, "add_special"), _flag(body, "with_pieces")
+
+    def run(tok: Any) -> list:
+        ids = tok.encode(content, add_special=add_special)
+        return [{"id": i, "piece": tok.token_text(i)} for i in ids] if with_pieces else ids
+
+    work = lambda: _with_tokenizer(body, run)  # noqa: E731
+    tokens = bridge.call_in_thread(work, name="pantheon-tokenize") if len(content) > BIG_PROMPT_CHARS else work()
+    return jsonify(tokens=tokens)
+
+
+@bp.post("/detokenize")
+def detokenize() -> Response:
+    body = _object(read_json(), {"tokens", "model"})
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or len(ids) > MAX_DETOKENIZE or \
+            not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise RequestError(f"tokens: must be a list of at most {MAX_DETOKENIZE} token ids", param="tokens")
+
+    def run(tok: Any) -> str:
+        bad = next((i for i in ids if not 0 <= i < tok.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"tokens: {bad} is not a token id of this model (0..{tok.vocab_size - 1})",
+                               param="tokens")
+        return tok.decode(ids)
+
+    return jsonify(content=_with_tokenizer(body, run))

@@ -84,14 +84,24 @@ def test_admit_prompt_fit_and_capped():
     msgs = conversation(2)
     _, ids, capped = admit_prompt(card(m), msgs, render, watch=watch_at(0.2))
     assert not capped and ids == render(msgs)[1]
-    long = conversation(10)  # 152 words: the oldest turns must go
-    rendered, ids, capped = admit_prompt(card(m), long, render, max_tokens=4, watch=watch_at(0.2))
+    long = conversation(10)  # 152 words: longer than the window
+    # as OpenAI answers it: 400 naming both sizes, unless the request asks for the oldest turns to go
+    with pytest.raises(RequestError) as e:
+        admit_prompt(card(m), long, render, max_tokens=4, watch=watch_at(0.2))
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+    assert "64 tokens" in str(e.value) and "146 tokens" in str(e.value) and '"truncate": "oldest"' in str(e.value)
+    rendered, ids, capped = admit_prompt(card(m), long, render, max_tokens=4, watch=watch_at(0.2), truncate=True)
     assert capped and len(ids) <= 64 - 4
     assert rendered.startswith("system: be brief") and rendered.endswith("user: last question")
     assert "q9" in rendered and "q0" not in rendered
-    # no running watch: the context window alone still caps (the seed's sliding window)
-    _, ids2, capped2 = admit_prompt(card(m), long, render, max_tokens=4, watch=SimpleNamespace(snapshot=lambda: None))
+    # no running watch: the context window alone caps the same way when asked to
+    _, ids2, capped2 = admit_prompt(card(m), long, render, max_tokens=4, watch=SimpleNamespace(snapshot=lambda: None),
+                                    truncate=True)
     assert capped2 and ids2 == ids
+    # a prompt inside the window but into the answer's reserve is taken whole without truncate
+    near = conversation(4)  # 62 words: 2 tokens left to generate, fewer than the 8 reserved
+    _, ids3, capped3 = admit_prompt(card(m), near, render, watch=watch_at(0.2))
+    assert not capped3 and ids3 == render(near)[1]
 
 
 def test_admit_prompt_refusals():
@@ -319,7 +329,12 @@ def long_conversation() -> list[dict]:
 
 def test_overlong_prompt_is_capped_with_the_kept_conversations_answer(srv):
     msgs = long_conversation()
-    r = chat(srv, "base", msgs, max_tokens=8, ignore_eos=True, session_id="capped-1")
+    # by default a conversation longer than the context is refused, as OpenAI refuses it
+    r = chat(srv, "base", msgs, max_tokens=8)
+    err = assert_error(r, 400)
+    assert err["code"] == "context_length_exceeded" and "128 tokens" in err["message"]
+    # asked to, the oldest turns go
+    r = chat(srv, "base", msgs, max_tokens=8, ignore_eos=True, session_id="capped-1", truncate="oldest")
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["context_capped"] is True
@@ -342,7 +357,7 @@ def test_overlong_prompt_is_capped_with_the_kept_conversations_answer(srv):
     assert "context_capped" not in alone
     assert alone["choices"][0]["message"]["content"] == answer
     # streamed: the finish chunk says so too
-    r = chat(srv, "base", msgs, max_tokens=8, stream=True, stream_options={"include_usage": True})
+    r = chat(srv, "base", msgs, max_tokens=8, stream=True, stream_options={"include_usage": True}, truncate="oldest")
     events = sse_events(r)
     finish = [e for e in events if isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]]
     assert finish and finish[-1]["context_capped"] is True

@@ -58,7 +58,7 @@ TOP_FIELDS = frozenset({
     # OpenAI fields that change nothing here (validated, then ignored), and reasoning_effort, which maps
     # onto the chat template's thinking switch (see _compat_fields)
     "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "modalities",
-    "reasoning_effort",
+    "reasoning_effort", "truncate",
 })
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 VERBOSITY = ("low", "medium", "high")
@@ -91,6 +91,7 @@ class ChatRequest:
     session_id: str | None
     enable_thinking: bool | None
     ignore_eos: bool = False  # benchmark knob (vLLM / llama.cpp): generate the full budget past EOS
+    truncate_oldest: bool = False  # "truncate": "oldest": drop the oldest turns to fit the window (else 400)
     user: str | None = None
     cache_salt: str | None = None
     cache_scope: str = ""  # prefix-reuse tenant (see cache_scope()); set by the route from the API key
@@ -448,10 +449,13 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
         field = str(exc).split(" ", 1)[0]
         raise RequestError(str(exc), param=field) from None
     ignore_eos = bool(_boolean(body, "ignore_eos"))
+    truncate = _string(body, "truncate")
+    if truncate not in (None, "none", "oldest"):
+        raise _bad("truncate", "must be \"none\" or \"oldest\"")
     return ChatRequest(model=model, messages=messages, params=params, max_tokens=max_tokens, stop=stop,
                        stream=stream, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
                        session_id=session_id, enable_thinking=enable_thinking, ignore_eos=ignore_eos,
-                       user=user, cache_salt=cache_salt)
+                       user=user, cache_salt=cache_salt, truncate_oldest=truncate == "oldest")
 
 
 def cache_scope(api_key: str | None, creq: ChatRequest) -> str:
@@ -524,8 +528,16 @@ def answer_reserve(window: int, max_tokens: int | None) -> int:
     return min(reserve, max_tokens) if max_tokens else reserve
 
 
+def _window_exceeded(n: str, window: int) -> RequestError:
+    return RequestError(f"messages: this model's maximum context length is {window} tokens and at least one must "
+                        f"be left to generate, but the messages have {n} tokens; shorten them, or send "
+                        "\"truncate\": \"oldest\" to have the oldest turns dropped",
+                        param="messages", code="context_length_exceeded")
+
+
 def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dict]], tuple[str, list[int]]],
-                 max_tokens: int | None = None, watch: Any = None) -> tuple[str, list[int], bool]:
+                 max_tokens: int | None = None, watch: Any = None,
+                 truncate: bool = False) -> tuple[str, list[int], bool]:
     """Admit a chat prompt on the model `card` describes: (rendered prompt, token ids, capped).
 
     `render(messages)` is the chat template plus tokenizer. The prompt must fit the model's context
@@ -537,6 +549,12 @@ def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dic
     that does not fit, the original prompt is still taken when it leaves room for one generated token;
     otherwise 400 `context_length_exceeded` when the context window is the limit, 503 (retry later)
     when memory is. Memory alone too tight for any useful prompt (CRITICAL pressure): 503.
+
+    Turns are dropped for the *window* only when the request asks for it (`truncate`: "oldest"), as
+    OpenAI and the peer servers answer a conversation longer than the context with 400
+    `context_length_exceeded` (the sizes in the message). Without it, a prompt that leaves at least
+    one token to generate is taken whole, and a longer one is that 400; dropping turns because the
+    *memory* free now is short stays automatic.
     """
     window = int(card.context_length)
     reserve = answer_reserve(window, max_tokens)
@@ -544,9 +562,14 @@ def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dic
     pre_capped = False
     tok = card.tokenizer
     if callable(getattr(tok, "min_tokens", None)):
-        msgs, pre_capped = _cap_by_length(tok, msgs, window, reserve)
+        if truncate:
+            msgs, pre_capped = _cap_by_length(tok, msgs, window, reserve)
+        elif _min_tokens(tok, msgs) > window - 1:  # provably too long: refused before tokenizing
+            raise _window_exceeded(f"at least {_min_tokens(tok, msgs)}", window)
     rendered, ids = render(msgs)
     n = len(ids)
+    if n > window - 1 and not truncate:
+        raise _window_exceeded(str(n), window)
     adm = None
     if card.admit is not None:
         adm = card.admit(n, reserve, watch)
@@ -558,6 +581,9 @@ def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dic
     else:
         fit = window - reserve
     if n <= fit:
+        return rendered, ids, pre_capped
+    memory_short = measured and adm is not None and (adm.window < window or adm.fit_tokens < window - reserve)
+    if not truncate and not memory_short:  # the window is the limit and one token still fits: as sent
         return rendered, ids, pre_capped
     capped, _ = memory.cap_messages(msgs, lambda m: render(m)[1], fit)
     c_rendered, c_ids = render(capped)
@@ -622,7 +648,7 @@ class Generation:
         card = self.entry.card
         tok = card.tokenizer
         admit = lambda: admit_prompt(card, self.creq.messages, lambda m: self._prompt(card, m),  # noqa: E731
-                                     self.creq.max_tokens, self.watch)
+                                     self.creq.max_tokens, self.watch, self.creq.truncate_oldest)
         try:
             if self.creq.size > BIG_PROMPT_CHARS:  # rendering + tokenizing would hold the hub for a while
                 rendered, ids, self.prompt_capped = bridge.call_in_thread(admit, name="pantheon-tokenize")

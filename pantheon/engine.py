@@ -478,11 +478,12 @@ class Model:
         XLA compiles with the GIL released: the forwards are compiled ahead of time on every core,
         then each shape runs once on the scratch slot (which also compiles the few sampler programs).
         """
-        plans = [self._serve_plan(p) for p in self.warmup_plans(decode, prefill, mixed)]
+        step_plans = self.warmup_plans(decode, prefill, mixed)
+        plans = [self._serve_plan(p) for p in step_plans]
         osthread.map_threads(
             lambda pl: pl.fn.lower(self.params, state.cache, state.slots, *pl.args, **pl.kwargs).compile(),
             plans, os.cpu_count() or 1, name=f"compile-{self.name}")
-        for plan in self.warmup_plans(decode, prefill, mixed):
+        for plan in step_plans:
             h, state = self.step(state, plan)
             self.read(h)
         state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert

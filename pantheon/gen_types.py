@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-DEFAULT_PENALTY_WINDOW = 64
 PENALTY_WINDOW = 64  # the most recent tokens a slot keeps on the device for penalties (decode_state's ring)
+DEFAULT_PENALTY_WINDOW = PENALTY_WINDOW  # a request looks at all of them unless it asks for fewer
 _U64 = (1 << 64) - 1
 
 

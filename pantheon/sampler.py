@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .gen_types import DEFAULT_PENALTY_WINDOW, GREEDY, SamplingParams  # noqa: F401 (re-exported)
+from .gen_types import GREEDY, SamplingParams
 
 # How many largest logits the fast path looks at.  lax.top_k(256) over 152k logits is ~5 ms on a CPU;
 # every threshold it can decide is exact, the rest fall back to bisection (see module docstring).
@@ -382,26 +382,3 @@ def kept_mask(
 
 
 sample_jit = jax.jit(sample, static_argnames="candidates")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def sample_host(logits: np.ndarray, params: SamplingParams, recent: Sequence[int], step: int) -> int:
-    """:func:`sample` for one row given host values (owner-side sampling); the same ids by construction.
-
-    It runs the jitted :func:`sample` on a batch of one.  ``recent`` may be any length: only the last
-    ``penalty_window`` tokens count, padded to a power-of-two width to bound the number of compilations
-    (the window width does not change the result).
-    """
-    row = np.asarray(logits, dtype=np.float32).reshape(1, -1)
-    hist = list(recent)[-params.penalty_window :] if params.penalty_window > 0 else []
-    width = _pow2(max(1, len(hist)))
-    out = sample_jit(
-        row,
-        make_rows_np([params], 1),
-        recent_window(hist, width)[None, :],
-        np.array([step], dtype=np.int32),
-    )
-    return int(out[0])

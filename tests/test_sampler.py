@@ -37,7 +37,6 @@ from pantheon.sampler import (
     make_rows_np,
     recent_window,
     sample,
-    sample_host,
     sample_jit,
 )
 
@@ -349,22 +348,6 @@ def test_frequency_penalty_grows_with_the_count():
 
 
 # ---------------------------------------------------------------------------------------------- host side
-
-
-@pytest.mark.parametrize("step", [0, 3])
-def test_sample_host_equals_sample(step):
-    lg = logits_batch(21)
-    hists = [list(range(b, 3 * b + 20, 3)) for b in range(8)]
-    rec = np.stack([recent_window(h, W) for h in hists])
-    params = [p.resolved() for p in MIXED]
-    batch = run(lg, params, rec, step)
-    host = [sample_host(lg[b], params[b], hists[b][-W:], step) for b in range(8)]
-    assert host == batch.tolist()
-    # The host window may be longer than W: only the last penalty_window tokens count.
-    p = SamplingParams(seed=9, repetition_penalty=3.0, penalty_window=4)
-    long_hist = list(range(40))
-    one = run(lg[:1], [p], recent_window(long_hist, W)[None], step)[0]
-    assert sample_host(lg[0], p, long_hist, step) == one
 
 
 def test_changing_knob_values_never_recompiles():

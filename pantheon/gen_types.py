@@ -7,9 +7,12 @@ pull in, the device runtime.
 Events a backend hands a request's sink, in order:
 
     Started()                       the request has a slot and is prefilling (absent if refused)
-    Tokens(ids)                     one or more sampled ids, in order
-    Finished(reason, error, ...)    exactly once, last: "stop" (a stop id), "length" (budget),
-                                    "cancelled" (Handle.cancel), or "error" with `error` set
+    Tokens(ids, choice, logprobs)   one or more sampled ids of one choice, in order
+    Finished(reason, error, ...)    once per choice, last for it: "stop" (a stop id), "length"
+                                    (budget), "cancelled" (Handle.cancel), or "error" with `error` set
+
+An n > 1 request gets one Started, then each choice's Tokens interleaved, and n Finished events
+(a refused request gets a single Finished("error")).
 
 A request that cannot start (queue timeout, shutdown, admission denied) gets only
 `Finished("error", error=BusyError(...))`, so the web layer can still answer with a status code.
@@ -29,6 +32,9 @@ from typing import Any, Protocol
 import numpy as np
 
 PENALTY_WINDOW = 64  # the most recent tokens a slot keeps on the device for penalties (decode_state's ring)
+MAX_TOP_LOGPROBS = 20  # top_logprobs a row may ask for (OpenAI's limit); the step returns this many per row
+MAX_LOGIT_BIAS = 300  # logit_bias entries a request may carry (OpenAI's limit); the slot table holds this many
+LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100]
 DEFAULT_PENALTY_WINDOW = PENALTY_WINDOW  # a request looks at all of them unless it asks for fewer
 _U64 = (1 << 64) - 1
 
@@ -122,6 +128,18 @@ class SamplingParams:
 GREEDY = SamplingParams(temperature=0.0, penalty_window=0, seed=0)
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of an n > 1 request whose (resolved) seed is `seed`: choice 0 keeps
+    it (so n=1 and the first of n choices sample alike), the others get distinct 64-bit seeds derived
+    from it by a fixed mix (splitmix64), so a seeded n > 1 request is reproducible and its choices differ."""
+    if choice == 0:
+        return seed & _U64
+    z = (seed + choice * 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
 @dataclass
 class GenRequest:
     """One generation as the schedulers see it: token ids in, a budget, stop ids and sampling knobs.
@@ -139,31 +157,74 @@ class GenRequest:
     # user, session, cache_salt), so a prompt's cached length never tells one client about another's.
     cache_scope: str = ""
     request_id: str = field(default_factory=lambda: secrets.token_hex(12))
+    # n > 1: choices that share the prompt (prefilled once); choice i samples with choice_seed(seed, i)
+    n: int = 1
+    # None: no log probabilities; k in 0..MAX_TOP_LOGPROBS: each sampled token's logprob and the k most
+    # likely tokens' (Tokens.logprobs), computed inside the step
+    logprobs: int | None = None
+    # (token id, bias) pairs added to the logits before everything else in the sampler (ids checked < vocab
+    # by the web layer; at most MAX_LOGIT_BIAS)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # A host-side grammar (pantheon.structured.Grammar) every choice's tokens must follow, or None. The
+    # scheduler gives each choice a matcher; the step masks the logits with its bitmask.
+    constraint: Any = None
+    # (legacy completions' echo + logprobs) the prompt's own token logprobs with the top k, delivered in
+    # Started.prompt_logprobs; None: not computed
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         p = self.params.resolved()
         if p.penalty_window > PENALTY_WINDOW:
             p = replace(p, penalty_window=PENALTY_WINDOW)
         self.params = p
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}")
+
+    def choice_params(self, choice: int) -> SamplingParams:
+        """The sampling knobs of choice `choice` (its own derived seed)."""
+        return self.params if choice == 0 else replace(self.params, seed=choice_seed(self.params.seed, choice))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log probability and, when asked for, the k most likely tokens at its position
+    (most likely first), all from the same distribution: the logits after logit_bias, the penalties
+    and the grammar mask, before temperature and the top-k / top-p / min-p filters."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class Started:
     reused_tokens: int = 0  # prompt tokens served from a prefix already in the slot
+    # GenRequest.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Tokens:
     ids: tuple[int, ...]
+    choice: int = 0  # which of the request's n choices
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per id when the request asked for logprobs
 
 
 @dataclass(frozen=True)
 class Finished:
+    """The end of one choice (an n > 1 request gets one per choice; an "error" one may end them all:
+    the web layer treats any error as the request's)."""
+
     reason: str  # "stop" | "length" | "cancelled" | "error"
     error: Exception | None = None
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # of this choice
     reused_tokens: int = 0
+    choice: int = 0
 
 
 Event = Started | Tokens | Finished

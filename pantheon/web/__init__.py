@@ -160,13 +160,14 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     # dies() imports JAX on its first call: only once the startup thread has loaded the models
     metrics.set_die_source(lambda: state.registry.dies() if state.status == "ok" else [])
 
-    from . import admin, errors, router_api, routes, security, tokens
+    from . import admin, errors, openapi, router_api, routes, security, tokens
     errors.init_app(app)
     security.init_app(app, settings)
     app.register_blueprint(routes.bp)
     app.register_blueprint(router_api.bp)
     app.register_blueprint(admin.bp)
     app.register_blueprint(tokens.bp)
+    app.register_blueprint(openapi.bp)
     if settings.registry_url:  # otherwise nothing here ever contacts a router
         from ..registration import Registration
         state.registration = Registration(settings, served=lambda: served_models(state.registry)).start()

@@ -16,13 +16,14 @@ from ..errors import CatalogError, RequestError
 from . import bridge
 from .body import shown
 from .routes import read_json, server
+from .schema import ADMIN_DIES_MAX, ADMIN_NAME_CHARS, LOAD_REQUEST, UNLOAD_REQUEST, UNLOAD_TIMEOUT_MAX_S, fields
 from .security import model_path_in_dir
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
 
-LOAD_FIELDS = frozenset({"path", "model", "name", "dies"})
-UNLOAD_FIELDS = frozenset({"name", "instance_id", "timeout_s"})
-MAX_DIES = 64
+LOAD_FIELDS = fields(LOAD_REQUEST)  # pantheon.web.schema describes the bodies; these validators hold to it
+UNLOAD_FIELDS = fields(UNLOAD_REQUEST)
+MAX_DIES = ADMIN_DIES_MAX
 
 
 def _object(body: Any, allowed: frozenset[str]) -> dict:
@@ -37,7 +38,7 @@ def _object(body: Any, allowed: frozenset[str]) -> dict:
 
 def _opt_str(body: dict, key: str) -> str | None:
     v = body.get(key)
-    if v is not None and (not isinstance(v, str) or not v or len(v) > 4096):
+    if v is not None and (not isinstance(v, str) or not v or len(v) > ADMIN_NAME_CHARS):
         raise RequestError(f"{key}: must be a non-empty string", param=key)
     return v
 
@@ -82,13 +83,14 @@ def _then_register(registration: Any, fn: Any, *args: Any) -> Any:
 @bp.post("/models/load")
 def load() -> Response:
     body = _object(read_json(), LOAD_FIELDS)
-    source, resolve = _resolver(body)
+    # The whole body is checked before the file system or the catalog is asked anything.
     name = _opt_str(body, "name")
     dies = body.get("dies")
     if dies is not None:
         if not isinstance(dies, list) or len(dies) > MAX_DIES or \
                 not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dies):
             raise RequestError("dies: must be a list of die numbers (non-negative integers)", param="dies")
+    source, resolve = _resolver(body)
     registry = server().registry
     info = bridge.call_in_thread(_then_register, server().registration, registry.load, source, name, dies, resolve,
                                  name="pantheon-admin-load")
@@ -104,8 +106,8 @@ def unload() -> Response:
                            param="name")
     timeout = body.get("timeout_s")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 <= timeout <= 86400):
-        raise RequestError("timeout_s: must be a number of seconds in [0, 86400]", param="timeout_s")
+                                or not 0 <= timeout <= UNLOAD_TIMEOUT_MAX_S):
+        raise RequestError(f"timeout_s: must be a number of seconds in [0, {UNLOAD_TIMEOUT_MAX_S}]", param="timeout_s")
     registry = server().registry
     done = bridge.call_in_thread(_then_register, server().registration, registry.unload, name, instance_id, timeout,
                                  name="pantheon-admin-unload")

@@ -35,6 +35,7 @@ from ..errors import PantheonError, RequestError
 from . import bridge
 from .body import shown
 from .errors import from_exception
+from .schema import CHAT_MESSAGE, CHAT_REQUEST, fields
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +51,14 @@ CANCEL_WAIT_S = 5.0  # how long close() waits for the backend to confirm a cance
 BIG_PROMPT_CHARS = 16384  # larger requests are rendered and tokenized off the hub, in an OS thread
 ANSWER_RESERVE_MAX = 256  # tokens admission keeps free for the answer (also at most window // 8 and max_tokens)
 
-TOP_FIELDS = frozenset({
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "stream_options",
-    "tools", "tool_choice", "parallel_tool_calls", "session_id", "n", "user", "logprobs", "top_logprobs",
-    "response_format", "chat_template_kwargs", "ignore_eos", "cache_salt",
-    # OpenAI fields that change nothing here (validated, then ignored), and reasoning_effort, which maps
-    # onto the chat template's thinking switch (see _compat_fields)
-    "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "modalities",
-    "reasoning_effort", "truncate",
-})
+# The fields a chat body may carry: pantheon.web.schema's, the one description of the request
+# (GET /openapi.json publishes it; tests hold these validators to it).
+TOP_FIELDS = fields(CHAT_REQUEST)
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 VERBOSITY = ("low", "medium", "high")
 REASONING_EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")  # after the body's session_id, in this order
-MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content",
-                            "reasoning"})
+MESSAGE_FIELDS = fields(CHAT_MESSAGE)
 
 
 def new_completion_id() -> str:

@@ -1,7 +1,7 @@
 """API keys, the admin gate, CORS and the request-body limit: checks that run before any route.
 
-* `PANTHEON_API_KEY` set: every route but the health probes (`GET /`, `/health`, `/m/<model>/health`)
-  and CORS preflights needs it, as
+* `PANTHEON_API_KEY` set: every route but the health probes (`GET /`, `/health`, `/m/<model>/health`),
+  the API's description (`GET /openapi.json`) and CORS preflights needs it, as
   `Authorization: Bearer KEY` or `X-Api-Key: KEY` (compared in constant time).
 * `/admin/*` needs `PANTHEON_ADMIN_KEY` the same way (the API key does not open it); with no admin key
   configured the admin API is off (403), so a default install cannot be told to read files.
@@ -45,9 +45,14 @@ def is_probe(path: str) -> bool:
     return path in ("/", "/health") or (path.startswith("/m/") and path.endswith("/health"))
 
 
+# Paths anyone may read: the API's description is the same for every server of this version and
+# tells nothing about this one (clients and tools fetch it before they have a key).
+PUBLIC_PATHS = ("/openapi.json",)
+
+
 def check_access(settings: Settings) -> None:
     """Raise 401/403 unless the request may use the route it targets."""
-    if request.method == "OPTIONS" or is_probe(request.path):
+    if request.method == "OPTIONS" or is_probe(request.path) or request.path in PUBLIC_PATHS:
         return
     key = presented_key()
     if request.path.startswith("/admin/") or request.path == "/admin":

@@ -19,13 +19,14 @@ from . import bridge
 from .body import shown
 from .chat import BIG_PROMPT_CHARS
 from .routes import read_json, server
+from .schema import DETOKENIZE_MAX, DETOKENIZE_REQUEST, ID_CHARS, TOKENIZE_REQUEST, fields
 
 bp = Blueprint("tokens", __name__)
 
-MAX_DETOKENIZE = 1 << 20  # token ids one /detokenize call may carry
+MAX_DETOKENIZE = DETOKENIZE_MAX  # token ids one /detokenize call may carry
 
 
-def _object(body: Any, allowed: set[str]) -> dict:
+def _object(body: Any, allowed: frozenset[str]) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
@@ -44,8 +45,8 @@ def _flag(body: dict, key: str) -> bool:
 def _with_tokenizer(body: dict, fn: Any) -> Any:
     """Run `fn(tokenizer)` on the requested model's tokenizer, holding a registry reference meanwhile."""
     name = body.get("model")
-    if name is not None and not isinstance(name, str):
-        raise RequestError("model: must be a string", param="model")
+    if name is not None and (not isinstance(name, str) or len(name) > ID_CHARS):
+        raise RequestError(f"model: must be a string of at most {ID_CHARS} characters", param="model")
     registry = server().registry
     entry = registry.acquire(name)
     try:
@@ -64,7 +65,7 @@ def get_model(model_id: str) -> Response:
 
 @bp.post("/tokenize")
 def tokenize() -> Response:
-    body = _object(read_json(), {"content", "add_special", "with_pieces", "model"})
+    body = _object(read_json(), fields(TOKENIZE_REQUEST))
     content = body.get("content")
     if not isinstance(content, str):
         raise RequestError("content: must be a string", param="content")
@@ -81,8 +82,10 @@ def tokenize() -> Response:
 
 @bp.post("/detokenize")
 def detokenize() -> Response:
-    body = _object(read_json(), {"tokens", "model"})
+    body = _object(read_json(), fields(DETOKENIZE_REQUEST))
     ids = body.get("tokens")
+    if isinstance(ids, list):  # JSON has one number type: 5.0 is the id 5, as in every integer field
+        ids = [int(i) if isinstance(i, float) and i.is_integer() else i for i in ids]
     if not isinstance(ids, list) or len(ids) > MAX_DETOKENIZE or \
             not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise RequestError(f"tokens: must be a list of at most {MAX_DETOKENIZE} token ids", param="tokens")

@@ -1,0 +1,470 @@
+"""The HTTP API's request and response bodies as JSON Schema (the OpenAPI 3.1 dialect), as Python data.
+
+Why data and not prose: this module is the one description of what each route takes. The route
+validators read their field lists from it (`chat.TOP_FIELDS` is `CHAT_REQUEST`'s properties,
+`chat.MESSAGE_FIELDS` is `CHAT_MESSAGE`'s, the admin and tokenizer routes' allowed fields likewise),
+`GET /openapi.json` (pantheon.web.openapi) publishes it, and tests hold the validators to it: every
+property's `examples[0]` must be accepted, every value the property's schema refuses must be a 400
+naming the field, the bounds (`minimum`, `maximum`, `maxLength`, ...) are probed at and past their
+edges, and a field missing here is refused. So a field cannot be added to a validator without being
+documented, nor documented without being checked.
+
+Conventions: request objects are closed (`additionalProperties: false`: the validators refuse a field
+they do not know rather than ignore it); an optional top-level field set to null counts as absent
+(`nullable`); cross-field rules a schema cannot say plainly (stream_options only with stream, a named
+tool_choice naming one of the tools, ...) are in the `description`, and the validators enforce them.
+Every property carries `examples`, its first entry valid on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+Schema = dict[str, Any]
+
+# ---- bounds shared by the schema and the validators ---------------------------------------------------
+ID_CHARS = 256  # model names, user, session_id, cache_salt, ...
+STOP_MAX = 4  # stop strings per request
+STOP_CHARS = 512  # characters per stop string
+TOOL_NAME_CHARS = 64
+METADATA_MAX = 16
+METADATA_KEY_CHARS = 64
+METADATA_VALUE_CHARS = 512
+PROMPT_CACHE_KEY_CHARS = 1024
+MAX_TOKENS_MAX = 1 << 31
+TOP_K_MAX = 1 << 30
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit integer, as OpenAI's
+TOP_LOGPROBS_MAX = 20
+LOGIT_BIAS_MAX = 300  # entries in one logit_bias object
+LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LIMIT, LIMIT]
+DETOKENIZE_MAX = 1 << 20  # token ids in one /detokenize call
+ADMIN_NAME_CHARS = 4096  # admin string fields (paths, names)
+ADMIN_DIES_MAX = 64
+UNLOAD_TIMEOUT_MAX_S = 86400
+
+ROLES = ("system", "user", "assistant", "tool")
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+VERBOSITY = ("low", "medium", "high")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+TRUNCATE = ("none", "oldest")
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+def nullable(schema: Schema) -> Schema:
+    """`schema` or null: an optional field the validators treat as absent when it is null."""
+    out = copy.deepcopy(schema)
+    t = out.get("type")
+    if isinstance(t, str) and not any(k in out for k in ("enum", "const")):
+        out["type"] = [t, "null"]
+        return out
+    if isinstance(t, list) and "null" not in t and not any(k in out for k in ("enum", "const")):
+        out["type"] = [*t, "null"]
+        return out
+    keep = {k: out.pop(k) for k in ("description", "examples", "deprecated") if k in out}
+    return {"anyOf": [out, {"type": "null"}], **keep}
+
+
+def _str(max_len: int | None = ID_CHARS, example: str = "abc", **extra: Any) -> Schema:
+    s: Schema = {"type": "string", "examples": [example], **extra}
+    if max_len is not None:
+        s["maxLength"] = max_len
+    return s
+
+
+def _int(lo: int | None, hi: int | None, example: int, **extra: Any) -> Schema:
+    s: Schema = {"type": "integer", "examples": [example], **extra}
+    if lo is not None:
+        s["minimum"] = lo
+    if hi is not None:
+        s["maximum"] = hi
+    return s
+
+
+def _num(lo: float, hi: float, example: float, lo_open: bool = False, **extra: Any) -> Schema:
+    s: Schema = {"type": "number", "maximum": hi, "examples": [example], **extra}
+    s["exclusiveMinimum" if lo_open else "minimum"] = lo
+    return s
+
+
+def _bool(example: bool = True, **extra: Any) -> Schema:
+    return {"type": "boolean", "examples": [example], **extra}
+
+
+def _enum(values: tuple[str, ...], **extra: Any) -> Schema:
+    return {"type": "string", "enum": list(values), "examples": [values[0]], **extra}
+
+
+def _object(properties: dict[str, Schema], required: tuple[str, ...] = (), closed: bool = True,
+            **extra: Any) -> Schema:
+    s: Schema = {"type": "object", "properties": properties, **extra}
+    if required:
+        s["required"] = list(required)
+    if closed:
+        s["additionalProperties"] = False
+    return s
+
+
+def _optional(properties: dict[str, Schema], keep: tuple[str, ...] = ()) -> dict[str, Schema]:
+    """Every property nullable (null means absent), except those in `keep`."""
+    return {k: v if k in keep else nullable(v) for k, v in properties.items()}
+
+
+def _token_list(example: list) -> Schema:
+    return {"type": "array", "items": {"type": "integer", "minimum": 0}, "examples": [example]}
+
+
+# ---- chat completions -----------------------------------------------------------------------------------
+TEXT_PART: Schema = _object({"type": {"const": "text"}, "text": {"type": "string"}}, required=("type", "text"))
+
+TOOL_CALL: Schema = _object({
+    "id": {"type": ["string", "null"]},
+    "type": {"const": "function"},
+    "function": _object({"name": {"type": "string", "minLength": 1},
+                         "arguments": {"type": ["string", "object", "null"],
+                                       "description": "a JSON string (an object is taken too)"}},
+                        required=("name",), closed=False),
+}, required=("function",), closed=False)
+
+_CONTENT: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
+                    "description": "a string, or text parts (joined with newlines)",
+                    "examples": ["Hello!", [{"type": "text", "text": "Hello!"}]]}
+_MESSAGE_COMMON: dict[str, Schema] = {
+    "content": _CONTENT,
+    "name": _str(None, "alice"),
+    "reasoning_content": _str(None, "The user greets me.", description="an earlier turn's reasoning"),
+    "reasoning": _str(None, "The user greets me.", description="the same as reasoning_content"),
+}
+_TOOL_CALLS: Schema = {"type": "array", "items": TOOL_CALL, "examples": [
+    [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]]}
+
+
+def _message(role: Schema, required: tuple[str, ...], **more: Schema) -> Schema:
+    # A field set to null counts as absent (clients echo back refusal, audio, ... as null).
+    return {"type": "object", "properties": {"role": role, **_MESSAGE_COMMON, **more},
+            "required": ["role", *required], "additionalProperties": {"type": "null"}}
+
+
+CHAT_MESSAGE: Schema = {
+    "description": "One turn: content is required except on an assistant message with tool_calls; tool_calls "
+                   "only on assistant messages, tool_call_id only on tool messages. Any other field is refused "
+                   "unless it is null.",
+    "anyOf": [
+        _message(_enum(("system", "user"), examples=["user"]), ("content",)),
+        _message({"const": "assistant", "examples": ["assistant"]}, ("content",),
+                 tool_calls=_TOOL_CALLS),
+        _message({"const": "assistant", "examples": ["assistant"]}, ("tool_calls",),
+                 content=nullable(_CONTENT), tool_calls={**_TOOL_CALLS, "minItems": 1}),
+        _message({"const": "tool", "examples": ["tool"]}, ("content",), tool_call_id=_str(None, "call_1")),
+    ],
+}
+
+FUNCTION_DEF: Schema = _object({
+    "name": {"type": "string", "minLength": 1, "maxLength": TOOL_NAME_CHARS},
+    "description": {"type": "string"},
+    "parameters": {"type": "object", "description": "a JSON Schema object"},
+}, required=("name",))
+
+TOOL: Schema = _object({"type": {"const": "function"},
+                        "function": {**FUNCTION_DEF, "properties": {**FUNCTION_DEF["properties"],
+                                                                    "strict": {"type": "boolean"}}}},
+                       required=("type", "function"))
+
+NAMED_FUNCTION: Schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+LOGIT_BIAS: Schema = {
+    "type": "object",
+    "description": "token id (as a string) -> bias added to its logit before sampling; -100 bans it, 100 forces it",
+    "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+    "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT, "maximum": LOGIT_BIAS_LIMIT},
+    "maxProperties": LOGIT_BIAS_MAX,
+    "examples": [{"50256": -100}],
+}
+
+RESPONSE_FORMAT: Schema = {
+    "oneOf": [
+        _object({"type": {"const": "text"}}, required=("type",)),
+        _object({"type": {"const": "json_object"}}, required=("type",)),
+        _object({"type": {"const": "json_schema"},
+                 "json_schema": _object({"name": {"type": "string", "minLength": 1, "maxLength": 64},
+                                         "description": {"type": "string"},
+                                         "schema": {"type": "object", "description": "a JSON Schema object"},
+                                         "strict": {"type": ["boolean", "null"]}}, required=("name",))},
+                required=("type", "json_schema")),
+    ],
+    "description": "text: free text; json_object: any JSON object; json_schema: JSON valid for the given schema",
+    "examples": [{"type": "text"}],
+}
+
+CHAT_REQUEST: Schema = _object(_optional({
+    "model": _str(example="my-model", description="a resident model's name; see the routing rules"),
+    "messages": {"type": "array", "minItems": 1, "items": CHAT_MESSAGE,
+                 "examples": [[{"role": "user", "content": "Hello!"}]]},
+    "max_tokens": _int(1, MAX_TOKENS_MAX, 16, description="clamped to the room left in the context"),
+    "max_completion_tokens": _int(1, MAX_TOKENS_MAX, 16, description="wins over max_tokens"),
+    "temperature": _num(0.0, 2.0, 0.7),
+    "top_p": _num(0.0, 1.0, 0.9, lo_open=True),
+    "top_k": _int(-1, TOP_K_MAX, 40, description="-1 and 0 both mean off"),
+    "min_p": _num(0.0, 1.0, 0.05),
+    "repetition_penalty": _num(0.0, 10.0, 1.1, lo_open=True),
+    "presence_penalty": _num(-2.0, 2.0, 0.5),
+    "frequency_penalty": _num(-2.0, 2.0, 0.5),
+    "seed": _int(SEED_MIN, SEED_MAX, 42),
+    "stop": {"anyOf": [{"type": "string", "maxLength": STOP_CHARS},
+                       {"type": "array", "maxItems": STOP_MAX, "items": {"type": "string", "maxLength": STOP_CHARS}}],
+             "examples": ["\n\n", ["END", "###"]]},
+    "stream": _bool(False, description="server-sent events"),
+    "stream_options": {**_object({"include_usage": nullable(_bool())}),
+                       "description": "only with stream: true", "examples": [{"include_usage": True}]},
+    "tools": {"type": "array", "items": TOOL, "description": "function names are unique",
+              "examples": [[{"type": "function", "function": {"name": "get_weather",
+                                                              "parameters": {"type": "object"}}}]]},
+    "tool_choice": {"anyOf": [_enum(TOOL_CHOICES), _object({"type": {"const": "function"},
+                                                             "function": NAMED_FUNCTION},
+                                                            required=("type", "function"), closed=False)],
+                    "description": "anything but \"none\" needs tools; a named function must be one of them",
+                    "examples": ["none"]},
+    "parallel_tool_calls": _bool(),
+    "session_id": _str(example="conversation-1", description="also the X-Session-Id / X-SMG-Routing-Key header"),
+    "n": _int(1, None, 1, description="choices to generate"),
+    "user": _str(example="user-1234"),
+    "logprobs": _bool(False, description="return the chosen tokens' log probabilities"),
+    "top_logprobs": _int(0, TOP_LOGPROBS_MAX, 0, description="alternatives per position; needs logprobs"),
+    "logit_bias": LOGIT_BIAS,
+    "response_format": RESPONSE_FORMAT,
+    "functions": {"type": "array", "items": FUNCTION_DEF, "deprecated": True,
+                  "description": "the old form of tools",
+                  "examples": [[{"name": "get_weather", "parameters": {"type": "object"}}]]},
+    "function_call": {"anyOf": [_enum(("none", "auto")), NAMED_FUNCTION], "deprecated": True,
+                      "description": "the old form of tool_choice", "examples": ["none"]},
+    "chat_template_kwargs": {**_object({"enable_thinking": nullable(_bool())}),
+                             "examples": [{"enable_thinking": False}]},
+    "ignore_eos": _bool(False, description="generate the full budget past end-of-turn tokens (benchmarks)"),
+    "cache_salt": _str(example="tenant-a", description="part of the prefix-cache scope"),
+    "truncate": _enum(TRUNCATE, description="oldest: drop the oldest turns to fit the context window"),
+    "reasoning_effort": _enum(REASONING_EFFORTS, examples=["low"],
+                              description="the chat template's thinking switch: none/minimal off, others on"),
+    # accepted for OpenAI compatibility, checked, and changing nothing here
+    "store": _bool(False),
+    "metadata": {"type": "object", "maxProperties": METADATA_MAX,
+                 "propertyNames": {"maxLength": METADATA_KEY_CHARS},
+                 "additionalProperties": {"type": "string", "maxLength": METADATA_VALUE_CHARS},
+                 "examples": [{"trace": "abc"}]},
+    "service_tier": _enum(SERVICE_TIERS),
+    "prompt_cache_key": _str(PROMPT_CACHE_KEY_CHARS, "k1"),
+    "safety_identifier": _str(example="u-hash"),
+    "verbosity": _enum(VERBOSITY),
+    "modalities": {"type": "array", "items": {"const": "text"}, "examples": [["text"]]},
+}, keep=("messages",)), required=("messages",))
+
+# ---- completions (legacy) and embeddings ------------------------------------------------------------------
+PROMPT: Schema = {
+    "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+              {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+              {"type": "array", "minItems": 1, "items": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                                                         "minItems": 1}}],
+    "description": "text, texts, token ids, or lists of token ids (one prompt each)",
+    "examples": ["Once upon a time", [1, 2, 3]],
+}
+
+COMPLETION_REQUEST: Schema = _object(_optional({
+    "model": CHAT_REQUEST["properties"]["model"],
+    "prompt": PROMPT,
+    "suffix": _str(None, "\n", description="text after the completion (echoed; not used for infilling)"),
+    "max_tokens": _int(1, MAX_TOKENS_MAX, 16, description="default 16, as OpenAI's"),
+    "temperature": _num(0.0, 2.0, 0.7),
+    "top_p": _num(0.0, 1.0, 0.9, lo_open=True),
+    "top_k": _int(-1, TOP_K_MAX, 40),
+    "min_p": _num(0.0, 1.0, 0.05),
+    "n": _int(1, None, 1),
+    "best_of": _int(1, None, 1, description="only 1 or equal to n"),
+    "stream": _bool(False),
+    "stream_options": {**_object({"include_usage": nullable(_bool())}),
+                       "description": "only with stream: true", "examples": [{"include_usage": True}]},
+    "logprobs": _int(0, TOP_LOGPROBS_MAX, 0, description="alternatives per position (0: the chosen token only)"),
+    "echo": _bool(False, description="put the prompt before the completion"),
+    "stop": CHAT_REQUEST["properties"]["stop"],
+    "presence_penalty": _num(-2.0, 2.0, 0.5),
+    "frequency_penalty": _num(-2.0, 2.0, 0.5),
+    "repetition_penalty": _num(0.0, 10.0, 1.1, lo_open=True),
+    "seed": _int(SEED_MIN, SEED_MAX, 42),
+    "logit_bias": LOGIT_BIAS,
+    "user": _str(example="user-1234"),
+}, keep=("prompt",)), required=("prompt",))
+
+EMBEDDING_REQUEST: Schema = _object(_optional({
+    "input": {**PROMPT, "description": "text, texts, token ids, or lists of token ids (one vector each)",
+              "examples": ["The food was delicious.", ["a", "b"]]},
+    "model": CHAT_REQUEST["properties"]["model"],
+    "encoding_format": _enum(("float", "base64"), description="base64: little-endian float32"),
+    "dimensions": _int(1, None, 64, description="truncate each vector to this many dimensions (then renormalise)"),
+    "user": _str(example="user-1234"),
+    "pooling": _enum(("mean", "last"), description="how token states become one vector (default: the model's)"),
+}, keep=("input",)), required=("input",))
+
+# ---- tokenizer routes (llama.cpp's shapes) --------------------------------------------------------------
+TOKENIZE_REQUEST: Schema = _object({
+    "content": _str(None, "Hello world"),
+    "add_special": _bool(False, description="add the model's BOS/EOS the way it wants them"),
+    "with_pieces": _bool(False, description="answer [{id, piece}, ...] instead of ids"),
+    "model": CHAT_REQUEST["properties"]["model"],
+}, required=("content",))
+
+DETOKENIZE_REQUEST: Schema = _object({
+    "tokens": {**_token_list([9906, 1917]), "maxItems": DETOKENIZE_MAX,
+               "description": "ids of the model's vocabulary"},
+    "model": CHAT_REQUEST["properties"]["model"],
+}, required=("tokens",))
+
+# ---- admin ----------------------------------------------------------------------------------------------
+_ADMIN_STR = {"type": "string", "minLength": 1, "maxLength": ADMIN_NAME_CHARS}
+
+
+def _exactly_one(a: str, b: str) -> list[Schema]:
+    """oneOf: `a` or `b` given (a string), not both; null counts as absent."""
+    return [{"required": [k], "properties": {k: {"type": "string"}}} for k in (a, b)]
+
+
+LOAD_REQUEST: Schema = {**_object(_optional({
+    "path": {**_ADMIN_STR, "description": "a file inside PANTHEON_MODEL_DIR", "examples": ["model.gguf"]},
+    "model": {**_ADMIN_STR, "description": "a catalog name, or a file inside PANTHEON_MODEL_DIR",
+              "examples": ["model.gguf"]},
+    "name": {**_ADMIN_STR, "description": "the served name: letters, digits and ._:/+-, at most 128 characters",
+             "examples": ["chat"]},
+    "dies": {"type": "array", "maxItems": ADMIN_DIES_MAX, "items": {"type": "integer", "minimum": 0},
+             "examples": [[0]]},
+})), "oneOf": _exactly_one("path", "model"), "description": "exactly one of path and model"}
+
+UNLOAD_REQUEST: Schema = {**_object(_optional({
+    "name": {**_ADMIN_STR, "examples": ["chat"]},
+    "instance_id": {**_ADMIN_STR, "examples": ["inst-8f2a61c0d9e4"]},
+    "timeout_s": _num(0, UNLOAD_TIMEOUT_MAX_S, 30, description="give up (409) if requests are still in flight"),
+})), "oneOf": _exactly_one("name", "instance_id"), "description": "exactly one of name and instance_id"}
+
+# ---- responses ------------------------------------------------------------------------------------------
+ERROR: Schema = {
+    "type": "object",
+    "description": "Every error, from any route. type follows the HTTP status; code is the specific reason.",
+    "properties": {"error": {
+        "type": "object",
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+        "required": ["message", "type", "param", "code"],
+    }},
+    "required": ["error"],
+}
+
+HEALTH: Schema = {"type": "object", "properties": {
+    "service": {"const": "pantheon"}, "status": {"enum": ["ok", "loading", "failed", "not_ready"]},
+    "error": {"type": ["string", "null"]}, "model": {"type": "string"}}, "required": ["service", "status"]}
+
+MODEL: Schema = {"type": "object", "properties": {
+    "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+    "owned_by": {"type": "string"}}, "required": ["id", "object", "created", "owned_by"]}
+
+MODEL_LIST: Schema = {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array",
+                                                                                           "items": MODEL}},
+                      "required": ["object", "data"]}
+
+USAGE: Schema = {"type": "object", "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+    "total_tokens": {"type": "integer"},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}},
+    "required": ["prompt_tokens", "total_tokens"]}
+
+_CHOICE_LOGPROBS = {"type": ["object", "null"], "description": "with logprobs: the chosen tokens and alternatives"}
+
+CHAT_COMPLETION: Schema = {"type": "object", "properties": {
+    "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"},
+    "choices": {"type": "array", "items": {"type": "object", "properties": {
+        "index": {"type": "integer"},
+        "message": {"type": "object", "properties": {
+            "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+            "reasoning_content": {"type": ["string", "null"]}, "reasoning": {"type": ["string", "null"]},
+            "tool_calls": {"type": ["array", "null"], "items": TOOL_CALL}}, "required": ["role", "content"]},
+        "logprobs": _CHOICE_LOGPROBS,
+        "finish_reason": {"type": ["string", "null"], "description": "stop, length, tool_calls"}},
+        "required": ["index", "message", "finish_reason"]}},
+    "usage": USAGE,
+    "context_capped": {"type": "boolean", "description": "true when turns were dropped or max_tokens clamped"}},
+    "required": ["id", "object", "created", "model", "choices", "usage"]}
+
+COMPLETION: Schema = {"type": "object", "properties": {
+    "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"},
+    "choices": {"type": "array", "items": {"type": "object", "properties": {
+        "index": {"type": "integer"}, "text": {"type": "string"}, "logprobs": _CHOICE_LOGPROBS,
+        "finish_reason": {"type": ["string", "null"]}}, "required": ["index", "text", "finish_reason"]}},
+    "usage": USAGE}, "required": ["id", "object", "created", "model", "choices"]}
+
+EMBEDDING_LIST: Schema = {"type": "object", "properties": {
+    "object": {"const": "list"}, "model": {"type": "string"},
+    "data": {"type": "array", "items": {"type": "object", "properties": {
+        "object": {"const": "embedding"}, "index": {"type": "integer"},
+        "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}],
+                      "description": "floats, or base64 of little-endian float32"}},
+        "required": ["object", "index", "embedding"]}},
+    "usage": USAGE}, "required": ["object", "data", "model"]}
+
+TOKENIZE_RESPONSE: Schema = {"type": "object", "properties": {"tokens": {"anyOf": [
+    {"type": "array", "items": {"type": "integer"}},
+    {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"}, "piece": {"type": "string"}},
+                                "required": ["id", "piece"]}}]}}, "required": ["tokens"]}
+
+DETOKENIZE_RESPONSE: Schema = {"type": "object", "properties": {"content": {"type": "string"}},
+                               "required": ["content"]}
+
+_RANK_LOAD = {"type": "object", "properties": {k: {"type": "integer"} for k in (
+    "dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens", "max_total_num_tokens",
+    "max_running_requests")} | {k: {"type": "number"} for k in (
+        "token_usage", "gen_throughput", "cache_hit_rate", "utilization")}, "required": ["dp_rank", "num_running_reqs"]}
+
+LOADS: Schema = {"type": "object", "description": "SMG's scheduler-load document", "properties": {
+    "timestamp": {"type": "string"}, "version": {"type": "string"}, "dp_rank_count": {"type": "integer"},
+    "loads": {"type": "array", "items": _RANK_LOAD}, "aggregate": {"type": "object"}},
+    "required": ["timestamp", "dp_rank_count", "loads", "aggregate"]}
+
+INSTANCE: Schema = {"type": "object", "properties": {
+    "instance_id": {"type": "string"}, "name": {"type": "string"}, "source": {"type": "string"},
+    "state": {"type": "string"}, "dies": {"type": "array", "items": {"type": "integer"}},
+    "bytes": {"type": "integer"}, "weight_bytes": {"type": "integer"}, "in_flight": {"type": "integer"},
+    "created": {"type": "integer"}}, "required": ["instance_id", "name", "state", "dies"]}
+
+LOADED: Schema = {**INSTANCE, "properties": {**INSTANCE["properties"], "status": {"const": "loaded"}},
+                  "required": ["status", *INSTANCE["required"]]}
+
+UNLOADED: Schema = {"type": "object", "properties": {"status": {"const": "unloaded"},
+                                                     "unloaded": {"type": "array", "items": INSTANCE}},
+                    "required": ["status", "unloaded"]}
+
+DIES: Schema = {"type": "object", "properties": {
+    "object": {"const": "list"},
+    "data": {"type": "array", "items": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "die": {"type": "integer"}, "budget_bytes": {"type": "integer"},
+        "used_bytes": {"type": "integer"}, "free_bytes": {"type": "integer"}, "models": {"type": "array"}}}},
+    "memory": {"type": ["object", "null"], "description": "the memory watch's latest reading"}},
+    "required": ["object", "data"]}
+
+# Named schemas, as `components.schemas` of the OpenAPI document.
+COMPONENTS: dict[str, Schema] = {
+    "Error": ERROR,
+    "ChatCompletionRequest": CHAT_REQUEST, "ChatMessage": CHAT_MESSAGE, "ChatCompletion": CHAT_COMPLETION,
+    "CompletionRequest": COMPLETION_REQUEST, "Completion": COMPLETION,
+    "EmbeddingRequest": EMBEDDING_REQUEST, "EmbeddingList": EMBEDDING_LIST,
+    "TokenizeRequest": TOKENIZE_REQUEST, "TokenizeResponse": TOKENIZE_RESPONSE,
+    "DetokenizeRequest": DETOKENIZE_REQUEST, "DetokenizeResponse": DETOKENIZE_RESPONSE,
+    "Health": HEALTH, "Model": MODEL, "ModelList": MODEL_LIST, "Loads": LOADS,
+    "LoadRequest": LOAD_REQUEST, "Loaded": LOADED, "UnloadRequest": UNLOAD_REQUEST, "Unloaded": UNLOADED,
+    "Dies": DIES,
+}
+
+
+def fields(schema: Schema) -> frozenset[str]:
+    """The property names of an object schema (of all its `anyOf` variants): the fields a validator may
+    accept, and no others."""
+    names = set(schema.get("properties", ()))
+    for variant in schema.get("anyOf", ()):
+        names |= fields(variant)
+    return frozenset(names)

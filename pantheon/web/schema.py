@@ -141,8 +141,10 @@ _TOOL_CALLS: Schema = {"type": "array", "items": TOOL_CALL, "examples": [
 
 
 def _message(role: Schema, required: tuple[str, ...], **more: Schema) -> Schema:
-    # A field set to null counts as absent (clients echo back refusal, audio, ... as null).
-    return {"type": "object", "properties": {"role": role, **_MESSAGE_COMMON, **more},
+    # A field set to null counts as absent (clients echo back refusal, audio, ... as null), so every
+    # field but the required ones may be null, and so may any field not listed.
+    props = {"role": role, **_MESSAGE_COMMON, **more}
+    return {"type": "object", "properties": _optional(props, keep=("role", *required)),
             "required": ["role", *required], "additionalProperties": {"type": "null"}}
 
 
@@ -155,7 +157,7 @@ CHAT_MESSAGE: Schema = {
         _message({"const": "assistant", "examples": ["assistant"]}, ("content",),
                  tool_calls=_TOOL_CALLS),
         _message({"const": "assistant", "examples": ["assistant"]}, ("tool_calls",),
-                 content=nullable(_CONTENT), tool_calls={**_TOOL_CALLS, "minItems": 1}),
+                 tool_calls={**_TOOL_CALLS, "minItems": 1}),
         _message({"const": "tool", "examples": ["tool"]}, ("content",), tool_call_id=_str(None, "call_1")),
     ],
 }

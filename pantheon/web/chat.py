@@ -35,7 +35,7 @@ from ..errors import PantheonError, RequestError
 from . import bridge
 from .body import shown
 from .errors import from_exception
-from .schema import CHAT_MESSAGE, CHAT_REQUEST, fields
+from .schema import CHAT_FIELDS_PENDING, CHAT_MESSAGE, CHAT_REQUEST, fields
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ ANSWER_RESERVE_MAX = 256  # tokens admission keeps free for the answer (also at 
 
 # The fields a chat body may carry: pantheon.web.schema's, the one description of the request
 # (GET /openapi.json publishes it; tests hold these validators to it).
-TOP_FIELDS = fields(CHAT_REQUEST)
+TOP_FIELDS = fields(CHAT_REQUEST) - CHAT_FIELDS_PENDING
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 VERBOSITY = ("low", "medium", "high")
 REASONING_EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}

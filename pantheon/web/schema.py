@@ -1,13 +1,15 @@
 """The HTTP API's request and response bodies as JSON Schema (the OpenAPI 3.1 dialect), as Python data.
 
 Why data and not prose: this module is the one description of what each route takes. The route
-validators read their field lists from it (`chat.TOP_FIELDS` is `CHAT_REQUEST`'s properties,
-`chat.MESSAGE_FIELDS` is `CHAT_MESSAGE`'s, the admin and tokenizer routes' allowed fields likewise),
-`GET /openapi.json` (pantheon.web.openapi) publishes it, and tests hold the validators to it: every
-property's `examples[0]` must be accepted, every value the property's schema refuses must be a 400
-naming the field, the bounds (`minimum`, `maximum`, `maxLength`, ...) are probed at and past their
-edges, and a field missing here is refused. So a field cannot be added to a validator without being
-documented, nor documented without being checked.
+validators read their field lists from it (`chat.TOP_FIELDS` is `CHAT_REQUEST`'s properties less
+`CHAT_FIELDS_PENDING`, `chat.MESSAGE_FIELDS` is `CHAT_MESSAGE`'s, the admin and tokenizer routes'
+allowed fields and bounds likewise), `GET /openapi.json` (pantheon.web.openapi) publishes it, and
+tests/test_openapi.py holds the validators to it: every property's `examples[0]` must be accepted,
+every value the property's schema refuses must be a 400 naming the field, the bounds (`minimum`,
+`maximum`, `maxLength`, `maxItems`, ...) are probed at and just past their edges, and a field missing
+here is refused. So a field cannot be added to a validator without being documented, nor documented
+without being checked. (The chat validator's numeric bounds are still literals in chat.py; those
+tests are what holds them equal to the ones here.)
 
 Conventions: request objects are closed (`additionalProperties: false`: the validators refuse a field
 they do not know rather than ignore it); an optional top-level field set to null counts as absent
@@ -414,10 +416,10 @@ EMBEDDING_LIST: Schema = {"type": "object", "properties": {
         "required": ["object", "index", "embedding"]}},
     "usage": USAGE}, "required": ["object", "data", "model"]}
 
+_PIECE = {"type": "object", "properties": {"id": {"type": "integer"}, "piece": {"type": "string"}},
+          "required": ["id", "piece"]}
 TOKENIZE_RESPONSE: Schema = {"type": "object", "properties": {"tokens": {"anyOf": [
-    {"type": "array", "items": {"type": "integer"}},
-    {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"}, "piece": {"type": "string"}},
-                                "required": ["id", "piece"]}}]}}, "required": ["tokens"]}
+    {"type": "array", "items": {"type": "integer"}}, {"type": "array", "items": _PIECE}]}}, "required": ["tokens"]}
 
 DETOKENIZE_RESPONSE: Schema = {"type": "object", "properties": {"content": {"type": "string"}},
                                "required": ["content"]}

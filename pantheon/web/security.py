@@ -45,8 +45,9 @@ def is_probe(path: str) -> bool:
     return path in ("/", "/health") or (path.startswith("/m/") and path.endswith("/health"))
 
 
-# Paths anyone may read: the API's description is the same for every server of this version and
-# tells nothing about this one (clients and tools fetch it before they have a key).
+# Paths anyone may read: the API's description is the same for every server of this version (it
+# tells only whether keys are required, as any 401 does); clients and tools fetch it before they
+# have a key.
 PUBLIC_PATHS = ("/openapi.json",)
 
 

@@ -45,7 +45,10 @@ class CharTokenizer:
     def token_text(self, tid: int) -> str:
         return chr(tid)
 
-    def stream(self, skip_special: bool = False):
+    def token_bytes(self, tid: int) -> bytes:
+        return chr(tid).encode("utf-8", "surrogatepass")
+
+    def stream(self, skip_special: bool = False, at_start: bool = True):
         class Dec:
             def push(self, tid: int) -> str:
                 return chr(tid)
@@ -70,11 +73,11 @@ class FakeModel:
     max_seq = 64
     weight_bytes = 1000
 
-    def __init__(self, name: str, think: bool = False):
+    def __init__(self, name: str, think: bool = False, n_slots: int = 1):
         self.name = name
         self.tokenizer = CharTokenizer()
         self.template = Template(think)
-        self.card = ModelCard(name=name, path="", arch="fake", context_length=self.max_seq, n_slots=1,
+        self.card = ModelCard(name=name, path="", arch="fake", context_length=self.max_seq, n_slots=n_slots,
                               tokenizer=self.tokenizer, template=self.template)
 
 

@@ -551,7 +551,6 @@ class Generation(GenerationCore):
         tok = card.tokenizer
         creq = self.creq
         self.check_model_limits(card, creq.n, creq.logit_bias)
-        constraint = self._constraint(tok)
         admit = lambda: admit_prompt(card, creq.messages, lambda m: self._prompt(card, m),  # noqa: E731
                                      creq.max_tokens, self.watch, creq.truncate_oldest)
         try:
@@ -565,6 +564,7 @@ class Generation(GenerationCore):
         self.capped = self.prompt_capped
         max_tokens = self.budget(card, len(ids), creq.max_tokens)
         self.observe_admission("capped" if self.capped else "fit")
+        constraint = self._constraint(tok)  # after admission: a prompt that cannot run compiles no grammar
         stop_ids = frozenset() if creq.ignore_eos else frozenset(tok.eot_ids)
         ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False

@@ -309,7 +309,7 @@ class Model:
         return state.replace(slots=self._track(self._release(state.slots, np.int32(slot))))
 
     def step(self, state: DecodeState, plan: StepPlan, want_logits: bool = False,
-             mask: Callable[[], np.ndarray | None] | None = None) -> tuple[StepHandle, DecodeState]:
+             mask: Callable[[], np.ndarray | None] | np.ndarray | None = None) -> tuple[StepHandle, DecodeState]:
         """Dispatch one step (returns at once); read its result with `read(handle)`.
 
         Rows: the plan's chunk first (if any), then one per decoding slot, in the plan's order. Each
@@ -317,14 +317,15 @@ class Model:
 
         `mask`: called after the forward is dispatched and before the sampler is, so the host builds
         a grammar's token mask while the device runs the forward; it returns i32[rows, mask_words]
-        (bit t of a row allows token t; an unconstrained row is all ones) or None for no mask.
+        (bit t of a row allows token t; an unconstrained row is all ones) or None for no mask. (An
+        array instead of a callable is used as it is: how a cluster's followers get the mask.)
         """
         self._check_live()
         p = self._serve_plan(plan)
         self._note_shape(p.key)
         logits, rows, cache = p.fn(self.params, state.cache, state.slots, *p.args, **p.kwargs)
         n = (plan.chunk is not None) + len(plan.decode)
-        words = mask() if mask is not None else None
+        words = mask() if callable(mask) else mask
         if words is None:
             m, masked = self._unmasked(p.rows)
         else:

@@ -59,7 +59,8 @@ class Template:
     def __init__(self, think: bool = False):
         self.think = think
 
-    def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> str:
+    def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None,
+               tool_choice="auto") -> str:
         return "".join(str(m.get("content") or "") for m in messages) + ("<think>" if self.think else "")
 
     def prompt_ends_in_think(self, rendered: str) -> bool:

@@ -731,7 +731,8 @@ class Generation:
         self._decoder = tok.stream(skip_special=False)
         ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
-        self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled)
+        self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled,
+                               tool_names=[t["function"]["name"] for t in self.creq.template_tools() or []])
         session = None if self.prompt_capped else self.creq.session_id  # a capped turn starts over
         req = GenRequest(prompt_ids=ids, params=self.creq.params, max_tokens=max_tokens,  # resolves the seed, once
                          stop_ids=self._stop_ids, session_id=session, cache_scope=self.creq.cache_scope,

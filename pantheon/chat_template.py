@@ -110,7 +110,7 @@ def _normalise_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def tool_support(ast: nodes.Template) -> ToolSupport:
+def read_tool_support(ast: nodes.Template) -> ToolSupport:
     """What a parsed template renders natively: the `tools` variable is read, an assistant message's
     `tool_calls` is read (as an attribute or a subscript), and the role name "tool" is mentioned.
 
@@ -186,7 +186,7 @@ class ChatTemplate:
             try:
                 env = _environment()
                 ast = env.parse(self.source)
-                self.tool_support = tool_support(ast)
+                self.tool_support = read_tool_support(ast)
                 self._template = env.from_string(ast)
             except jinja2.TemplateError as exc:
                 self.error = f"the model's chat template does not compile: {type(exc).__name__}: {exc}"

@@ -75,7 +75,8 @@ class Delta:
 
     For ``content``/``reasoning`` `text` is the new text. For ``tool_call``, `tool_call` is the OpenAI
     tool-call dict with ``"index"`` (its position among this turn's calls) added, and `text` is the raw
-    body the call was parsed from (not meant for clients; it lets tests account for every input character).
+    body the call was parsed from, or for a bare JSON call all the text it consumed (not meant for clients;
+    it lets tests account for every input character).
     """
 
     kind: DeltaKind

@@ -38,7 +38,7 @@ from .errors import from_exception
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "function")  # "function": the deprecated tool result (-> "tool")
 # Control tokens the emitter must see although they are "special" in some GGUFs (Qwen's <tool_call>).
 MARKERS = frozenset({THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE})
 MAX_STOP = 4
@@ -59,13 +59,14 @@ TOP_FIELDS = frozenset({
     # onto the chat template's thinking switch (see _compat_fields)
     "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "modalities",
     "reasoning_effort", "truncate",
+    "functions", "function_call",  # the deprecated forms of tools and tool_choice (see _tools, _tool_choice)
 })
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 VERBOSITY = ("low", "medium", "high")
 REASONING_EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")  # after the body's session_id, in this order
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content",
-                            "reasoning"})
+                            "reasoning", "function_call"})
 
 
 def new_completion_id() -> str:
@@ -236,6 +237,8 @@ def _messages(body: Mapping) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {json.dumps(role)[:40]}")
+        m = _legacy_message(m, where)
+        role = m["role"]
         _content(m, where, required=not (role == "assistant" and m.get("tool_calls")))
         _tool_calls(m, where)
         for key in ("name", "tool_call_id"):
@@ -253,8 +256,65 @@ def _messages(body: Mapping) -> list[dict]:
     return out
 
 
+def _legacy_message(m: dict, where: str) -> dict:
+    """The deprecated function-calling message forms as their tool forms: an assistant `function_call`
+    becomes a one-call `tool_calls` (no id: none was ever given), a "function" message a tool result
+    carrying the function's name."""
+    fc = m.get("function_call")
+    if fc is not None:
+        if m.get("role") != "assistant":
+            raise _bad(f"{where}.function_call", "is only allowed on assistant messages")
+        if "tool_calls" in m:
+            raise _bad(f"{where}.function_call", "cannot be given with tool_calls (it is their deprecated form)")
+        if not isinstance(fc, dict) or set(fc) - {"name", "arguments"}:
+            raise _bad(f"{where}.function_call", "must be an object with name and arguments")
+        if not isinstance(fc.get("name"), str) or not fc["name"]:
+            raise _bad(f"{where}.function_call.name", "must be a non-empty string")
+        if fc.get("arguments") is not None and not isinstance(fc["arguments"], str):
+            raise _bad(f"{where}.function_call.arguments", "must be a JSON string")
+        m = {k: v for k, v in m.items() if k != "function_call"}
+        m["tool_calls"] = [{"type": "function", "function": dict(fc)}]
+    if m.get("role") == "function":
+        if not isinstance(m.get("name"), str) or not m["name"]:
+            raise _bad(f"{where}.name", "is required on a function message (the function's name)")
+        m = {**m, "role": "tool"}
+    return m
+
+
+def _function_def(fn: Any, p: str, seen: set[str]) -> None:
+    """Check one function definition (a tool's `function`, or an entry of the deprecated `functions`)."""
+    if not isinstance(fn, dict):
+        raise _bad(p, "must be an object")
+    extra = set(fn) - {"name", "description", "parameters", "strict"}
+    if extra:
+        raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise _bad(f"{p}.name", "must be a non-empty string of at most 64 characters")
+    if name in seen:
+        raise _bad(f"{p}.name", f"duplicate tool name {name!r}")
+    seen.add(name)
+    if "description" in fn and not isinstance(fn["description"], str):
+        raise _bad(f"{p}.description", "must be a string")
+    if "parameters" in fn and not isinstance(fn["parameters"], dict):
+        raise _bad(f"{p}.parameters", "must be a JSON Schema object")
+    if "strict" in fn and not isinstance(fn["strict"], bool):
+        raise _bad(f"{p}.strict", "must be true or false")
+
+
 def _tools(body: Mapping) -> list[dict] | None:
+    """`tools`, or the deprecated `functions` (a list of function definitions) as tools; not both."""
     tools = body.get("tools")
+    functions = body.get("functions")
+    if functions is not None:
+        if tools is not None:
+            raise _bad("functions", "cannot be given with tools (it is their deprecated form)")
+        if not isinstance(functions, list) or not functions:
+            raise _bad("functions", "must be a non-empty list of function definitions")
+        seen: set[str] = set()
+        for i, fn in enumerate(functions):
+            _function_def(fn, f"functions[{i}]", seen)
+        return [{"type": "function", "function": fn} for fn in functions]
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -269,28 +329,29 @@ def _tools(body: Mapping) -> list[dict] | None:
         extra = set(t) - {"type", "function"}
         if extra:
             raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
-        fn = t.get("function")
-        if not isinstance(fn, dict):
-            raise _bad(f"{p}.function", "must be an object")
-        extra = set(fn) - {"name", "description", "parameters", "strict"}
-        if extra:
-            raise _bad(f"{p}.function.{sorted(extra)[0]}", "is not supported")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise _bad(f"{p}.function.name", "must be a non-empty string of at most 64 characters")
-        if name in seen:
-            raise _bad(f"{p}.function.name", f"duplicate tool name {name!r}")
-        seen.add(name)
-        if "description" in fn and not isinstance(fn["description"], str):
-            raise _bad(f"{p}.function.description", "must be a string")
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
-            raise _bad(f"{p}.function.parameters", "must be a JSON Schema object")
-        if "strict" in fn and not isinstance(fn["strict"], bool):
-            raise _bad(f"{p}.function.strict", "must be true or false")
+        _function_def(t.get("function"), f"{p}.function", seen)
     return tools or None
 
 
+def _function_call(body: Mapping, tools: list[dict] | None) -> Any:
+    """The deprecated `function_call` ("none", "auto" or {"name": ...}) as a tool_choice."""
+    fc = body.get("function_call")
+    if body.get("tool_choice") is not None:
+        raise _bad("function_call", "cannot be given with tool_choice (it is its deprecated form)")
+    if fc in ("none", "auto"):
+        if fc == "auto" and not tools:
+            raise _bad("function_call", "\"auto\" needs functions (only \"none\" is valid without them)")
+        return fc
+    if not isinstance(fc, dict) or set(fc) != {"name"} or not isinstance(fc["name"], str):
+        raise _bad("function_call", "must be \"none\", \"auto\" or {\"name\": ...}")
+    if fc["name"] not in {t["function"]["name"] for t in tools or []}:
+        raise _bad("function_call.name", f"no function named {shown(fc['name'])!r} was declared")
+    return {"type": "function", "function": {"name": fc["name"]}}
+
+
 def _tool_choice(body: Mapping, tools: list[dict] | None) -> Any:
+    if body.get("function_call") is not None:
+        return _function_call(body, tools)
     tc = body.get("tool_choice")
     if tc is None:
         return "auto" if tools else "none"
@@ -670,7 +731,8 @@ class Generation:
         self._decoder = tok.stream(skip_special=False)
         ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
-        self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled)
+        self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled,
+                               tool_names=[t["function"]["name"] for t in self.creq.template_tools() or []])
         session = None if self.prompt_capped else self.creq.session_id  # a capped turn starts over
         req = GenRequest(prompt_ids=ids, params=self.creq.params, max_tokens=max_tokens,  # resolves the seed, once
                          stop_ids=self._stop_ids, session_id=session, cache_scope=self.creq.cache_scope,
@@ -693,6 +755,8 @@ class Generation:
         """The rendered chat template of `messages` (default: the request's) and its token ids (BOS
         added when the model wants one)."""
         kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
+        if kwargs["tools"]:  # words the generic tool format's instruction (pantheon.tool_format)
+            kwargs["tool_choice"] = self.creq.tool_choice
         if self.creq.enable_thinking is not None:
             kwargs["enable_thinking"] = self.creq.enable_thinking
         rendered = card.template.render(self.creq.messages if messages is None else messages, **kwargs)

@@ -52,15 +52,23 @@ turn markers) are special and never allowed inside the grammar. The grammar cove
 the first generated token, so no reasoning or text may come before the first call. A string argument that
 contains the text ``</tool_call>`` would cut the block short in the emitter; the grammar does not forbid it.
 
-Costs (2-core shared CPU, llguidance 1.9.1, median over a few thousand random-sampling steps):
+Costs, measured on the 2-core CPU this was written on (shared, so noisy), llguidance 1.9.1, a noisy
+random sampler driving a 5-property schema (nested object, array, pattern, email format), the two-tool
+``required`` grammar and ``json_object``, a few hundred to a few thousand steps each:
 
-* ``fill_mask`` + ``consume`` per token: about 10 us on SmolLM2's 49k vocabulary and 15 us on Qwen's
-  152k (90th percentile 30 us / 70 us; rare steps in a long string or number lexeme take up to ~1-8 ms).
-* Compiling a grammar (`Grammar.from_response_format` for a 5-property schema with a nested object, an
-  array, a pattern and a format): about 1-2 ms; its first mask about 0.2-1 ms. `Grammar.matcher` is a
-  deep copy (~10 us). Large schemas compile in up to 100s of ms (llguidance's limits cap the size).
-* The first grammar for a tokenizer also builds llguidance's token trie: ~0.1 s for SmolLM2, ~0.5 s for
-  Qwen. It is cached per tokenizer object; `prepare(tokenizer)` builds it ahead (e.g. at model load).
+* ``fill_mask`` + ``consume`` per token, median: 10-20 us on SmolLM2's 49k vocabulary, 35-50 us on Qwen's
+  152k (80 us for free-form ``json_object``); 90th percentile 60-110 us / 80-190 us; the 99th percentile
+  and the rare slow steps (a long lexeme, a fresh lexer state) take 0.2-5 ms, up to ~10 ms on a loaded CPU.
+* Compiling (`Grammar.from_response_format` for that schema): 0.7-1 ms median, ~1.5 ms the first time;
+  the two-tool grammar 1-2 ms. The first mask of a fresh matcher: 30-170 us. `Grammar.matcher` (a deep copy
+  of the compiled prototype): ~40 us. Large schemas take longer to compile (llguidance's limits cap them).
+* The first grammar for a tokenizer also builds llguidance's token trie: ~0.15 s for SmolLM2, ~0.5 s for
+  Qwen (152k), ~3 s for Gemma 3 (262k). It is cached per tokenizer object; `prepare(tokenizer)` builds it
+  ahead (at model load, in a thread).
+
+Known gaps: llguidance's ``date-time`` accepts second 60 at any time of day (RFC 3339's
+leap-second syntax), which strict validators reject except at 23:59:60Z. Tokens the tokenizer marks unused
+(Qwen's ``[PAD...]`` fillers) are ordinary text to the grammar, as they are to the detokenizer.
 
 Threads: a `Grammar` is immutable once built and may be shared; `Grammar.matcher` may be called from any
 thread. A `Matcher` belongs to one thread at a time (the driver); llguidance releases the GIL while it
@@ -159,6 +167,8 @@ class _TokenizerView:
         self.eos_token_id = eos
 
     def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # TokenizerWrapper probes with bytes; refused, it passes str
+            raise TypeError("text must be a str")
         return self._tok.encode(text)
 
 
@@ -168,8 +178,8 @@ _LLG_TOKENIZERS: "weakref.WeakKeyDictionary[Any, llg.LLTokenizer]" = weakref.Wea
 def prepare(tokenizer: Any) -> llg.LLTokenizer:
     """llguidance's view of `tokenizer` (its token trie), built once per tokenizer object and cached.
 
-    Building takes ~0.1 s for a 49k vocabulary and ~0.5 s for 152k; call this at model load so that the
-    first structured request does not pay it.
+    Building takes ~0.15 s for a 49k vocabulary, ~0.5 s for 152k and ~3 s for 262k; call this at model
+    load (in a thread) so that the first structured request does not pay it.
     """
     lt = _LLG_TOKENIZERS.get(tokenizer)
     if lt is None:
@@ -349,7 +359,11 @@ class Grammar:
         calls = []
         for i in wanted:
             name, params, strict = specs[i]
-            calls.append(_call_schema(name, _prepare_schema(params, strict, f"tools[{i}].function.parameters")))
+            params = _prepare_schema(params, strict, f"tools[{i}].function.parameters")
+            # Its own base URI makes the parameters a separate schema resource, so that their "#/$defs/..."
+            # references resolve inside them rather than against the call wrapper (pydantic writes those).
+            params = params if "$id" in params else {"$id": f"urn:pantheon:tools:{i}", **params}
+            calls.append(_call_schema(name, params))
         body = calls[0] if len(calls) == 1 else {"anyOf": calls}
         grammar = _tool_grammar(_with_whitespace(body), single)
         try:
@@ -436,8 +450,9 @@ class Matcher:
         self._stop_set = frozenset(stops)
         self._llg_eos = frozenset(llg_eos)
         self._stop_bits = [_bit(t) for t in stops]
-        # llguidance's EOS bit marks "accepting"; stop ids replace it (it may not be one of them)
-        self._eos_clear = [(w, ~b) for w, b in (_bit(t) for t in llg_eos if t < self._words * 32)]
+        # llguidance's EOS bit marks "accepting"; the stop ids replace it (it may not be one of them), and
+        # a stop id that is also ordinary text is never offered as text
+        self._clear = [(w, ~b) for w, b in (_bit(t) for t in sorted({*llg_eos, *stops}) if t < self._words * 32)]
         self._ended = False  # a stop id was consumed
         self._dead = False  # the last row had nothing but the fallback stop ids
         self._error: str | None = None
@@ -477,7 +492,7 @@ class Matcher:
             out[:] = self._scratch[:self._words]
             if self._vocab % 32:
                 out[-1] &= np.uint32((1 << (self._vocab % 32)) - 1).view(np.int32)
-        for w, keep in self._eos_clear:
+        for w, keep in self._clear:
             out[w] &= keep
         if self._m.is_accepting():
             self._set_stops(out)

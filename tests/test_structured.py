@@ -314,6 +314,29 @@ def test_tool_names_need_no_escaping_care(tok):
     assert [fn["name"] for fn in emitted_calls(text)] == [name]
 
 
+def test_parameters_with_local_references_resolve_inside_their_tool(tok):
+    """pydantic puts nested models in "$defs" and points at them with "#/$defs/..."; two tools may even
+    use the same definition name for different things."""
+    t = tok("qwen-0.5b")
+
+    def tool(name: str, item: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "$defs": {"Item": item}, "properties": {"item": {"$ref": "#/$defs/Item"}},
+            "required": ["item"], "additionalProperties": False}}}
+
+    tools = [tool("put", {**OBJ, "properties": {"x": {"type": "integer"}}, "required": ["x"]}),
+             tool("tag", {"type": "string", "maxLength": 6})]
+    g = Grammar.for_tools(tools, "required", t)
+    params = {tl["function"]["name"]: tl["function"]["parameters"] for tl in tools}
+    seen = set()
+    for seed in range(6):
+        text, _ = generate(g.matcher(stops_of(t), t.vocab_size), t, stops_of(t), t.vocab_size, seed)
+        for fn in emitted_calls(text):
+            assert jsonschema_rs.is_valid(params[fn["name"]], json.loads(fn["arguments"])), fn
+            seen.add(fn["name"])
+    assert seen == set(params)
+
+
 def test_auto_and_none_force_nothing(tok):
     assert Grammar.for_tools(TOOLS, "auto", tok("smollm2-135m")) is None
     assert Grammar.for_tools(TOOLS, "none", tok("smollm2-135m")) is None
@@ -366,6 +389,20 @@ def test_stop_ids_come_alongside_text_when_the_document_may_continue(tok):
     m.fill_mask(row)
     ok = set(allowed(row, t.vocab_size).tolist())
     assert {0, 2} <= ok and t.encode("3")[0] in ok
+
+
+def test_a_stop_id_is_never_text_even_when_it_is_an_ordinary_token(tok):
+    t = tok("smollm2-135m")
+    [one], [seven] = t.encode("1"), t.encode("7")
+    m = Grammar.from_response_format(json_schema_rf({"type": "integer"}), t).matcher([one], t.vocab_size)
+    row = np.zeros(mask_words(t.vocab_size), np.int32)
+    m.fill_mask(row)
+    ok = set(allowed(row, t.vocab_size).tolist())
+    assert seven in ok and one not in ok  # "1" would be a digit, but it is the stop id here
+    assert m.consume(seven)
+    m.fill_mask(row)
+    assert one in allowed(row, t.vocab_size)
+    assert m.consume(one) and m.done  # it ended the output; "7" is the whole number
 
 
 def test_a_stop_id_too_early_is_rejected_and_ends_the_matcher(tok):

@@ -474,6 +474,8 @@ class Matcher:
         error or a dead end); None otherwise."""
         if self._error is None and self._m.is_error():
             self._error = self._m.get_error()
+        if self._error is None and self._dead:
+            return "no token can continue the output (only the stop ids were offered)"
         return self._error
 
     def fill_mask(self, out: np.ndarray) -> None:
@@ -507,6 +509,7 @@ class Matcher:
     def consume(self, token: int) -> bool:
         """Advance by the sampled token. False when the grammar rejects it; the matcher is then done and
         its rows allow only the stop ids. A stop id is accepted when the grammar is complete (or dead)."""
+        token = int(token)
         if self._ended or self._error is not None:
             return False
         if token in self._stop_set:

@@ -135,7 +135,7 @@ class _Matcher:
 
     def fill_mask(self, out):
         out[:] = 0
-        for t in (self.g.allowed if len(self.seen) < self.g.length else self.stops):
+        for t in (self.g.allowed if len(self.seen) < self.g.length and not self.done else self.stops):
             out[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
 
     def consume(self, tok):

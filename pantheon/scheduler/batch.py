@@ -528,8 +528,8 @@ class BatchScheduler:
         words = np.full((len(rows), self.model.mask_words), -1, np.int32)
         for i, r in enumerate(rows):
             m = r.slot.matcher
-            if r.emits and m is not None and r.slot.job is r.job and not m.done:
-                m.fill_mask(words[i])
+            if r.emits and m is not None and r.slot.job is r.job:
+                m.fill_mask(words[i])  # (a finished or failed matcher allows only the stop ids)
         return words
 
     def _logprobs(self, done: _InFlight) -> tuple[np.ndarray, np.ndarray] | None:
@@ -568,8 +568,8 @@ class BatchScheduler:
                     lp, top = lps
                     entry = (TokenLogprob(tok, float(lp[i, 0]),
                                           tuple((int(top[i, j]), float(lp[i, 1 + j])) for j in range(k))),)
-                if sl.matcher is not None and not sl.matcher.consume(tok):
-                    sl.matcher = None  # cannot happen with the mask applied; the choice goes on unconstrained
+                if sl.matcher is not None:
+                    sl.matcher.consume(tok)  # a rejected token (not under the mask) leaves only the stop ids
                 events.append((r.job, Tokens((tok,), choice=sl.choice, logprobs=entry)))
                 if flag in decode_state.FINISH_REASONS:
                     events.append(self._release_locked(sl, decode_state.FINISH_REASONS[flag]))

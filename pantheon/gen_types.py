@@ -232,8 +232,9 @@ Sink = Callable[[Event], None]
 
 
 class Handle(Protocol):
-    def cancel(self) -> None:
-        """Stop generating (client gone, stop string hit): the slot is freed within one step."""
+    def cancel(self, choice: int | None = None) -> None:
+        """Stop generating (client gone, stop string hit): the slot is freed within one step.
+        `choice`: stop only that choice of an n > 1 request (its own stop string), the others go on."""
 
 
 class Backend(Protocol):

@@ -10,6 +10,7 @@ can recompute every entry it expects to see.
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,13 @@ from pantheon.web import create_app
 from test_web_app import FakeModel, Handle, ScriptBackend
 
 SLOTS = 4
+
+
+def osthread_wait(cond, timeout: float) -> None:
+    """Wait (in the backend's OS thread) until `cond()` or `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def token_logprob(choice: int, pos: int) -> float:
@@ -52,6 +60,7 @@ class ChoicesBackend(ScriptBackend):
         self.fail_choice: int | None = None  # this choice sends Finished("error") instead of its end
         self.endless: set[int] = set()  # these choices, their text written, run on until cancelled (10 s)
         self.emitted: dict[int, int] = {}  # choice -> ids sent (what the backend generated)
+        self.choice_cancels: list[int] = []  # choices it stopped alone, on Handle.cancel(choice)
 
     def submit(self, req, sink):
         if self.refuse:
@@ -64,6 +73,7 @@ class ChoicesBackend(ScriptBackend):
         reason = self.script[1]
         k = req.logprobs
         emitted = self.emitted = {i: 0 for i in range(req.n)}
+        self.choice_cancels = []
 
         def run():
             plp = None
@@ -80,6 +90,11 @@ class ChoicesBackend(ScriptBackend):
                         for j in [*todo, *parked]:
                             sink(Finished("cancelled", completion_tokens=emitted[j], choice=j))
                         return
+                    if i in handle.cancelled_choices:
+                        self.choice_cancels.append(i)
+                        sink(Finished("cancelled", completion_tokens=emitted[i], choice=i))
+                        del todo[i]
+                        continue
                     if i == self.fail_choice:
                         sink(Finished("error", error=RuntimeError("device lost"), choice=i))
                         return
@@ -100,10 +115,10 @@ class ChoicesBackend(ScriptBackend):
                         else:
                             sink(Finished(reason, completion_tokens=emitted[i], choice=i))
                         del todo[i]
-            if parked:
-                end = "cancelled" if handle.cancelled.wait(10) else reason
-                for j in parked:
-                    sink(Finished(end, completion_tokens=emitted[j], choice=j))
+            for j in parked:  # run on until this choice, or the request, is cancelled (at most 10 s)
+                osthread_wait(lambda: handle.cancelled.is_set() or j in handle.cancelled_choices, 10)
+                end = "cancelled" if handle.cancelled.is_set() or j in handle.cancelled_choices else reason
+                sink(Finished(end, completion_tokens=emitted[j], choice=j))
 
         osthread.start_thread(run, name="choices")
         return handle

@@ -275,7 +275,7 @@ BAD = [
     ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": HELLO, "logit_bias": {"x": 1}}, "logit_bias"),
     ({"messages": HELLO, "logit_bias": {"1000000": 1}}, "logit_bias"),
-    ({"messages": HELLO, "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": HELLO, "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": HELLO, "tools": {}}, "tools"),
     ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),

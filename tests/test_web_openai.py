@@ -9,14 +9,10 @@ where, and exactly once.
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 
-import pantheon
 from fake_backend import SLOTS, entry, prompt_entry, surface_app, token_logprob  # noqa: F401 (fixture)
-from test_web_app import HELLO, backend, in_flight, sse
+from test_web_app import HELLO, backend, in_flight, sse, stub_grammar  # noqa: F401 (fixture)
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
@@ -75,9 +71,10 @@ BAD_CHAT = [
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
     ({"logit_bias": {str(0x110000): 1}}, "logit_bias"),  # past the vocabulary: checked at start
-    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": "json"}, "response_format"),
     ({"response_format": {"type": "text", "extra": 1}}, "response_format.extra"),
+
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
      "response_format.json_schema.x"),
@@ -103,29 +100,8 @@ def test_request_fields_reach_the_backend(client, fake):
     assert chat(client, logprobs=False).status_code == 200 and fake.last_request.logprobs is None
 
 
-@pytest.fixture()
-def grammar(monkeypatch):
-    """A stand-in for pantheon.structured (built in parallel): records what the web layer asks of it."""
-    calls = []
-
-    class Grammar:
-        @staticmethod
-        def from_response_format(rf, tokenizer):
-            calls.append(("response_format", rf))
-            return None if rf.get("type") == "text" else ("grammar", rf["type"])
-
-        @staticmethod
-        def for_tools(tools, choice, tokenizer):
-            calls.append(("tools", [t["function"]["name"] for t in tools], choice))
-            return ("grammar", "tools")
-
-    mod = types.SimpleNamespace(Grammar=Grammar)
-    monkeypatch.setitem(sys.modules, "pantheon.structured", mod)
-    monkeypatch.setattr(pantheon, "structured", mod, raising=False)
-    return calls
-
-
-def test_response_format_and_forced_tools_become_the_constraint(client, fake, grammar):
+def test_response_format_and_forced_tools_become_the_constraint(client, fake, stub_grammar):
+    grammar = stub_grammar
     schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}, "strict": True}}
     assert chat(client, response_format=schema).status_code == 200
     assert fake.last_request.constraint == ("grammar", "json_schema") and grammar[-1] == ("response_format", schema)
@@ -135,7 +111,9 @@ def test_response_format_and_forced_tools_become_the_constraint(client, fake, gr
     for choice in ("required", named):
         assert chat(client, tools=TOOLS, tool_choice=choice).status_code == 200
         assert fake.last_request.constraint == ("grammar", "tools")
-        assert grammar[-1] == ("tools", ["get_weather", "get_time"], choice)
+        assert grammar[-1] == ("tools", ["get_weather", "get_time"], choice, True)
+    assert chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).status_code == 200
+    assert grammar[-1] == ("tools", ["get_weather", "get_time"], "required", False)
     calls = len(grammar)
     for plain in ({"response_format": {"type": "text"}}, {"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "none"}):
         assert chat(client, **plain).status_code == 200 and fake.last_request.constraint is None
@@ -169,7 +147,7 @@ def test_n_choices_streamed(client, fake):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_ends_only_its_own_choice(client, fake, surface_app, stream):
     fake.texts = ["ab STOP cd ef", "0123456789"]
-    fake.endless = {0}  # choice 0 only ends when the web layer cancels the request
+    fake.endless = {0}  # choice 0 only ends when the web layer cancels it
     r = chat(client, n=2, stop="STOP", stream=stream, logprobs=True)
     if stream:
         chunks = sse(r)
@@ -184,8 +162,18 @@ def test_a_stop_string_ends_only_its_own_choice(client, fake, surface_app, strea
         assert body["usage"]["completion_tokens"] == len("ab STOP") + 10  # discarded tokens are not counted
     assert texts == ["ab ", "0123456789"] and finish == ["stop", "length"]
     assert tokens == [list("ab STOP"), list("0123456789")]  # the token that completed the stop string is listed
-    assert fake.emitted[1] == 10  # the other choice was not cut short
-    assert fake.last_handle.cancelled.is_set()  # ... and once it was done, the rest of choice 0 was cancelled
+    assert fake.emitted[1] == 10  # the other choice was not cut short: choice 0 alone was cancelled
+    assert fake.last_handle.cancelled_choices == {0} and not fake.last_handle.cancelled.is_set()
+    assert in_flight(surface_app[1]) == 0
+
+
+def test_the_last_choice_to_stop_cancels_the_request(client, fake, surface_app):
+    fake.texts = ["ab STOP x", "cd STOP y"]
+    fake.endless = {0, 1}  # neither ends unless cancelled
+    body = chat(client, n=2, stop="STOP").get_json()
+    assert [c["message"]["content"] for c in body["choices"]] == ["ab ", "cd "]
+    h = fake.last_handle
+    assert len(h.cancelled_choices) == 1 and h.cancelled.is_set()  # the first stopped alone, the last all
     assert in_flight(surface_app[1]) == 0
 
 

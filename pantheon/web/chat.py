@@ -42,7 +42,7 @@ __all__ = ["ClientGone", "Generation", "SSEStream", "ChatRequest", "parse_chat_r
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "function")  # "function": the deprecated tool result (-> "tool")
 BIG_PROMPT_CHARS = 16384  # larger requests are rendered and tokenized off the hub, in an OS thread
 ANSWER_RESERVE_MAX = 256  # tokens admission keeps free for the answer (also at most window // 8 and max_tokens)
 
@@ -55,17 +55,14 @@ TOP_FIELDS = frozenset({
     # onto the chat template's thinking switch (see _compat_fields)
     "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "modalities",
     "reasoning_effort", "truncate",
+    "functions", "function_call",  # the deprecated forms of tools and tool_choice (see _tools, _tool_choice)
 })
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 VERBOSITY = ("low", "medium", "high")
 REASONING_EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")  # after the body's session_id, in this order
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content",
-                            "reasoning"})
-
-
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-JSON_SCHEMA_FIELDS = frozenset({"name", "description", "schema", "strict"})
+                            "reasoning", "function_call"})
 
 
 def new_completion_id() -> str:
@@ -96,6 +93,7 @@ class ChatRequest:
     logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k most likely (top_logprobs)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); ids checked against the vocabulary at start
     response_format: dict | None = None  # json_object / json_schema (None: text); its grammar is built at start
+    parallel_tool_calls: bool = True  # a forced tool call may be several calls
 
     @property
     def tools_enabled(self) -> bool:
@@ -185,6 +183,8 @@ def _messages(body: Mapping) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {json.dumps(role)[:40]}")
+        m = _legacy_message(m, where)
+        role = m["role"]
         _content(m, where, required=not (role == "assistant" and m.get("tool_calls")))
         _tool_calls(m, where)
         for key in ("name", "tool_call_id"):
@@ -202,8 +202,65 @@ def _messages(body: Mapping) -> list[dict]:
     return out
 
 
+def _legacy_message(m: dict, where: str) -> dict:
+    """The deprecated function-calling message forms as their tool forms: an assistant `function_call`
+    becomes a one-call `tool_calls` (no id: none was ever given), a "function" message a tool result
+    carrying the function's name."""
+    fc = m.get("function_call")
+    if fc is not None:
+        if m.get("role") != "assistant":
+            raise _bad(f"{where}.function_call", "is only allowed on assistant messages")
+        if "tool_calls" in m:
+            raise _bad(f"{where}.function_call", "cannot be given with tool_calls (it is their deprecated form)")
+        if not isinstance(fc, dict) or set(fc) - {"name", "arguments"}:
+            raise _bad(f"{where}.function_call", "must be an object with name and arguments")
+        if not isinstance(fc.get("name"), str) or not fc["name"]:
+            raise _bad(f"{where}.function_call.name", "must be a non-empty string")
+        if fc.get("arguments") is not None and not isinstance(fc["arguments"], str):
+            raise _bad(f"{where}.function_call.arguments", "must be a JSON string")
+        m = {k: v for k, v in m.items() if k != "function_call"}
+        m["tool_calls"] = [{"type": "function", "function": dict(fc)}]
+    if m.get("role") == "function":
+        if not isinstance(m.get("name"), str) or not m["name"]:
+            raise _bad(f"{where}.name", "is required on a function message (the function's name)")
+        m = {**m, "role": "tool"}
+    return m
+
+
+def _function_def(fn: Any, p: str, seen: set[str]) -> None:
+    """Check one function definition (a tool's `function`, or an entry of the deprecated `functions`)."""
+    if not isinstance(fn, dict):
+        raise _bad(p, "must be an object")
+    extra = set(fn) - {"name", "description", "parameters", "strict"}
+    if extra:
+        raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise _bad(f"{p}.name", "must be a non-empty string of at most 64 characters")
+    if name in seen:
+        raise _bad(f"{p}.name", f"duplicate tool name {name!r}")
+    seen.add(name)
+    if "description" in fn and not isinstance(fn["description"], str):
+        raise _bad(f"{p}.description", "must be a string")
+    if "parameters" in fn and not isinstance(fn["parameters"], dict):
+        raise _bad(f"{p}.parameters", "must be a JSON Schema object")
+    if "strict" in fn and not isinstance(fn["strict"], bool):
+        raise _bad(f"{p}.strict", "must be true or false")
+
+
 def _tools(body: Mapping) -> list[dict] | None:
+    """`tools`, or the deprecated `functions` (a list of function definitions) as tools; not both."""
     tools = body.get("tools")
+    functions = body.get("functions")
+    if functions is not None:
+        if tools is not None:
+            raise _bad("functions", "cannot be given with tools (it is their deprecated form)")
+        if not isinstance(functions, list) or not functions:
+            raise _bad("functions", "must be a non-empty list of function definitions")
+        seen: set[str] = set()
+        for i, fn in enumerate(functions):
+            _function_def(fn, f"functions[{i}]", seen)
+        return [{"type": "function", "function": fn} for fn in functions]
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -218,28 +275,29 @@ def _tools(body: Mapping) -> list[dict] | None:
         extra = set(t) - {"type", "function"}
         if extra:
             raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
-        fn = t.get("function")
-        if not isinstance(fn, dict):
-            raise _bad(f"{p}.function", "must be an object")
-        extra = set(fn) - {"name", "description", "parameters", "strict"}
-        if extra:
-            raise _bad(f"{p}.function.{sorted(extra)[0]}", "is not supported")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise _bad(f"{p}.function.name", "must be a non-empty string of at most 64 characters")
-        if name in seen:
-            raise _bad(f"{p}.function.name", f"duplicate tool name {name!r}")
-        seen.add(name)
-        if "description" in fn and not isinstance(fn["description"], str):
-            raise _bad(f"{p}.function.description", "must be a string")
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
-            raise _bad(f"{p}.function.parameters", "must be a JSON Schema object")
-        if "strict" in fn and not isinstance(fn["strict"], bool):
-            raise _bad(f"{p}.function.strict", "must be true or false")
+        _function_def(t.get("function"), f"{p}.function", seen)
     return tools or None
 
 
+def _function_call(body: Mapping, tools: list[dict] | None) -> Any:
+    """The deprecated `function_call` ("none", "auto" or {"name": ...}) as a tool_choice."""
+    fc = body.get("function_call")
+    if body.get("tool_choice") is not None:
+        raise _bad("function_call", "cannot be given with tool_choice (it is its deprecated form)")
+    if fc in ("none", "auto"):
+        if fc == "auto" and not tools:
+            raise _bad("function_call", "\"auto\" needs functions (only \"none\" is valid without them)")
+        return fc
+    if not isinstance(fc, dict) or set(fc) != {"name"} or not isinstance(fc["name"], str):
+        raise _bad("function_call", "must be \"none\", \"auto\" or {\"name\": ...}")
+    if fc["name"] not in {t["function"]["name"] for t in tools or []}:
+        raise _bad("function_call.name", f"no function named {shown(fc['name'])!r} was declared")
+    return {"type": "function", "function": {"name": fc["name"]}}
+
+
 def _tool_choice(body: Mapping, tools: list[dict] | None) -> Any:
+    if body.get("function_call") is not None:
+        return _function_call(body, tools)
     tc = body.get("tool_choice")
     if tc is None:
         return "auto" if tools else "none"
@@ -292,27 +350,13 @@ def _compat_fields(body: Mapping) -> bool | None:
 
 
 def _response_format(body: Mapping) -> dict | None:
-    """`response_format`: None for text; json_object and json_schema are returned for the grammar built at
-    start (pantheon.structured checks the schema itself)."""
+    """`response_format`: None for plain text; any other is returned for the grammar built at start
+    (pantheon.structured owns its shape and answers a bad one with a 400 naming the field)."""
     rf = body.get("response_format")
-    if rf is None:
+    if rf is None or rf == {"type": "text"}:
         return None
-    shapes = "{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": {...}}"
-    if not isinstance(rf, dict) or rf.get("type") not in RESPONSE_FORMATS:
-        raise _bad("response_format", f"must be {shapes}")
-    allowed = {"type", "json_schema"} if rf["type"] == "json_schema" else {"type"}
-    extra = sorted(set(rf) - allowed)
-    if extra:
-        raise _bad(f"response_format.{extra[0]}", "is not supported")
-    if rf["type"] == "text":
-        return None
-    if rf["type"] == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict):
-            raise _bad("response_format.json_schema", "must be an object with name and schema")
-        extra = sorted(set(js) - JSON_SCHEMA_FIELDS)
-        if extra:
-            raise _bad(f"response_format.json_schema.{extra[0]}", "is not supported")
+    if not isinstance(rf, dict):
+        raise _bad("response_format", "must be an object such as {\"type\": \"json_object\"}")
     return rf
 
 
@@ -344,7 +388,7 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     stream, include_usage = stream_flags(body)
     tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
-    _boolean(body, "parallel_tool_calls")
+    parallel = _boolean(body, "parallel_tool_calls")
     session_id = _string(body, "session_id")
     # Then the headers: X-Session-Id, and X-SMG-Routing-Key (the router forwards that one and strips
     # X-Session-Id, so a session routed through SMG keeps its key all the way to the slot).
@@ -382,7 +426,8 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
                        stream=stream, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
                        session_id=session_id, enable_thinking=enable_thinking, ignore_eos=ignore_eos,
                        user=user, cache_salt=cache_salt, truncate_oldest=truncate == "oldest",
-                       n=n, logprobs=logprobs, logit_bias=bias, response_format=rf)
+                       n=n, logprobs=logprobs, logit_bias=bias, response_format=rf,
+                       parallel_tool_calls=parallel is not False)
     if rf is not None and creq.forces_tool_call:
         raise _bad("response_format", "cannot be combined with tool_choice \"required\" or a named function "
                                       "(each constrains the whole output)")
@@ -568,7 +613,8 @@ class Generation(GenerationCore):
         stop_ids = frozenset() if creq.ignore_eos else frozenset(tok.eot_ids)
         ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
-        emitters = [Emitter(stop=creq.stop, in_think=in_think, tools_enabled=creq.tools_enabled)
+        tool_names = [t["function"]["name"] for t in creq.template_tools() or []]
+        emitters = [Emitter(stop=creq.stop, in_think=in_think, tools_enabled=creq.tools_enabled, tool_names=tool_names)
                     for _ in range(creq.n)]
         session = None if self.prompt_capped else creq.session_id  # a capped turn starts over
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,  # resolves the seed, once
@@ -586,12 +632,14 @@ class Generation(GenerationCore):
 
         if creq.response_format is not None:
             return structured.Grammar.from_response_format(creq.response_format, tok)
-        return structured.Grammar.for_tools(creq.tools, creq.tool_choice, tok)
+        return structured.Grammar.for_tools(creq.tools, creq.tool_choice, tok, parallel=creq.parallel_tool_calls)
 
     def _prompt(self, card: Any, messages: list[dict] | None = None) -> tuple[str, list[int]]:
         """The rendered chat template of `messages` (default: the request's) and its token ids (BOS
         added when the model wants one)."""
         kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
+        if kwargs["tools"]:  # words the generic tool format's instruction (pantheon.tool_format)
+            kwargs["tool_choice"] = self.creq.tool_choice
         if self.creq.enable_thinking is not None:
             kwargs["enable_thinking"] = self.creq.enable_thinking
         rendered = card.template.render(self.creq.messages if messages is None else messages, **kwargs)

@@ -12,10 +12,10 @@ tokenizes text as is), then calls `launch`. From there this core owns the reques
    request) sees the answer.
 
 Choices and stop strings. Each choice stops on its own: a stop string (or EOS) ends that choice's text
-and its later tokens are discarded, while the other choices keep generating. The backend is cancelled
-when every choice is done from the client's point of view (all stopped, or finished), and the request
-ends when the backend has sent every choice's `Finished` (so the slots are free). An "error" Finished
-is the whole request's.
+and its later tokens are discarded, while the other choices keep generating. A stop string cancels its
+choice alone (`Handle.cancel(choice)`), or the whole request once it was the last choice running, and
+the request ends when the backend has sent every choice's `Finished` (so the slots are free). An
+"error" Finished is the whole request's.
 
 Log probabilities. When the request asked for them, every token the client's text was made from has
 one entry, in order, exactly once: it rides on the first `Piece` of its choice that goes out after the
@@ -229,9 +229,6 @@ class GenerationCore:
                     self._fail(ev)
                 else:
                     yield from self._finish(self._choice(ev.choice), ev.reason)
-            if not self._cancelled and all(c.done for c in self.choices) and not self.finished:
-                self._cancelled = True  # every choice is done (stop strings): the rest is not wanted
-                self.handle.cancel()
         if self.metrics is not None:
             self.metrics.observe_e2e(self.model_name, time.perf_counter() - self.t0)
 
@@ -271,6 +268,17 @@ class GenerationCore:
             yield from self._emit(c, c.emitter.feed(text))
             if c.emitter.stopped:
                 yield self._end(c, c.emitter.finish_reason or "stop")
+                self._stop_generating(c)
+
+    def _stop_generating(self, c: Choice) -> None:
+        """A stop string ended `c`: the backend stops it, or the whole request when no choice runs on."""
+        if self._cancelled or c.finished:
+            return
+        if all(x.done for x in self.choices):
+            self._cancelled = True
+            self.handle.cancel()
+        else:
+            self.handle.cancel(c.index)
 
     def _finish(self, c: Choice, reason: str) -> Iterator[Piece]:
         """The backend's Finished for choice `c`: release what the emitter holds, then its final piece."""

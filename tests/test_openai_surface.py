@@ -106,7 +106,14 @@ def test_logprobs_alone_equal_logprobs_batched_with_seven_others(client):
                             max_tokens=48) for i, m in enumerate(OTHERS)]
         batched = ex.submit(client.chat.completions.create, user="batched", **kw).result()
         assert all(f.result().choices for f in others)
-    assert lp_key(batched.choices[0].logprobs.content) == lp_key(alone.choices[0].logprobs.content)
+    got, want = batched.choices[0].logprobs.content, alone.choices[0].logprobs.content
+    assert [e.token for e in got] == [e.token for e in want]  # the same tokens...
+    # ... with the same log probabilities, up to float rounding: a prompt prefilled in a mixed step with
+    # other rows' decodes sums its products in another order, and the f16 KV cache carries that on
+    # (measured on CPU: ~2e-6 on the first token, up to ~2e-4 later)
+    for g, w in zip(got, want):
+        assert g.logprob == pytest.approx(w.logprob, abs=5e-3)
+        assert [t.logprob for t in g.top_logprobs] == pytest.approx([t.logprob for t in w.top_logprobs], abs=5e-3)
 
 
 # ---- n choices ------------------------------------------------------------------------------------------------
@@ -227,8 +234,9 @@ def test_json_outputs_streamed_and_not(client, stream):
                 response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
                 temperature=0.8, seed=3, max_tokens=200)
     validate(schema, c["text"])
-    (c,) = chat(client, stream, messages=[{"role": "user", "content": "Describe a cat as a JSON object."}],
-                response_format={"type": "json_object"}, temperature=0, max_tokens=200)
+    ask = 'Give a JSON object with the keys "name" and "age" of a person.'  # one SmolLM2 closes (others ramble on)
+    (c,) = chat(client, stream, messages=[{"role": "user", "content": ask}], response_format={"type": "json_object"},
+                temperature=0, max_tokens=200)
     assert c["finish"] == "stop" and isinstance(json.loads(c["text"]), dict)
 
 

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 # The engine seam's verbs: calls that change device state or run a compiled step. Every one of them
 # is broadcast to the followers before it runs on the leader. The future seam's names are listed too
 # (a name the Model does not have is simply never called).
-VERBS: tuple[str, ...] = ("new_state", "warmup", "insert", "step", "release", "forward_rows", "free")
+VERBS: tuple[str, ...] = ("new_state", "warmup", "insert", "step", "release", "forward_rows", "free", "embed")
 
 BEAT_S = 0.5  # a follower's heartbeat period on the control channel
 DEAD_AFTER_S = 5.0  # a follower silent this long is declared dead

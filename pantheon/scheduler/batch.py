@@ -53,6 +53,7 @@ from ..config import Settings
 from ..engine import Chunk, Model, StepHandle, StepPlan
 from ..errors import BusyError, ModelFailed
 from ..gen_types import Event, Finished, GenRequest, Sink, Started, Tokens
+from .embed import EmbedDriver
 
 IDLE, PREFILL, DECODE = "IDLE", "PREFILL", "DECODE"
 PRESSURE_CRITICAL = 3
@@ -133,7 +134,7 @@ class SchedulerStats:
     host_ms_total: float = 0.0  # host work per step (planning, dispatching, emitting), device waits excluded
 
 
-class BatchScheduler:
+class BatchScheduler(EmbedDriver):
     """One per loaded model: the driver of its slots (QWEN35_BATCH_SLOTS=0 -> one slot, immediate 429)."""
 
     def __init__(self, model: Model, settings: Settings, pressure: Callable[[], int] | None = None,
@@ -160,6 +161,7 @@ class BatchScheduler:
         self._turn_prefill = True  # driver-only: whose turn it is when both kinds of work exist
         self._inflight: _InFlight | None = None  # driver-only: the dispatched step not yet read
         self._state = model.new_state()  # driver-only after start: the donated device state
+        self._embed_queue, self._embed_jobs = deque(), []  # _mu: embeddings jobs waiting / started (.embed)
         if settings.warmup if warmup is None else warmup:
             self._state = model.warmup(self._state, mixed=self.mixed)
         self._thread = osthread.start_thread(self._drive, name=f"driver-{model.name}")
@@ -231,9 +233,10 @@ class BatchScheduler:
                 released = self._take_cancelled_locked(events)
                 self._reap_queue_locked(events)
                 admitted = self._admit_locked(events)
+                embeds = self._embed_admit_locked(events)
                 work = any(sl.state != IDLE for sl in self._slots)
                 if not work and self._inflight is None and not events:
-                    self._work.wait(0.5 if self._queue else None)
+                    self._work.wait(0.5 if self._queue or self._embed_queue else None)
                     continue
             self._deliver(events)
             t0 = time.perf_counter()
@@ -241,6 +244,8 @@ class BatchScheduler:
                 self._state = self.model.release(self._state, sl.index)
             for sl, job in admitted:
                 self._insert(sl, job)
+            if embeds:
+                self._embed_round(embeds)
             try:
                 nxt = self._dispatch(t0) if work else None
             except Exception as exc:  # a step that cannot even be dispatched fails like one that ran
@@ -485,6 +490,7 @@ class BatchScheduler:
         so every slot's prefix history goes too, since the cache it described is gone."""
         events: list[tuple[_Job, Event]] = []
         with self._mu:
+            self._embed_fail_locked(events, exc)
             for sl in self._slots:
                 if sl.state != IDLE:
                     events.append(self._release_locked(sl, "error", exc))
@@ -501,6 +507,7 @@ class BatchScheduler:
         events: list[tuple[_Job, Event]] = []
         with self._mu:
             self.failure = message
+            self._embed_fail_locked(events, err)
             for sl in self._slots:
                 if sl.state != IDLE and sl.job is not None:
                     events.append(self._release_locked(sl, "error", err))
@@ -513,6 +520,7 @@ class BatchScheduler:
         events: list[tuple[_Job, Event]] = []
         err = BusyError("server is shutting down", status=503)
         with self._mu:
+            self._embed_fail_locked(events, err)
             for sl in self._slots:
                 if sl.state != IDLE and sl.job is not None:
                     events.append(self._release_locked(sl, "error", err))

@@ -507,6 +507,9 @@ def test_same_text_alone_and_batched_with_seven_others_is_equal(smol, smol_sched
     for c, b in zip(concurrent, batched):
         np.testing.assert_allclose(c.result.vectors[0], b, atol=1e-5)
     assert np.allclose(np.linalg.norm(batched, axis=1), 1.0, atol=1e-5)
+    # Beside a much longer input the batch runs in a longer token bucket: equal to float rounding.
+    long = real_ids(smol, "word " * 100)
+    np.testing.assert_allclose(submit_embed(smol_sched, [long, ids[3]]).result.vectors[1], alone, atol=1e-4)
 
 
 @pytest.mark.real

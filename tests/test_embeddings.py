@@ -352,6 +352,24 @@ def test_shutdown_fails_queued_embeddings(fake):
     assert isinstance(c.result, Finished) and c.result.reason == "error" and c.result.error.status == 503
 
 
+def test_an_embedding_shape_compiled_after_warm_up_fails_only_its_request():
+    """PANTHEON_FORBID_COMPILE=1: embedding programs are not part of warm-up, so a new shape is refused
+    before it runs (500 compile_forbidden); the state is intact and the driver goes on."""
+    from conftest import tiny_fixture
+    from pantheon import engine
+    from pantheon.scheduler.batch import BatchScheduler
+    path, _, _ = tiny_fixture("llama")
+    m = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, kv_dtype="float32"))
+    s = BatchScheduler(m, sched_settings(batch_slots=2, forbid_compile=True), warmup=False)
+    try:
+        r = submit_embed(s, [[1, 2, 3]]).result
+        assert isinstance(r, Finished) and r.reason == "error" and r.error.code == "compile_forbidden"
+        wait_until(lambda: s.load_info()["running"] == 0, 10, "the slot to go back")
+        assert s.failure is None
+    finally:
+        s.close()
+
+
 # ---- the HTTP route (fake engine, Flask test client) --------------------------------------------------
 def make_app(tmp_path, **settings_kw):
     from pantheon.registry import Registry

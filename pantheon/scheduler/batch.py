@@ -246,6 +246,7 @@ class BatchScheduler(EmbedDriver):
                 self._insert(sl, job)
             if embeds:
                 self._embed_round(embeds)
+                t0 = time.perf_counter()  # the step's host time leaves the embed call out
             try:
                 nxt = self._dispatch(t0) if work else None
             except Exception as exc:  # a step that cannot even be dispatched fails like one that ran

@@ -108,6 +108,8 @@ class EmbedDriver:
     def _embed_admit_locked(self, events: list[tuple[Any, Event]]) -> list[tuple[Any, _EmbedJob, EmbedRun]]:
         """Reap cancelled and timed-out jobs, give idle slots to waiting inputs; returns the rows of
         this iteration's embed call: (slot, job, input) for every input holding a slot."""
+        if not self._embed_queue and not self._embed_jobs:
+            return []  # the common case, once per driver iteration
         now = time.monotonic()
         keep: deque[_EmbedJob] = deque()
         for job in self._embed_queue:

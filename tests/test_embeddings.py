@@ -418,6 +418,17 @@ def test_route_base64_and_token_inputs_and_last_pooling(client):
     assert client.post("/m/other/v1/embeddings", json={"input": "x", "model": "m"}).status_code == 404
 
 
+def test_route_takes_2048_inputs_in_a_large_body(client):
+    inputs = [[100000 + 8 * i + j for j in range(8)] for i in range(2048)]  # a body over 64 KiB: parsed off the hub
+    r = client.post("/v1/embeddings", json={"input": inputs, "encoding_format": "base64"})
+    assert r.status_code == 200, r.get_data(as_text=True)[:300]
+    data = r.get_json()["data"]
+    assert [d["index"] for d in data] == list(range(2048))
+    for i in (0, 777, 2047):
+        vec = np.frombuffer(base64.b64decode(data[i]["embedding"]), dtype="<f4")
+        np.testing.assert_allclose(vec, expected(inputs[i]), atol=1e-6)
+
+
 def test_route_400s_share_the_error_shape(client):
     for body, param, code in (({"input": "x", "dimensions": 8}, "dimensions", "invalid_request_error"),
                               ({"input": "x" * 65}, "input", "context_length_exceeded"),

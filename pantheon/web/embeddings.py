@@ -31,9 +31,9 @@ from flask import Blueprint, Response, jsonify, request
 from ..errors import RequestError
 from ..gen_types import EMBED_POOLINGS, EmbedRequest, Embedded, Finished
 from . import bridge
-from .body import shown
+from .body import parse_json, shown
 from .chat import BIG_PROMPT_CHARS, CHECK_GAP_S, POLL_S, ClientGone
-from .routes import INSTANCE_HEADER, read_json, server
+from .routes import BIG_BODY_BYTES, INSTANCE_HEADER, read_raw, server
 
 bp = Blueprint("embeddings", __name__)
 
@@ -230,7 +230,11 @@ def model_embeddings(model: str) -> Response:
 
 def handle_embeddings(root_model: str | None = None) -> Response:
     """One embeddings request. `root_model`: it came in under that model's own root (`/m/<model>/...`)."""
-    ereq = parse_embeddings_request(read_json())
+    raw = read_raw()
+    parse = lambda: parse_embeddings_request(parse_json(raw))  # noqa: E731
+    # A large body (thousands of inputs, or long token-id lists) is parsed and checked in an OS thread,
+    # as chat's: millions of small JSON items would stall every other request on the event loop.
+    ereq = bridge.call_in_thread(parse, name="pantheon-parse") if len(raw) > BIG_BODY_BYTES else parse()
     if root_model is not None:
         if ereq.model and ereq.model != root_model:
             raise RequestError(f"model {ereq.model!r} is not served at this root (it serves {root_model!r})",

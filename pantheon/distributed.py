@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 # is broadcast to the followers before it runs on the leader. The future seam's names are listed too
 # (a name the Model does not have is simply never called).
 VERBS: tuple[str, ...] = ("new_state", "warmup", "insert", "step", "release", "copy_slot", "prompt_logprobs",
-                          "forward_rows", "free")
+                          "forward_rows", "free", "embed")
 
 BEAT_S = 0.5  # a follower's heartbeat period on the control channel
 DEAD_AFTER_S = 5.0  # a follower silent this long is declared dead

@@ -211,6 +211,8 @@ class Model:
         self._score = jax.jit(_score_rows, static_argnames=("k",))
         self.mask_words = -(-cfg.vocab // 32)  # a grammar mask row: one bit per token of the logits
         self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (all-ones mask, False) on the device
+        embed = self._embed_impl if self.shard_plan is None else self.shard_plan.wrap_forward(self._embed_impl)
+        self._embed = jax.jit(embed, static_argnames=("span", "kernels"), donate_argnums=(1,))
         self._compiled_keys: set[tuple] = set()
         self._keys_lock = osthread.Lock()  # guards _compiled_keys (steps may come from several threads)
         # The leaves of every state this model handed out, held weakly, so free() can free the caches'
@@ -273,7 +275,7 @@ class Model:
         params, self.params = self.params, None
         _delete_arrays(params)
         self._no_mask.clear()
-        for attr in ("_forward", "_serve", "_advance", "_insert", "_release", "_copy", "_score"):
+        for attr in ("_forward", "_serve", "_advance", "_insert", "_release", "_copy", "_score", "_embed"):
             fn = getattr(self, attr, None)
             clear = getattr(fn, "clear_cache", None)
             if callable(clear):
@@ -530,6 +532,52 @@ class Model:
             nn[b] = lens[b]
         return _Plan(self._forward, (tok, sl, st, nn), dict(span=span, all_logits=all_logits, kernels=self.kernels),
                      ("raw", B, T, span, all_logits), B)
+
+    # ---- embeddings ------------------------------------------------------------------------------
+    def embed(self, state: DecodeState, rows: Sequence[Sequence[int]], slots: Sequence[int],
+              starts: Sequence[int], pooling: str | Sequence[str] = "mean") -> tuple[np.ndarray, DecodeState]:
+        """Feed rows of tokens into slots' caches as a prompt chunk would, and pool each row's final
+        hidden states on the device: only [rows, D] comes back, never [rows, T, D] or logits.
+
+        Row b feeds rows[b] (at most `chunk` tokens) at positions starts[b].. into slot slots[b]
+        (distinct serving slots; the caller gives the slot up to this: its cache rows from starts[b]
+        on are overwritten, and a row at start 0 restarts any recurrent state). `pooling` (one for
+        all rows, or one per row): "mean" returns the *sum* of the row's hidden states, "last" the
+        hidden state of its last token -- so a long input fed in several calls with increasing starts
+        is pooled on the host (sums added, then divided by the length; the last call's "last").
+        Returns f32 [rows, D] on the host and the new state. Compiled per (rows, tokens, span)
+        bucket, as `forward_rows`; both poolings come out of one program.
+        """
+        self._check_live()
+        n = len(rows)
+        kinds = [pooling] * n if isinstance(pooling, str) else list(pooling)
+        if len(kinds) != n or any(k not in ("mean", "last") for k in kinds):
+            raise ValueError(f"pooling must be \"mean\" or \"last\" (one, or one per row), got {pooling!r}")
+        if len(slots) != n or len(starts) != n:
+            raise ValueError("embed needs one slot and one start per row")
+        if len(set(slots)) != n or not all(0 <= int(s) < self.n_slots for s in slots):
+            raise ValueError(f"embed rows need distinct serving slots (0..{self.n_slots - 1}), got {list(slots)}")
+        if any(len(r) > self.chunk for r in rows):
+            raise ValueError(f"an embedding row feeds at most {self.chunk} tokens per call")
+        plan = self._plan(rows, slots, starts, False)
+        key = ("embed", *plan.key[1:4])
+        self._note_shape(key)
+        pooled, _, cache = self._embed(self.params, state.cache, *plan.args, span=plan.kwargs["span"],
+                                       kernels=self.kernels)
+        state = self._track(state.replace(cache=cache))
+        both = _to_host(pooled)[:, :n]  # [2, rows, D]: sums, last
+        return np.stack([both[0 if k == "mean" else 1, b] for b, k in enumerate(kinds)]).astype(np.float32), state
+
+    def _embed_impl(self, params, cache, tokens, slots, start, n_new, *, span: int, kernels: Kernels):
+        """The hidden-state forward and both poolings: [2, B, D] (sum over each row's real tokens,
+        the last real token's), f32. Padding positions are masked with `where`, not multiplied: the
+        native kernels leave a padded chunk's rows unwritten, and 0 * NaN is NaN."""
+        h, cache = self.arch.hidden_states(params, cache, tokens, slots, start, n_new, cfg=self.config, span=span,
+                                           kernels=kernels)
+        h = h.astype(jnp.float32)
+        real = (jnp.arange(h.shape[1], dtype=jnp.int32)[None, :] < n_new[:, None])[..., None]
+        sums = jnp.sum(jnp.where(real, h, 0.0), axis=1)
+        return jnp.stack([sums, last_valid(h, n_new)]), None, cache
 
     def _span_for(self, need: int) -> int:
         if need > self.capacity:

@@ -57,6 +57,7 @@ from ..config import Settings
 from ..engine import Chunk, Model, StepHandle, StepPlan
 from ..errors import BusyError, ModelFailed, RequestError
 from ..gen_types import Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
+from .embed import EmbedDriver
 
 # A slot of an n > 1 request is FORK once the prompt (but its last token) is in its cache, and
 # FORKWAIT while it waits for that copy (a sibling choice). Both are neither idle nor stepping.
@@ -148,7 +149,7 @@ class SchedulerStats:
     host_ms_total: float = 0.0  # host work per step (planning, dispatching, emitting), device waits excluded
 
 
-class BatchScheduler:
+class BatchScheduler(EmbedDriver):
     """One per loaded model: the driver of its slots (QWEN35_BATCH_SLOTS=0 -> one slot, immediate 429)."""
 
     def __init__(self, model: Model, settings: Settings, pressure: Callable[[], int] | None = None,
@@ -175,6 +176,7 @@ class BatchScheduler:
         self._turn_prefill = True  # driver-only: whose turn it is when both kinds of work exist
         self._inflight: _InFlight | None = None  # driver-only: the dispatched step not yet read
         self._state = model.new_state()  # driver-only after start: the donated device state
+        self._embed_queue, self._embed_jobs = deque(), []  # _mu: embeddings jobs waiting / started (.embed)
         if settings.warmup if warmup is None else warmup:
             self._state = model.warmup(self._state, mixed=self.mixed)
         self._thread = osthread.start_thread(self._drive, name=f"driver-{model.name}")
@@ -250,9 +252,10 @@ class BatchScheduler:
                 released = self._take_cancelled_locked(events)
                 self._reap_queue_locked(events)
                 admitted = self._admit_locked(events)
+                embeds = self._embed_admit_locked(events)
                 work = any(sl.state != IDLE for sl in self._slots)
                 if not work and self._inflight is None and not events:
-                    self._work.wait(0.5 if self._queue else None)
+                    self._work.wait(0.5 if self._queue or self._embed_queue else None)
                     continue
             self._deliver(events)
             t0 = time.perf_counter()
@@ -261,6 +264,9 @@ class BatchScheduler:
             for sl, job in admitted:
                 self._insert(sl, job)
             self._fork_ready()
+            if embeds:
+                self._embed_round(embeds)
+                t0 = time.perf_counter()  # the step's host time leaves the embed call out
             try:
                 nxt = self._dispatch(t0) if work else None
             except Exception as exc:  # a step that cannot even be dispatched fails like one that ran
@@ -599,6 +605,7 @@ class BatchScheduler:
         so every slot's prefix history goes too, since the cache it described is gone."""
         events: list[tuple[_Job, Event]] = []
         with self._mu:
+            self._embed_fail_locked(events, exc)
             for sl in self._slots:
                 if sl.state != IDLE:
                     events.append(self._release_locked(sl, "error", exc))
@@ -615,6 +622,7 @@ class BatchScheduler:
         events: list[tuple[_Job, Event]] = []
         with self._mu:
             self.failure = message
+            self._embed_fail_locked(events, err)
             for sl in self._slots:
                 if sl.state != IDLE and sl.job is not None:
                     events.append(self._release_locked(sl, "error", err))
@@ -627,6 +635,7 @@ class BatchScheduler:
         events: list[tuple[_Job, Event]] = []
         err = BusyError("server is shutting down", status=503)
         with self._mu:
+            self._embed_fail_locked(events, err)
             for sl in self._slots:
                 if sl.state != IDLE and sl.job is not None:
                     events.append(self._release_locked(sl, "error", err))

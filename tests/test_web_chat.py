@@ -369,7 +369,8 @@ def _cancels(srv) -> int:
 
 def test_stream_disconnect_frees_the_lock(srv):
     before = _cancels(srv)
-    s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100, "temperature": 0, "stream": True})
+    s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100_000, "temperature": 0, "stream": True,
+                         "ignore_eos": True})  # the whole context: still running when the hang-up is seen
     got = b""
     while b"data: " not in got:  # the role chunk: the generation has started (tiny models finish in ~0.1 s)
         got += s.recv(65536)
@@ -429,7 +430,8 @@ def test_metrics_move_when_requests_are_served_rejected_and_disconnected(srv):
     finally:
         list(lines)
         r.close()
-    s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100, "temperature": 0, "stream": True})
+    s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100_000, "temperature": 0, "stream": True,
+                         "ignore_eos": True})  # the whole context: still running when the hang-up is seen
     got = b""
     while b"data: " not in got:
         got += s.recv(65536)

@@ -12,6 +12,8 @@ import statistics
 import time
 from typing import Any
 
+import numpy as np
+
 
 def _rss_peak_mb() -> float:
     import resource
@@ -37,7 +39,7 @@ def bench_engine(model_name: str, batches: list[int], prompt_len: int, gen: int,
     path = resolve_model(model_name)
     t0 = time.perf_counter()
     n_slots = max(batches)
-    seq = max_seq or (prompt_len + gen + 16)
+    seq = max_seq or (prompt_len + gen * (reps + 1) + 16)  # every timed step stays inside the sequence
     model = load(path, LoadOptions(name=model_name, n_slots=n_slots, max_seq=seq, prefill_chunk=128))
     load_s = time.perf_counter() - t0
     state = model.new_state()
@@ -47,9 +49,9 @@ def bench_engine(model_name: str, batches: list[int], prompt_len: int, gen: int,
                            "weights_mb": round(model.weight_bytes / 1e6, 1), "load_s": round(load_s, 2),
                            "prompt_len": prompt_len, "gen": gen, "reps": reps, "dtype": str(model.dtype.__name__)}
 
-    def fill(state: Any, slot: int) -> Any:
+    def fill(state: Any, slot: int, **extra: Any) -> Any:
         """Give `slot` the prompt (greedy, a budget no rep exhausts) through the serving verbs."""
-        state = model.insert(state, slot_insert(slot, prompt, 0, greedy, 1 << 30, ()))
+        state = model.insert(state, slot_insert(slot, prompt, 0, greedy, 1 << 30, (), **extra))
         for i in range(0, prompt_len, model.chunk):
             part = tuple(prompt[i: i + model.chunk])
             h, state = model.step(state, StepPlan(chunk=Chunk(slot, part, i, i + model.chunk >= prompt_len)))
@@ -89,6 +91,32 @@ def bench_engine(model_name: str, batches: list[int], prompt_len: int, gen: int,
                           "ms_per_step": round(1000 * b / statistics.median(rates), 1),
                           "first_call_s": round(compile_s, 2)}
     out["decode"] = decode
+
+    # What the OpenAI features cost a decode step at the largest batch: logprobs (top 20 computed on
+    # the device) on every row, a grammar mask (all ones, built on the host and sent each step) on
+    # every row, a 300-entry logit bias on every row; against the same rows without them.
+    b = max(batches)
+    slots = tuple(range(b))
+    ones = np.full((b, model.mask_words), -1, np.int32)
+    bias = [(t, 0.5) for t in range(1, 301)]
+    variants = {"plain": ({}, None), "logprobs": ({"logprobs": True}, None), "mask": ({}, lambda: ones),
+                "logit_bias": ({"logit_bias": bias}, None)}
+    features: dict[str, Any] = {}
+    for name, (extra, mask) in variants.items():
+        for s in slots:
+            state = fill(state, s, **extra)
+        pos, per_step = prompt_len + 1, []
+        h, state = model.step(state, StepPlan(decode=slots, reach=pos + 1), mask=mask)
+        model.read(h)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for i in range(gen):  # read each step before the next: the masked path's own order
+                h, state = model.step(state, StepPlan(decode=slots, reach=pos + 2), mask=mask)
+                model.read(h)
+                pos += 1
+            per_step.append((time.perf_counter() - t0) * 1000 / gen)
+        features[name] = round(statistics.median(per_step), 2)
+    out["decode_features_ms"] = {"batch": b, **features}
     out["compiles"] = compile_count() - c0
     out["peak_rss_mb"] = round(_rss_peak_mb(), 1)
     out["device_memory"] = _device_mem(model)
@@ -106,6 +134,8 @@ def _print_table(r: dict) -> None:
         for b, d in r["decode"].items():
             if b != "1":
                 print(f"aggregate decode at batch {b} = {d['tok_s'] / base['tok_s']:.2f}x batch 1")
+    f = r["decode_features_ms"]
+    print(f"decode step at batch {f['batch']}, ms: " + ", ".join(f"{k} {v}" for k, v in f.items() if k != "batch"))
     print(f"peak RSS {r['peak_rss_mb']} MB; device memory {r['device_memory'] or 'n/a'}")
 
 

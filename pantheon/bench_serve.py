@@ -477,6 +477,7 @@ class Plan:
     slo_tpot: float | None
     progress: bool
     scrape: bool
+    extra: dict[str, Any] = field(default_factory=dict)  # --extra-body: merged into every request
 
 
 def _body(plan: Plan, messages: list[dict], max_tokens: int) -> dict:
@@ -484,6 +485,7 @@ def _body(plan: Plan, messages: list[dict], max_tokens: int) -> dict:
                             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if plan.ignore_eos:
         body["ignore_eos"] = True
+    body.update(plan.extra)
     return body
 
 
@@ -682,6 +684,16 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return obj
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pantheon bench serve",
                                  description="Streaming load generator for OpenAI-compatible chat servers.")
@@ -703,6 +715,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=1800.0, help="overall deadline for the whole run, s")
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured requests per server first (default 1)")
     ap.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (servers that support it)")
+    ap.add_argument("--extra-body", type=_json_object, default={},
+                    help="a JSON object merged into every request body (e.g. '{\"logprobs\": true, \"top_logprobs\": 5}')")
     ap.add_argument("--allow-remote", action="store_true", help="allow a non-loopback URL")
     ap.add_argument("--no-metrics", action="store_true", help="do not read the server's /metrics")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -766,7 +780,7 @@ def main(argv: list[str]) -> int:
     plan = Plan(model=a.model, gen=a.gen, ignore_eos=a.ignore_eos, headers=headers, system=system,
                 convs=build_workload(a.requests, prompt_len, a.multi_turn, turn_len, system, dataset),
                 requests=a.requests, slo_ttft=a.slo_ttft, slo_tpot=a.slo_tpot, progress=not a.no_progress,
-                scrape=not a.no_metrics)
+                scrape=not a.no_metrics, extra=a.extra_body)
     deadline = time.perf_counter() + a.timeout
     sides = list(zip("ab", targets))
     for _, t in sides:
@@ -791,7 +805,7 @@ def main(argv: list[str]) -> int:
                   "dataset": a.dataset, "gen": a.gen, "shared_prefix": a.shared_prefix, "multi_turn": a.multi_turn,
                   "turn_len": turn_len if a.multi_turn else None, "slo_ttft_s": a.slo_ttft,
                   "slo_tpot_s": a.slo_tpot, "ignore_eos": a.ignore_eos, "timeout_s": a.timeout,
-                  "warmup": a.warmup}
+                  "warmup": a.warmup, "extra_body": a.extra_body}
         print(json.dumps({"bench": "serve", "version": 1, "config": config, "results": runs,
                           "comparison": comparison, "scaling": scale}))
     else:

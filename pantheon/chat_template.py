@@ -5,6 +5,11 @@ trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, a non-escaping `to
 templates are written and tested against that behaviour; any difference shows up as a prompt the model was
 not trained on. Every failure becomes `TemplateError` (a 400): a template that rejects a conversation is
 the client's problem to fix, not a server crash.
+
+Tools reach every model: what a template cannot render (tool definitions, earlier tool calls, tool
+results; `tool_support` reads its source once) is rewritten by `pantheon.tool_format` into the generic
+format before the template runs. This happens here, in `ChatTemplate.render`, so every caller (the chat
+route, the CLI, tests) renders the same prompt for the same conversation.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from . import tool_format
 from .errors import TemplateError
+from .tool_format import ToolSupport
 
 THINK_OPEN = "<think>"
 
@@ -103,9 +110,24 @@ def _normalise_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def read_tool_support(ast: nodes.Template) -> ToolSupport:
+    """What a parsed template renders natively: the `tools` variable is read, an assistant message's
+    `tool_calls` is read (as an attribute or a subscript), and the role name "tool" is mentioned.
+
+    A template that never mentions one of these cannot render it, whatever the messages hold (SmolLM2's
+    writes every role name verbatim, so a "tool" turn would come out as a role the model never saw).
+    """
+    names = {n.name for n in ast.find_all(nodes.Name) if n.ctx == "load"}
+    attrs = {n.attr for n in ast.find_all(nodes.Getattr)}
+    consts = {n.value for n in ast.find_all(nodes.Const) if isinstance(n.value, str)}
+    return ToolSupport(declarations="tools" in names, calls="tool_calls" in attrs | consts,
+                       results="tool" in consts)
+
+
 def _chatml(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
-            enable_thinking: bool | None) -> str:
-    """ChatML with Hermes/Qwen-style tool calls, for files without a template."""
+            enable_thinking: bool | None, tool_choice: Any = "auto") -> str:
+    """ChatML with Hermes/Qwen-style tool calls, for files without a template. The tools block is
+    Qwen's own text; a required or named `tool_choice` adds the generic format's sentence saying so."""
     out: list[str] = []
     rest = messages
     if tools:
@@ -118,7 +140,9 @@ def _chatml(messages: list[dict], tools: list[dict] | None, add_generation_promp
             "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
             f"<tools>\n{specs}\n</tools>\n\nFor each function call, return a json object with function name and "
             "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n')
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+            + ("" if tool_choice in (None, "auto") else "\n\n" + tool_format.choice_instruction(tool_choice))
+            + "<|im_end|>\n")
     for i, m in enumerate(rest):
         role = m.get("role")
         if role == "tool":
@@ -146,6 +170,7 @@ class ChatTemplate:
 
     has_source: bool
     error: str | None  # why the file's template does not compile (renders then raise TemplateError)
+    tool_support: ToolSupport  # what the template renders of tools itself (the rest: pantheon.tool_format)
 
     def __init__(self, source: str | None, bos_token: str | None = None, eos_token: str | None = None):
         """Compile `source` once. A template that does not compile does not fail the model load (plain
@@ -156,21 +181,43 @@ class ChatTemplate:
         self.eos_token = eos_token
         self.error = None
         self._template: jinja2.Template | None = None
+        self.tool_support = tool_format.NATIVE  # the ChatML fallback renders all of it
         if self.source is not None:
             try:
-                self._template = _environment().from_string(self.source)
+                env = _environment()
+                ast = env.parse(self.source)
+                self.tool_support = read_tool_support(ast)
+                self._template = env.from_string(ast)
             except jinja2.TemplateError as exc:
                 self.error = f"the model's chat template does not compile: {type(exc).__name__}: {exc}"
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               enable_thinking: bool | None = None) -> str:
+               enable_thinking: bool | None = None, tool_choice: Any = "auto") -> str:
         """The prompt for `messages`. `enable_thinking` is passed to the template only when given, so a
-        template's own default applies otherwise; in the ChatML fallback True prefills `<think>`."""
+        template's own default applies otherwise; in the ChatML fallback True prefills `<think>`.
+
+        `tools` are the tools shown to the model (the caller leaves out those `tool_choice` excludes);
+        `tool_choice` only words the generic format's instruction. What the template cannot render of
+        tools is rewritten first (`pantheon.tool_format`). The generic tools block goes into a system
+        message; a template that refuses the new system turn gets it at the top of the first user turn."""
         msgs = _normalise_messages(messages)
         if not self.has_source:
-            return _chatml(msgs, tools, add_generation_prompt, enable_thinking)
+            return _chatml(msgs, tools, add_generation_prompt, enable_thinking, tool_choice)
         if self._template is None:
             raise TemplateError(self.error or "chat template unavailable")
+        adapted, shown_tools = tool_format.adapt(msgs, tools, tool_choice, self.tool_support)
+        try:
+            return self._render(adapted, shown_tools, add_generation_prompt, enable_thinking)
+        except TemplateError:
+            added_system = tools and not self.tool_support.declarations and \
+                not (msgs and msgs[0].get("role") == "system")
+            if not added_system:
+                raise
+        adapted, shown_tools = tool_format.adapt(msgs, tools, tool_choice, self.tool_support, in_system=False)
+        return self._render(adapted, shown_tools, add_generation_prompt, enable_thinking)
+
+    def _render(self, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
+                enable_thinking: bool | None) -> str:
         ctx: dict[str, Any] = {"messages": msgs, "tools": tools, "add_generation_prompt": add_generation_prompt}
         # Like HF, unset special tokens are left undefined rather than passed as "" (`is defined` works).
         if self.bos_token is not None:
@@ -179,6 +226,7 @@ class ChatTemplate:
             ctx["eos_token"] = self.eos_token
         if enable_thinking is not None:
             ctx["enable_thinking"] = enable_thinking
+        assert self._template is not None
         try:
             return self._template.render(**ctx)
         except _TemplateRaised as exc:

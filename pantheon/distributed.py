@@ -62,14 +62,15 @@ log = logging.getLogger(__name__)
 # The engine seam's verbs: calls that change device state or run a compiled step. Every one of them
 # is broadcast to the followers before it runs on the leader. The future seam's names are listed too
 # (a name the Model does not have is simply never called).
-VERBS: tuple[str, ...] = ("new_state", "warmup", "insert", "step", "release", "forward_rows", "free")
+VERBS: tuple[str, ...] = ("new_state", "warmup", "insert", "step", "release", "copy_slot", "prompt_logprobs",
+                          "forward_rows", "free", "embed")
 
 BEAT_S = 0.5  # a follower's heartbeat period on the control channel
 DEAD_AFTER_S = 5.0  # a follower silent this long is declared dead
 # Calls that block until a step's device arrays are ready (reading the sampled ids). On the leader they
 # first wait for those arrays while watching the cluster: a step whose collective lost its peer may
 # never finish, and the driver thread must come back with ClusterFailed instead of hanging with it.
-WAITS: tuple[str, ...] = ("read",)
+WAITS: tuple[str, ...] = ("read", "read_logprobs")
 # Verbs that still run locally once the cluster has failed: freeing this process's memory needs no follower.
 LOCAL_ON_FAILURE: tuple[str, ...] = ("free",)
 VERDICT_WAIT_S = 2.0  # how long a failed step waits for the reader threads to name a lost process
@@ -545,6 +546,9 @@ class LeaderModel:
         leader = self._leader
         if leader.failure is not None and verb in LOCAL_ON_FAILURE:
             return getattr(self._model, verb)(*args, **kwargs)
+        # A host callback argument (step's grammar `mask` builder) cannot travel: run it here first
+        # and send what it returned (across hosts the mask is built before the forward, not during).
+        kwargs = {k: (v() if callable(v) else v) for k, v in kwargs.items()}
         with leader._dispatch:
             leader.check()
             sargs = tuple(self._ref(a) for a in args)

@@ -34,6 +34,13 @@ Choices (the OpenAI API leaves them open):
   Inside reasoning, tool-call tags are plain reasoning text (models talk about the calls they plan).
 * A tool-call delta carries the raw body (the text between the tags) in `Delta.text`, which is what makes
   "nothing is lost" checkable.
+* With `tool_names` given (tools enabled), an answer that is a bare JSON call of one of those tools,
+  ``{"name": ..., "arguments": {...}}``, or that object in a ```` ``` ```` / ```` ```json ```` fence, is a
+  tool call too (`pantheon.bare_tool_call`): content that starts, after whitespace, with ``{`` or a
+  backtick is held until it is known to be such a call or not. This applies where an answer starts (the
+  first content, after ``</think>``, and again after a bare call, so several calls in a row work); such a
+  call's `Delta.text` is all the text it consumed (whitespace and fences included). Text that turns out
+  not to be a call is content, routed as if it had never been held.
 * "Everything from the stop string on is cut" includes tool calls: a call that comes after the start of a
   stop string is dropped. So that this is decided correctly, a tool call that follows content held back as a
   possible stop prefix is held too, until that content is released (or cut); deltas keep the text's order.
@@ -46,7 +53,9 @@ import re
 import secrets
 import string
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Collection, Iterable, Literal, Sequence
+
+from .bare_tool_call import BareCallScanner
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -66,7 +75,8 @@ class Delta:
 
     For ``content``/``reasoning`` `text` is the new text. For ``tool_call``, `tool_call` is the OpenAI
     tool-call dict with ``"index"`` (its position among this turn's calls) added, and `text` is the raw
-    body the call was parsed from (not meant for clients; it lets tests account for every input character).
+    body the call was parsed from, or for a bare JSON call all the text it consumed (not meant for clients;
+    it lets tests account for every input character).
     """
 
     kind: DeltaKind
@@ -142,15 +152,20 @@ class Emitter:
         in_think: bool = False,
         tools_enabled: bool = False,
         parse_think: bool = True,
+        tool_names: Collection[str] = (),
     ) -> None:
         """`parse_think=False` disables the reasoning channel entirely: think tags are plain content and
-        `in_think` is ignored (for models without reasoning, or clients that want the raw text)."""
+        `in_think` is ignored (for models without reasoning, or clients that want the raw text).
+        `tool_names`: the declared tools whose bare JSON calls are recognised (needs `tools_enabled`)."""
         self._stops: tuple[str, ...] = tuple(s for s in stop if s)
         self._parse_think = parse_think
         self._in_think = in_think and parse_think
         self._tools_enabled = tools_enabled
         # "start": deciding whether the text opens with <think>; "think": reasoning; "content"; "tool":
-        # inside a <tool_call> block, collecting its body.
+        # inside a <tool_call> block, collecting its body; "bare": deciding whether held text is a bare call.
+        self._bare_names = frozenset(tool_names) if tools_enabled else frozenset()
+        self._bare_armed = bool(self._bare_names)  # at the start of an answer: a bare call may follow
+        self._bare: BareCallScanner | None = None
         self._mode: str = "start" if parse_think else "content"
         self._buf = ""  # stage 1: text not yet routed (the marker carry, or a tool-call body)
         self._strip_ws = False  # strip the content's leading whitespace (after </think> or a tool call)
@@ -228,11 +243,35 @@ class Emitter:
                     self._strip_ws = True
                 continue
 
+            if mode == "bare":
+                assert self._bare is not None
+                verdict = self._bare.scan(self._buf, final)
+                if verdict.kind == "wait":
+                    return
+                self._mode, self._bare = "content", None
+                if verdict.kind == "call":
+                    assert verdict.call is not None
+                    raw, self._buf = self._buf[:verdict.end], self._buf[verdict.end:]
+                    self._tool_call(verdict.call, raw)
+                    self._strip_ws = True
+                else:
+                    self._bare_armed = False  # ordinary content: routed below as if never held
+                continue
+
             if mode == "content" and self._strip_ws:
                 self._buf = self._buf.lstrip()
                 if not self._buf:
                     return  # keep stripping when more text comes
                 self._strip_ws = False
+
+            if mode == "content" and self._bare_armed:
+                rest = self._buf.lstrip()
+                if not rest and not final:
+                    return  # only whitespace so far: it may lead into a bare call
+                if rest[:1] in ("{", "`"):
+                    self._mode, self._bare = "bare", BareCallScanner(parse_tool_call, self._bare_names)
+                    continue
+                self._bare_armed = False
 
             markers = self._markers()
             pos, marker = _earliest(self._buf, markers)
@@ -248,6 +287,7 @@ class Emitter:
             if marker == THINK_CLOSE and mode == "think":
                 self._mode = "content"
                 self._strip_ws = True
+                self._bare_armed = bool(self._bare_names)
             elif marker == TOOL_OPEN:
                 self._mode = "tool"
             # any other think marker is stray and simply dropped

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,11 +115,14 @@ class StepPlan:
 @struct.dataclass
 class StepHandle:
     """A dispatched step's output (a typed pytree): the packed [rows, 2] int32 (id, flag), already
-    being copied to the host asynchronously, and the logits when asked for."""
+    being copied to the host asynchronously, the logprobs arrays (decode_state.Sampled) and the
+    logits when asked for."""
 
     packed: jax.Array
     logits: jax.Array | None
     n_rows: int = struct.field(pytree_node=False)  # the plan's rows (the rest is padding)
+    logprobs: jax.Array | None = None  # f32[R, 1 + MAX_TOP_LOGPROBS]
+    top_ids: jax.Array | None = None  # i32[R, MAX_TOP_LOGPROBS]
 
     def ready(self) -> bool:
         return self.packed.is_ready()
@@ -199,10 +202,17 @@ class Model:
         self._serve = jax.jit(serve, static_argnames=("span", "kernels", "kind"), donate_argnums=(1,))
         max_seq, barrier = self.max_seq, self.shard_plan is None
         self._advance = jax.jit(
-            lambda table, logits, rows: decode_state.sample_and_advance(table, logits, rows, max_seq, barrier),
+            lambda table, logits, rows, mask, masked: decode_state.sample_and_advance(
+                table, logits, rows, mask, masked, max_seq, barrier),
             donate_argnums=(0,))
         self._insert = jax.jit(decode_state.insert, donate_argnums=(0,))
         self._release = jax.jit(decode_state.release, donate_argnums=(0,))
+        self._copy = jax.jit(decode_state.copy_slot, donate_argnums=(0,))
+        self._score = jax.jit(_score_rows, static_argnames=("k",))
+        self.mask_words = -(-cfg.vocab // 32)  # a grammar mask row: one bit per token of the logits
+        self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (all-ones mask, False) on the device
+        embed = self._embed_impl if self.shard_plan is None else self.shard_plan.wrap_forward(self._embed_impl)
+        self._embed = jax.jit(embed, static_argnames=("span", "kernels"), donate_argnums=(1,))
         self._compiled_keys: set[tuple] = set()
         self._keys_lock = osthread.Lock()  # guards _compiled_keys (steps may come from several threads)
         # The leaves of every state this model handed out, held weakly, so free() can free the caches'
@@ -264,7 +274,8 @@ class Model:
         self._states.clear()
         params, self.params = self.params, None
         _delete_arrays(params)
-        for attr in ("_forward", "_serve", "_advance", "_insert", "_release"):
+        self._no_mask.clear()
+        for attr in ("_forward", "_serve", "_advance", "_insert", "_release", "_copy", "_score", "_embed"):
             fn = getattr(self, attr, None)
             clear = getattr(fn, "clear_cache", None)
             if callable(clear):
@@ -299,27 +310,103 @@ class Model:
         self._check_live()
         return state.replace(slots=self._track(self._release(state.slots, np.int32(slot))))
 
-    def step(self, state: DecodeState, plan: StepPlan, want_logits: bool = False) -> tuple[StepHandle, DecodeState]:
+    def step(self, state: DecodeState, plan: StepPlan, want_logits: bool = False,
+             mask: Callable[[], np.ndarray | None] | np.ndarray | None = None) -> tuple[StepHandle, DecodeState]:
         """Dispatch one step (returns at once); read its result with `read(handle)`.
 
         Rows: the plan's chunk first (if any), then one per decoding slot, in the plan's order. Each
         row's packed output is (token id, flag) (decode_state's RUNNING / STOP / LENGTH / IDLE).
+
+        `mask`: called after the forward is dispatched and before the sampler is, so the host builds
+        a grammar's token mask while the device runs the forward; it returns i32[rows, mask_words]
+        (bit t of a row allows token t; an unconstrained row is all ones) or None for no mask. (An
+        array instead of a callable is used as it is: how a cluster's followers get the mask.)
         """
         self._check_live()
         p = self._serve_plan(plan)
         self._note_shape(p.key)
         logits, rows, cache = p.fn(self.params, state.cache, state.slots, *p.args, **p.kwargs)
-        packed, table = self._advance(state.slots, logits, rows)
-        if packed.is_fully_addressable:  # (over several processes each reads its own replicated copy)
-            packed.copy_to_host_async()  # the host reads it after dispatching the next step
         n = (plan.chunk is not None) + len(plan.decode)
+        words = mask() if callable(mask) else mask
+        if words is None:
+            m, masked = self._unmasked(p.rows)
+        else:
+            m = np.full((p.rows, self.mask_words), -1, np.int32)
+            m[:n] = words
+            m, masked = self._on_device(m), self._on_device(np.bool_(True))
+        out, table = self._advance(state.slots, logits, rows, m, masked)
+        for x in (out.packed, out.logprobs, out.top_ids):
+            if x.is_fully_addressable:  # (over several processes each reads its own replicated copy)
+                x.copy_to_host_async()  # the host reads it after dispatching the next step
         state = self._track(DecodeState(cache=cache, slots=table))
-        return StepHandle(packed=packed, logits=logits if want_logits else None, n_rows=n), state
+        return StepHandle(packed=out.packed, logits=logits if want_logits else None, n_rows=n,
+                          logprobs=out.logprobs, top_ids=out.top_ids), state
+
+    def _on_device(self, x: Any) -> Any:
+        """A host input placed like the state (replicated over a mesh), so the program is reused."""
+        return jax.device_put(x, self.shard_plan.replicated if self.shard_plan is not None else self.devices[0])
+
+    def _unmasked(self, rows: int) -> tuple[jax.Array, jax.Array]:
+        """The all-ones mask of a step of `rows` rows and the False switch, kept on the device (no
+        transfer on a step without a grammar)."""
+        if rows not in self._no_mask:
+            self._no_mask[rows] = (self._on_device(np.full((rows, self.mask_words), -1, np.int32)),
+                                   self._on_device(np.bool_(False)))
+        return self._no_mask[rows]
+
+    def copy_slot(self, state: DecodeState, src: int, dst: int) -> DecodeState:
+        """Make slot `dst`'s cache a copy of slot `src`'s (all positions; recurrent state too): the
+        choices of an n > 1 request start from one prefilled prompt. Insert `dst` afterwards."""
+        self._check_live()
+        for s in (src, dst):
+            if not 0 <= s < self.n_slots:
+                raise ValueError(f"slot {s} is not one of the model's {self.n_slots}")
+        return self._track(state.replace(cache=self._copy(state.cache, np.int32(src), np.int32(dst))))
+
+    def prompt_logprobs(self, state: DecodeState, tokens: Sequence[int], k: int
+                        ) -> tuple[list[tuple[float, list[tuple[int, float]]] | None], DecodeState]:
+        """Teacher-forced log probabilities of a prompt's own tokens, on the scratch slot.
+
+        Entry i (i >= 1) is (logprob of tokens[i] given tokens[:i], the k most likely tokens there);
+        entry 0 is None (nothing predicts the first token). Chunks of `chunk` tokens run the raw
+        forward with every position's logits, reduced on the device: only [T, 1 + 2k] values come
+        back. Costs one extra prefill of the prompt (legacy completions' echo + logprobs).
+        """
+        self._check_live()
+        from .gen_types import MAX_TOP_LOGPROBS
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"k must be in 0..{MAX_TOP_LOGPROBS}")
+        toks = list(tokens)
+        out: list[tuple[float, list[tuple[int, float]]] | None] = [None]
+        for start in range(0, max(len(toks) - 1, 0), self.chunk):
+            part = toks[start:start + self.chunk]
+            nxt = np.zeros((1, len(part)), np.int32)
+            follow = toks[start + 1:start + 1 + len(part)]
+            nxt[0, :len(follow)] = follow
+            plan = self._plan([part], [self.scratch_slot], [start], True)
+            self._note_shape(plan.key)
+            _, every, cache = plan.fn(self.params, state.cache, *plan.args, **plan.kwargs)
+            state = self._track(state.replace(cache=cache))
+            T = every.shape[1]
+            pad = np.zeros((1, T), np.int32)
+            pad[0, :len(part)] = nxt[0]
+            lps, ids = self._score(every[:1], self._on_device(pad), k=MAX_TOP_LOGPROBS)
+            lps, ids = _to_host(lps)[0], _to_host(ids)[0]
+            for j in range(len(follow)):
+                out.append((float(lps[j, 0]), [(int(ids[j, i]), float(lps[j, 1 + i])) for i in range(k)]))
+        return out, state
 
     @staticmethod
     def read(handle: StepHandle) -> np.ndarray:
         """The step's packed [rows, 2] (id, flag), waiting for the device if needed."""
         return _to_host(handle.packed)[: handle.n_rows]
+
+    @staticmethod
+    def read_logprobs(handle: StepHandle) -> tuple[np.ndarray, np.ndarray]:
+        """The step's (f32[rows, 1 + MAX_TOP_LOGPROBS], i32[rows, MAX_TOP_LOGPROBS]): each row's
+        sampled-token logprob, then the top logprobs and their ids (zeros for rows that asked none)."""
+        assert handle.logprobs is not None and handle.top_ids is not None
+        return _to_host(handle.logprobs)[: handle.n_rows], _to_host(handle.top_ids)[: handle.n_rows]
 
     @staticmethod
     def poll(handle: StepHandle) -> np.ndarray | None:
@@ -446,6 +533,52 @@ class Model:
         return _Plan(self._forward, (tok, sl, st, nn), dict(span=span, all_logits=all_logits, kernels=self.kernels),
                      ("raw", B, T, span, all_logits), B)
 
+    # ---- embeddings ------------------------------------------------------------------------------
+    def embed(self, state: DecodeState, rows: Sequence[Sequence[int]], slots: Sequence[int],
+              starts: Sequence[int], pooling: str | Sequence[str] = "mean") -> tuple[np.ndarray, DecodeState]:
+        """Feed rows of tokens into slots' caches as a prompt chunk would, and pool each row's final
+        hidden states on the device: only [rows, D] comes back, never [rows, T, D] or logits.
+
+        Row b feeds rows[b] (at most `chunk` tokens) at positions starts[b].. into slot slots[b]
+        (distinct serving slots; the caller gives the slot up to this: its cache rows from starts[b]
+        on are overwritten, and a row at start 0 restarts any recurrent state). `pooling` (one for
+        all rows, or one per row): "mean" returns the *sum* of the row's hidden states, "last" the
+        hidden state of its last token -- so a long input fed in several calls with increasing starts
+        is pooled on the host (sums added, then divided by the length; the last call's "last").
+        Returns f32 [rows, D] on the host and the new state. Compiled per (rows, tokens, span)
+        bucket, as `forward_rows`; both poolings come out of one program.
+        """
+        self._check_live()
+        n = len(rows)
+        kinds = [pooling] * n if isinstance(pooling, str) else list(pooling)
+        if len(kinds) != n or any(k not in ("mean", "last") for k in kinds):
+            raise ValueError(f"pooling must be \"mean\" or \"last\" (one, or one per row), got {pooling!r}")
+        if len(slots) != n or len(starts) != n:
+            raise ValueError("embed needs one slot and one start per row")
+        if len(set(slots)) != n or not all(0 <= int(s) < self.n_slots for s in slots):
+            raise ValueError(f"embed rows need distinct serving slots (0..{self.n_slots - 1}), got {list(slots)}")
+        if any(len(r) > self.chunk for r in rows):
+            raise ValueError(f"an embedding row feeds at most {self.chunk} tokens per call")
+        plan = self._plan(rows, slots, starts, False)
+        key = ("embed", *plan.key[1:4])
+        self._note_shape(key)
+        pooled, _, cache = self._embed(self.params, state.cache, *plan.args, span=plan.kwargs["span"],
+                                       kernels=self.kernels)
+        state = self._track(state.replace(cache=cache))
+        both = _to_host(pooled)[:, :n]  # [2, rows, D]: sums, last
+        return np.stack([both[0 if k == "mean" else 1, b] for b, k in enumerate(kinds)]).astype(np.float32), state
+
+    def _embed_impl(self, params, cache, tokens, slots, start, n_new, *, span: int, kernels: Kernels):
+        """The hidden-state forward and both poolings: [2, B, D] (sum over each row's real tokens,
+        the last real token's), f32. Padding positions are masked with `where`, not multiplied: the
+        native kernels leave a padded chunk's rows unwritten, and 0 * NaN is NaN."""
+        h, cache = self.arch.hidden_states(params, cache, tokens, slots, start, n_new, cfg=self.config, span=span,
+                                           kernels=kernels)
+        h = h.astype(jnp.float32)
+        real = (jnp.arange(h.shape[1], dtype=jnp.int32)[None, :] < n_new[:, None])[..., None]
+        sums = jnp.sum(jnp.where(real, h, 0.0), axis=1)
+        return jnp.stack([sums, last_valid(h, n_new)]), None, cache
+
     def _span_for(self, need: int) -> int:
         if need > self.capacity:
             raise ValueError(f"sequence position {need} exceeds the cache capacity {self.capacity}")
@@ -487,11 +620,21 @@ class Model:
             h, state = self.step(state, plan)
             self.read(h)
         state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert
+        state = self.copy_slot(state, 0, 0)  # ... the n > 1 fork
         return self.release(state, 0)  # ... and release, leaving slot 0 idle
 
     def compiled_shapes(self) -> set[tuple]:
         with self._keys_lock:
             return set(self._compiled_keys)
+
+
+def _score_rows(logits: jax.Array, nxt: jax.Array, *, k: int) -> tuple[jax.Array, jax.Array]:
+    """Per position of [B, T, V] logits: the logprob of the next prompt token `nxt` [B, T] and the
+    top k (sampler.token_logprobs over the flattened positions)."""
+    from .sampler import token_logprobs
+    b, t, v = logits.shape
+    lps, ids = token_logprobs(logits.reshape(b * t, v), nxt.reshape(b * t), k)
+    return lps.reshape(b, t, 1 + k), ids.reshape(b, t, k)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -232,8 +232,9 @@ Sink = Callable[[Event], None]
 
 
 class Handle(Protocol):
-    def cancel(self) -> None:
-        """Stop generating (client gone, stop string hit): the slot is freed within one step."""
+    def cancel(self, choice: int | None = None) -> None:
+        """Stop generating (client gone, stop string hit): the slot is freed within one step.
+        `choice`: stop only that choice of an n > 1 request (its own stop string), the others go on."""
 
 
 class Backend(Protocol):
@@ -266,3 +267,47 @@ class ModelCard:
     template: Any
     native_kernels: bool = False
     admit: Callable[[int, int, Any], Any] | None = field(default=None, repr=False, compare=False)
+
+
+# ---- embeddings ------------------------------------------------------------------------------------
+EMBED_POOLINGS = ("mean", "last")
+
+
+@dataclass
+class EmbedRequest:
+    """One embeddings request as the schedulers see it: token ids of each input, and how to pool them.
+
+    Every input is run through the model like a prompt (in chunks into one slot) and its final hidden
+    states pooled: "mean" over its tokens, or "last" (the last token's); then L2-normalised. The inputs
+    of a request, and of concurrent requests, share the model's forward calls (batched).
+    """
+
+    inputs: list[list[int]]
+    pooling: str = "mean"
+    request_id: str = field(default_factory=lambda: secrets.token_hex(12))
+
+    def __post_init__(self) -> None:
+        if self.pooling not in EMBED_POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(EMBED_POOLINGS)}, got {self.pooling!r}")
+        if not self.inputs:
+            raise ValueError("an embeddings request needs at least one input")
+        if any(len(ids) == 0 for ids in self.inputs):
+            raise ValueError("every embeddings input needs at least one token")
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.inputs)
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """An embeddings request's result, its only event on success: float32 unit vectors [inputs, D]
+    (numpy), in the request's input order. A failed or refused request gets Finished("error") instead,
+    a cancelled one Finished("cancelled")."""
+
+    vectors: Any
+    prompt_tokens: int = 0
+
+
+EmbedEvent = Embedded | Finished
+EmbedSink = Callable[[EmbedEvent], None]

@@ -358,7 +358,14 @@ def sample(
     never which tokens may be drawn (tests shrink it to exercise the whole-vocabulary paths).  ``barrier``
     (static) keeps XLA:CPU on its fast top-k kernel; a step partitioned over several dies turns it off.
     """
-    x = apply_penalties(logits, rows, recent)
+    return pick(apply_penalties(logits, rows, recent), rows, step, candidates=candidates, barrier=barrier)
+
+
+def pick(
+    x: jax.Array, rows: SamplerRows, step: jax.Array, *, candidates: int | None = None, barrier: bool = True,
+) -> jax.Array:
+    """:func:`sample` after the penalties: temperature, the filters and the draw on logits ``x`` that
+    are already processed (penalties, logit bias, a grammar mask of ``-inf``), ``i32[B]``."""
     greedy = (rows.temperature <= 0) | (rows.top_k == 1)
     kc = _candidates(x.shape[1], candidates)
     return jax.lax.cond(
@@ -366,6 +373,37 @@ def sample(
         lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),  # all-greedy fast path: no top_k, no exp
         lambda: _draw(x, _filter(x, rows, kc, barrier), rows, step.astype(jnp.int32)),
     )
+
+
+def apply_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """``logits`` f32[B, V] plus a sparse per-row bias: ``values[b, j]`` added at ``ids[b, j]`` (ids
+    outside [0, V), e.g. -1 for an unused entry, are dropped). O(B * entries), never O(V) beyond the copy."""
+    b, v = logits.shape
+    at = jnp.where((ids >= 0) & (ids < v), ids, v)
+    return logits.at[jnp.arange(b)[:, None], at].add(values, mode="drop")
+
+
+def apply_mask(logits: jax.Array, words: jax.Array) -> jax.Array:
+    """``logits`` with every token whose bit is clear in ``words`` (i32[B, ceil(V / 32)], bit t % 32 of
+    word t // 32) set to -inf: a grammar's allowed next tokens."""
+    b, v = logits.shape
+    t = jnp.arange(v, dtype=jnp.int32)
+    bits = jax.lax.shift_right_logical(words[:, t // 32], jnp.broadcast_to(t % 32, (b, v))) & 1
+    return jnp.where(bits != 0, logits, -jnp.inf)
+
+
+def token_logprobs(x: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The log probability of each row's token ``ids`` under ``log_softmax(x)`` and the ``k`` most
+    likely tokens: (f32[B, 1 + k] = chosen, then the top k descending; i32[B, k] their ids).
+
+    Why this distribution: it is the one the sampler draws from before temperature and the filters
+    (logit bias, penalties and a grammar mask applied: a masked token has -inf), so a greedy token's
+    logprob is the top one, and the values do not depend on the request's temperature or top-p.
+    """
+    lp = jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, ids[:, None], axis=1)
+    top, top_ids = jax.lax.top_k(lp, k)
+    return jnp.concatenate([chosen, top], axis=1), top_ids.astype(jnp.int32)
 
 
 def kept_mask(

@@ -387,19 +387,22 @@ class Tokenizer:
         U+FFFD; ids outside the vocabulary decode to nothing."""
         return b"".join(self._pieces(ids, skip_special)).decode("utf-8", errors="replace")
 
-    def stream(self, skip_special: bool = False) -> "StreamDecoder":
-        """An incremental decoder whose chunks concatenate to `decode(all pushed ids)`."""
-        return StreamDecoder(self, skip_special)
+    def stream(self, skip_special: bool = False, at_start: bool = True) -> "StreamDecoder":
+        """An incremental decoder whose chunks concatenate to `decode(all pushed ids)`.
+
+        `at_start=False`: the ids continue a text decoded elsewhere (a legacy completion after its prompt),
+        so a SentencePiece first token keeps its leading space: there it is a word break, not the prefix."""
+        return StreamDecoder(self, skip_special, at_start)
 
 
 class StreamDecoder:
     """Turns generated ids into text chunks one token at a time, never splitting a UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, at_start: bool = True):
         self._tok = tokenizer
         self._skip = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._first = tokenizer._strip_leading_space
+        self._first = tokenizer._strip_leading_space and at_start
 
     def push(self, token_id: int) -> str:
         """Text completed by this token ("" while a multi-byte character is still incomplete)."""

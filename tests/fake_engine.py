@@ -50,45 +50,69 @@ class FakeModel:
         self.devices: list = []
         self.steps: list = []  # every plan stepped, in order
         self.gate: threading.Event | None = None  # when set to an Event, each step waits for it
+        self.config = SimpleNamespace(vocab=1000)
+        self.mask_words = -(-self.config.vocab // 32)
+        self.masks: list[np.ndarray] = []  # every grammar mask a step was given, in order
 
     def new_state(self) -> list[_Slot]:
         return [_Slot() for _ in range(self.n_slots)]
 
     def insert(self, state: list[_Slot], new) -> list[_Slot]:
         s = int(new.slot)
-        state[s] = _Slot(hist=state[s].hist[: int(new.pos)], budget=int(new.budget),
+        state[s] = _Slot(hist=state[s].hist[: int(new.pos)], budget=int(new.budget), last=int(new.last),
                          stop=tuple(int(x) for x in new.stop if x >= 0), active=True)
+        return state
+
+    def copy_slot(self, state: list[_Slot], src: int, dst: int) -> list[_Slot]:
+        state[dst] = _Slot(hist=list(state[src].hist))
         return state
 
     def release(self, state: list[_Slot], slot: int) -> list[_Slot]:
         state[slot].active = False
         return state
 
-    def _emit(self, sl: _Slot) -> tuple[int, int]:
+    def _emit(self, sl: _Slot, allowed: np.ndarray | None = None) -> tuple[int, int]:
         tok = fake_token(sl.hist)
+        if allowed is not None:  # a grammar mask row: the first allowed token from the fake's own choice on
+            bits = [(int(allowed[t // 32]) >> (t % 32)) & 1 for t in range(self.config.vocab)]
+            tok = next(t for t in [*range(tok, self.config.vocab), *range(tok)] if bits[t])
         sl.last = tok
         sl.budget -= 1
         flag = STOP if tok in sl.stop else LENGTH if sl.budget <= 0 or len(sl.hist) + 1 >= self.max_seq else RUNNING
         sl.active = flag == RUNNING
         return tok, flag
 
-    def step(self, state: list[_Slot], plan, want_logits: bool = False):
+    def step(self, state: list[_Slot], plan, want_logits: bool = False, mask=None):
         if self.gate is not None:
             self.gate.wait(30)
         self.steps.append(plan)
+        words = mask() if mask is not None else None  # (the engine calls it once the forward is dispatched)
+        if words is not None:
+            self.masks.append(np.array(words))
         rows = []
         if plan.chunk is not None:
             sl = state[plan.chunk.slot]
             sl.hist.extend(plan.chunk.tokens)
-            rows.append(self._emit(sl) if plan.chunk.final else (0, IDLE))
-        for s in plan.decode:
+            rows.append(self._emit(sl, None if words is None else words[0]) if plan.chunk.final else (0, IDLE))
+        for i, s in enumerate(plan.decode, start=len(rows)):
             sl = state[s]
             if not sl.active:
                 rows.append((0, IDLE))
                 continue
             sl.hist.append(sl.last)
-            rows.append(self._emit(sl))
+            rows.append(self._emit(sl, None if words is None else words[i]))
         return FakeHandle(np.array(rows, np.int32).reshape(-1, 2), len(rows)), state
+
+    @staticmethod
+    def read_logprobs(handle: FakeHandle) -> tuple[np.ndarray, np.ndarray]:
+        """Fake logprobs: a token's is -id/1000 and the top ones are ids 1, 2, ... with -i/100."""
+        from pantheon.gen_types import MAX_TOP_LOGPROBS
+        n = handle.n_rows
+        lp = np.zeros((n, 1 + MAX_TOP_LOGPROBS), np.float32)
+        lp[:, 0] = -handle.packed[:, 0] / 1000.0
+        lp[:, 1:] = -np.arange(1, MAX_TOP_LOGPROBS + 1) / 100.0
+        ids = np.tile(np.arange(1, MAX_TOP_LOGPROBS + 1, dtype=np.int32), (n, 1))
+        return lp, ids
 
     @staticmethod
     def read(handle: FakeHandle) -> np.ndarray:

@@ -340,3 +340,14 @@ def test_several_levels_give_each_rounds_scaling_against_the_first_level(capsys)
     assert two["vs_first_level"] == [pytest.approx(tok[2, k] / tok[1, k], abs=1e-4) for k in (0, 1)]
     assert two["vs_first_level.median"] == pytest.approx(sum(two["vs_first_level"]) / 2, abs=1e-4)
     assert two["vs_first_level.median"] > 1.3  # two streams of a server that sleeps per chunk overlap
+
+
+def test_extra_body_is_merged_into_every_request(capsys):
+    """--extra-body measures a feature's cost (logprobs, a JSON schema) with the same load generator."""
+    with FakeServer() as srv:
+        rc, out = run_json(capsys, "--url", srv.url, "--model", "fake", "--concurrency", "2", "--requests", "3",
+                           "--prompt-len", "8", "--gen", "2", "--extra-body", '{"logprobs": true, "top_logprobs": 5}')
+    assert rc == 0 and out["config"]["extra_body"] == {"logprobs": True, "top_logprobs": 5}
+    assert len(srv.bodies) == 3 and all(b["logprobs"] is True and b["top_logprobs"] == 5 for b in srv.bodies)
+    with pytest.raises(SystemExit):
+        bench_serve.main(["--url", srv.url, "--model", "fake", "--extra-body", "[1]"])

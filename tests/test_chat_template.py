@@ -79,6 +79,14 @@ def test_qwen_tool_call_arguments_given_as_json_string(real_template):
     assert isinstance(fn["arguments"], str)  # the caller's messages are not modified
 
 
+@pytest.mark.parametrize("name,support", [("smollm2-135m", (False, False, False)), ("qwen-0.5b", (True, True, True)),
+                                          ("gemma3-270m", (False, False, False))])
+def test_tool_support_of_the_real_templates(real_template, name, support):
+    """What each catalog template renders of tools itself; the rest is written in the generic tool format."""
+    ts = real_template(name).tool_support
+    assert (ts.declarations, ts.calls, ts.results) == support
+
+
 # --- HF-compatible environment ---------------------------------------------------------------------------
 
 

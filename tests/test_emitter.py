@@ -230,6 +230,87 @@ def test_parse_tool_call_arguments_unicode_not_escaped():
     assert parsed is not None and parsed["function"]["arguments"] == '{"q": "日本"}'
 
 
+# -- bare JSON tool calls (tool_names given) ------------------------------------------------------------------
+
+NAMES = ("get_weather", "f")
+BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+WEATHER_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+@pytest.mark.parametrize("text", [
+    BARE, "\n  " + BARE + "\n", "```json\n" + BARE + "\n```", "```\n" + BARE + "\n```\n", "``` JSON \n" + BARE + "```",
+    "```json\n" + BARE + "\n",  # the closing fence never came: the answer ended
+])
+def test_a_whole_answer_that_is_a_bare_or_fenced_call_is_a_tool_call(text):
+    for frags in splits2(text):
+        em, deltas = run(frags, tools_enabled=True, tool_names=NAMES)
+        assert merge_deltas_without_ids(deltas) == {"content": None, "reasoning_content": None,
+                                                    "tool_calls": [WEATHER_CALL]}
+        assert "".join(d.text for d in deltas).strip() == text.strip()  # the raw text, fences included
+        assert em.finish_reason == "tool_calls"
+
+
+def merge_deltas_without_ids(deltas: list[Delta]) -> dict:
+    msg = merge_deltas(deltas)
+    if msg["tool_calls"]:
+        msg["tool_calls"] = [{k: v for k, v in c.items() if k != "id"} for c in msg["tool_calls"]]
+    return msg
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "delete_everything", "arguments": {}}',  # not a declared tool
+    '{"answer": 42}', '{"name": "f", "arguments": 3}', "{not json}", "[1, 2]",
+    "```python\nprint(1)\n```", "```json\n[1]\n```", "```json\n" + BARE + " and more\n```",
+    BARE[:-1],  # unterminated at the end
+])
+def test_json_that_is_not_a_declared_call_is_content_verbatim(text):
+    for frags in splits2(text):
+        em, deltas = run(frags, tools_enabled=True, tool_names=NAMES)
+        assert em.tool_calls == [] and em.content == text
+
+
+def test_bare_calls_need_tool_names_and_tools_enabled():
+    assert merged([BARE], tools_enabled=True)["content"] == BARE
+    assert merged([BARE], tool_names=NAMES)["content"] == BARE
+
+
+def test_prose_and_code_are_held_only_until_they_cannot_be_a_call():
+    em = Emitter(tools_enabled=True, tool_names=NAMES)
+    assert em.feed("  ") == []  # leading whitespace might lead into a call
+    assert em.feed("Hi") == [Delta("content", "  Hi")]
+    em = Emitter(tools_enabled=True, tool_names=NAMES)
+    assert em.feed("```py") == [Delta("content", "```py")]
+    em = Emitter(tools_enabled=True, tool_names=NAMES)
+    assert em.feed('{"answer": 4') == [Delta("content", '{"answer": 4')]  # its first key is not a call's
+    em = Emitter(tools_enabled=True, tool_names=NAMES)
+    assert em.feed('{"name": "get_weather", "argu') == []
+
+
+def test_bare_call_after_reasoning_and_several_in_a_row():
+    text = "<think>weather</think>\n" + BARE + "\n" + '{"name": "f"}' + "\nDone."
+    for frags in splits2(text):
+        em, deltas = run(frags, tools_enabled=True, tool_names=NAMES)
+        msg = merge_deltas_without_ids(deltas)
+        assert msg["reasoning_content"] == "weather" and msg["content"] == "Done."
+        assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "f"]
+
+
+def test_json_later_in_an_answer_is_content():
+    text = "Here: " + BARE
+    assert merged([text], tools_enabled=True, tool_names=NAMES)["content"] == text
+
+
+def test_text_after_a_closed_call_is_content():
+    for text in (BARE + "\nThat is all.", "```json\n" + BARE + "\n```\nThat is all."):
+        msg = merged([text], tools_enabled=True, tool_names=NAMES)
+        assert msg["tool_calls"] == [WEATHER_CALL] and msg["content"] == "That is all."
+
+
+def test_a_bare_call_is_not_content_so_stops_do_not_cut_it():
+    msg = merged([BARE + " rest"], tools_enabled=True, tool_names=NAMES, stop=["Paris", "rest"])
+    assert msg["tool_calls"] == [WEATHER_CALL] and msg["content"] is None
+
+
 # -- stop strings ------------------------------------------------------------------------------------------
 
 
@@ -338,6 +419,7 @@ PIECES = (
     + STOPS + ["ST", "a", "<|en", "é"]
     + TOOL_BODIES + [TOOL_OPEN + b + TOOL_CLOSE for b in TOOL_BODIES]
     + ["hello", " ", "\n", "日本語", "🙂", "x y"]
+    + ["```", "```json\n", "`", "{", "}", '{"name": "f"}']  # bare and fenced calls (with tool_names)
 )
 
 
@@ -351,6 +433,7 @@ def scenario(draw):
         in_think=draw(st.booleans()),
         tools_enabled=draw(st.booleans()),
         parse_think=draw(st.booleans()),
+        tool_names=draw(st.sampled_from([(), ("get_weather", "f")])),
     )
     return text, fragments, kwargs
 

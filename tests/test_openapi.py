@@ -13,51 +13,70 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jsonschema_rs
+import numpy as np
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
+from fake_backend import ChoicesBackend
+from pantheon import osthread
 from pantheon.config import Settings
+from pantheon.gen_types import Embedded
 from pantheon.registry import Registry
 from pantheon.web import create_app, schema
 from pantheon.web.errors import ERROR_TYPES
 from pantheon.web.openapi import ADMIN, OPERATIONS, Operation, document
-from test_web_app import FakeModel, ScriptBackend
+from test_web_app import CharTokenizer, FakeModel, Handle
 
 MODEL = "fuzz-target"  # the one resident model (a name the fuzzer will not guess: nothing unloads it)
 ADMIN_KEY = "openapi-admin"
 HELLO = [{"role": "user", "content": "hi"}]
 
-# Documented routes whose handlers other issue-20 branches add. Until they are merged these are not
-# served and have no fuzz or field cases; test_pending_routes_are_not_served_yet fails once they are
-# served, so whoever merges empties this set, and then every test below covers them too.
-PENDING_ROUTES = {("post", "/v1/completions"), ("post", "/v1/embeddings")}
+# (check, field) pairs that fail until a validator is fixed; each is a strict xfail (empty: none).
+PENDING_FIELDS: set[tuple[str, str]] = set()
 
-# (check, field) pairs that fail until the chat validators of other issue-20 branches land. The fields
-# the schema documents but the chat gate still refuses (schema.CHAT_FIELDS_PENDING) cannot be accepted
-# yet; top_logprobs is refused above 0 today, and false slips through as 0. Marked strict xfail: once
-# they pass, remove them here (those of CHAT_FIELDS_PENDING leave with it).
-PENDING_FIELDS = {("accepts", name) for name in schema.CHAT_FIELDS_PENDING} | \
-    {("bounds", name) for name in schema.CHAT_FIELDS_PENDING & {"logit_bias"}} | \
-    {("refuses", "top_logprobs"), ("bounds", "top_logprobs")}
+
+class ByteTokenizer(CharTokenizer):
+    """test_web_app's one-character-one-token tokenizer on 512 ids: small enough for llguidance to build
+    its token table at once, so response_format and forced tool calls compile real grammars."""
+
+    vocab_size = 512
+    eos_id = 0
 
 
 class RoomyModel(FakeModel):
     max_seq = 4096  # room for the prompts the fuzzer writes (the 64 of test_web_app would refuse most)
+    config = type("Config", (), {"hidden": 64})()  # the embedding size /v1/embeddings reads
+
+    def __init__(self, name: str):
+        super().__init__(name, n_slots=4)
+        self.tokenizer = ByteTokenizer()
+        self.card = dataclasses.replace(self.card, tokenizer=self.tokenizer)
+
+
+class FuzzBackend(ChoicesBackend):
+    """fake_backend's n-choice, logprob-speaking backend, plus embeddings: a unit vector per input."""
+
+    def submit_embed(self, req, sink):
+        handle = Handle()
+        vectors = np.full((len(req.inputs), 64), 1 / 8, np.float32)
+        osthread.start_thread(lambda: sink(Embedded(vectors, sum(map(len, req.inputs)))), name="embed")
+        return handle
 
 
 def make_app(tmp: Path, **config: Any) -> Any:
     """A Pantheon app on the scripted fake backend with MODEL loaded; admin paths under tmp/models."""
     (tmp / "models").mkdir(exist_ok=True)
     st = Settings(home=tmp, model_dir=(tmp / "models").resolve(), **config)
-    reg = Registry(st, load_model=lambda p, n, d, s: RoomyModel(n), make_backend=lambda m, s: ScriptBackend(m),
+    reg = Registry(st, load_model=lambda p, n, d, s: RoomyModel(n), make_backend=lambda m, s: FuzzBackend(m),
                    devices=lambda s: [{"die": 0, "platform": "cpu", "kind": "cpu", "budget_bytes": 10**9}],
                    estimate=lambda p, s, pl: 1000)
     app = create_app(st, registry=reg, exit_on_failure=False)
@@ -125,12 +144,7 @@ def test_every_served_route_is_documented_and_nothing_else(app):
     doc = app.test_client().get("/openapi.json").get_json()
     documented = {(m, p) for p, item in doc["paths"].items() for m in item}
     assert documented == {(op.method, op.path) for op in OPERATIONS}
-    assert served(app) == documented - PENDING_ROUTES
-
-
-def test_pending_routes_are_not_served_yet(app):
-    """Fails once another branch's route is merged: then remove it from PENDING_ROUTES."""
-    assert not served(app) & PENDING_ROUTES
+    assert served(app) == documented
 
 
 def test_the_document_is_built_from_the_validators_schema(client):
@@ -168,8 +182,6 @@ def test_with_an_api_key_the_document_is_open_and_says_which_routes_need_it(tmp_
     assert "adminKey" not in doc["components"]["securitySchemes"]
     for path, item in doc["paths"].items():
         for method, op in item.items():
-            if (method, path) in PENDING_ROUTES:
-                continue
             url = path.replace("{model}", MODEL).replace("{model_id}", MODEL)
             r = c.open(url, method=method.upper(), json={} if method == "post" else None)
             if path.startswith("/admin/"):  # no admin key configured: the admin API is off, for everyone
@@ -195,9 +207,14 @@ class BodyRoute:
     admin: bool = False
 
 
+# Fields the model bounds below the field's own range (a 400 naming the field at the field's edge): n by
+# its batch slots (best_of must equal n or 1), dimensions by its embedding size.
+BY_MODEL = {"n": {200, 400}, "best_of": {200, 400}, "dimensions": {200, 400}}
+
 BODY_ROUTES = {
     "chat": BodyRoute("/v1/chat/completions", schema.CHAT_REQUEST, {"messages": HELLO, "max_tokens": 1}, 200,
-                      {"stream_options": {"stream": True}}),
+                      {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True},
+                       "function_call": {"functions": [{"name": "f"}]}}, at_edge=BY_MODEL),
     "tokenize": BodyRoute("/tokenize", schema.TOKENIZE_REQUEST, {"content": "hi"}, 200),
     "detokenize": BodyRoute("/detokenize", schema.DETOKENIZE_REQUEST, {"tokens": [104, 105]}, 200),
     "load": BodyRoute("/admin/models/load", schema.LOAD_REQUEST, {"path": "missing.gguf"}, 404,
@@ -208,8 +225,8 @@ BODY_ROUTES = {
     "unload": BodyRoute("/admin/models/unload", schema.UNLOAD_REQUEST, {"name": "not-loaded"}, 404,
                         {"instance_id": {"name": None}}, admin=True),
     "completions": BodyRoute("/v1/completions", schema.COMPLETION_REQUEST, {"prompt": "hi", "max_tokens": 1}, 200,
-                             {"stream_options": {"stream": True}}),
-    "embeddings": BodyRoute("/v1/embeddings", schema.EMBEDDING_REQUEST, {"input": "hi"}, 200),
+                             {"stream_options": {"stream": True}}, at_edge=BY_MODEL),
+    "embeddings": BodyRoute("/v1/embeddings", schema.EMBEDDING_REQUEST, {"input": "hi"}, 200, at_edge=BY_MODEL),
 }
 
 # Values of every JSON kind, some at the edges: each one a property's schema refuses must be refused.
@@ -241,23 +258,20 @@ def _edges(prop: dict) -> list[tuple[Any, bool]]:
     if isinstance(example, dict) and example and "maxProperties" in prop:
         value = next(iter(example.values()))
         n = prop["maxProperties"]
-        many = {str(1000 + i): value for i in range(n + 1)}
+        many = {str(i): value for i in range(n + 1)}
         out += [(dict(list(many.items())[:n]), True), (many, False)]
     return out
 
 
 def _field_cases(kind: str) -> list:
-    """(route, field) cases of the served routes (a pending route's cases appear once it leaves
-    PENDING_ROUTES); for "bounds" only the fields that declare one."""
+    """(route, field) cases; for "bounds" only the fields that declare one."""
     out = []
     for route_name, route in BODY_ROUTES.items():
-        if ("post", route.path) in PENDING_ROUTES:
-            continue
         for name, prop in route.schema["properties"].items():
             if kind == "bounds" and not _edges(prop):
                 continue
-            marks = [pytest.mark.xfail(strict=True, reason="validated by another issue-20 branch")] \
-                if route_name == "chat" and (kind, name) in PENDING_FIELDS else []
+            marks = [pytest.mark.xfail(strict=True, reason="a known gap (PENDING_FIELDS)")] \
+                if (kind, f"{route_name}.{name}") in PENDING_FIELDS else []
             out.append(pytest.param(route_name, name, id=f"{route_name}.{name}", marks=marks))
     return out
 
@@ -315,7 +329,7 @@ def test_each_bound_holds_at_its_edge(app, admin_app, route_name, name):
             _refused_naming(route, name, status, raw, ctype)
 
 
-@pytest.mark.parametrize("route_name", [n for n, r in BODY_ROUTES.items() if ("post", r.path) not in PENDING_ROUTES])
+@pytest.mark.parametrize("route_name", list(BODY_ROUTES))
 def test_a_field_the_schema_does_not_list_is_refused(app, admin_app, route_name):
     route = BODY_ROUTES[route_name]
     status, raw, ctype = _post(admin_app if route.admin else app, route, {**route.base, "not_a_field": 1})
@@ -358,7 +372,7 @@ def _examples(op: Operation, mode: GenerationMode) -> int:
 
 
 FUZZ = [pytest.param(op, mode, id=f"{op.method.upper()} {op.path} {mode.value}")
-        for op in OPERATIONS if (op.method, op.path) not in PENDING_ROUTES
+        for op in OPERATIONS
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
         if mode is GenerationMode.POSITIVE or op.body is not None]  # a path parameter cannot be made invalid
 
@@ -378,10 +392,15 @@ def _answer_schema(doc: dict, op: Operation, status: int, ctype: str) -> dict | 
     return doc["components"]["schemas"][ref.rsplit("/", 1)[1]] if ref else found["schema"]
 
 
+# component name -> BODY_ROUTES name
+_ROUTE_OF_BODY = {n: name for name, route in BODY_ROUTES.items() for n, sch in schema.COMPONENTS.items()
+                  if sch is route.schema}
+
+
 def _pending(op: Operation, error: Any) -> bool:
-    """A schema violation in a chat field whose validator another branch adds (PENDING_FIELDS)."""
+    """A schema violation in a field with a known gap (a "refuses" entry of PENDING_FIELDS)."""
     path = list(error.instance_path)
-    return op.body == "ChatCompletionRequest" and bool(path) and ("refuses", path[0]) in PENDING_FIELDS
+    return bool(path) and ("refuses", f"{_ROUTE_OF_BODY.get(op.body)}.{path[0]}") in PENDING_FIELDS
 
 
 def check_answer(doc: dict, op: Operation, mode: GenerationMode, case: Any, resp: Any) -> int:

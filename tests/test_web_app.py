@@ -9,10 +9,13 @@ Retry-After, even for stream=true), a backend error after the stream started (SS
 from __future__ import annotations
 
 import json
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
+import pantheon
 from pantheon import osthread
 from pantheon.config import Settings
 from pantheon.errors import BusyError
@@ -45,7 +48,10 @@ class CharTokenizer:
     def token_text(self, tid: int) -> str:
         return chr(tid)
 
-    def stream(self, skip_special: bool = False):
+    def token_bytes(self, tid: int) -> bytes:
+        return chr(tid).encode("utf-8", "surrogatepass")
+
+    def stream(self, skip_special: bool = False, at_start: bool = True):
         class Dec:
             def push(self, tid: int) -> str:
                 return chr(tid)
@@ -59,7 +65,8 @@ class Template:
     def __init__(self, think: bool = False):
         self.think = think
 
-    def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> str:
+    def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None,
+               tool_choice="auto") -> str:
         return "".join(str(m.get("content") or "") for m in messages) + ("<think>" if self.think else "")
 
     def prompt_ends_in_think(self, rendered: str) -> bool:
@@ -70,20 +77,24 @@ class FakeModel:
     max_seq = 64
     weight_bytes = 1000
 
-    def __init__(self, name: str, think: bool = False):
+    def __init__(self, name: str, think: bool = False, n_slots: int = 1):
         self.name = name
         self.tokenizer = CharTokenizer()
         self.template = Template(think)
-        self.card = ModelCard(name=name, path="", arch="fake", context_length=self.max_seq, n_slots=1,
+        self.card = ModelCard(name=name, path="", arch="fake", context_length=self.max_seq, n_slots=n_slots,
                               tokenizer=self.tokenizer, template=self.template)
 
 
 class Handle:
     def __init__(self):
-        self.cancelled = osthread.Event()
+        self.cancelled = osthread.Event()  # the whole request
+        self.cancelled_choices: set[int] = set()  # choices of an n > 1 request stopped alone
 
-    def cancel(self) -> None:
-        self.cancelled.set()
+    def cancel(self, choice: int | None = None) -> None:
+        if choice is None:
+            self.cancelled.set()
+        else:
+            self.cancelled_choices.add(choice)
 
 
 class ScriptBackend:
@@ -152,6 +163,29 @@ def app_and_reg(tmp_path):
 @pytest.fixture()
 def client(app_and_reg):
     return app_and_reg[0].test_client()
+
+
+@pytest.fixture()
+def stub_grammar(monkeypatch):
+    """pantheon.structured replaced by a stand-in that records what the web layer asks of it (a real
+    grammar needs a real tokenizer; tests/test_structured.py covers those)."""
+    calls = []
+
+    class Grammar:
+        @staticmethod
+        def from_response_format(rf, tokenizer):
+            calls.append(("response_format", rf))
+            return None if rf.get("type") == "text" else ("grammar", rf["type"])
+
+        @staticmethod
+        def for_tools(tools, choice, tokenizer, parallel=True):
+            calls.append(("tools", [t["function"]["name"] for t in tools], choice, parallel))
+            return ("grammar", "tools")
+
+    mod = types.SimpleNamespace(Grammar=Grammar)
+    monkeypatch.setitem(sys.modules, "pantheon.structured", mod)
+    monkeypatch.setattr(pantheon, "structured", mod, raising=False)
+    return calls
 
 
 def backend(reg, name="m") -> ScriptBackend:
@@ -306,6 +340,30 @@ def test_tool_calls(client, app_and_reg):
     # tool_choice none: the same text is plain content
     body = chat(client, tools=TOOLS, tool_choice="none").get_json()
     assert body["choices"][0]["message"]["content"] == CALL and body["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("answer", ['{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                                    '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'])
+def test_a_bare_json_call_of_a_declared_tool_is_a_tool_call(client, app_and_reg, answer):
+    backend(app_and_reg[1]).script = (answer, "stop")
+    choice = chat(client, tools=TOOLS).get_json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    chunks = sse(chat(client, tools=TOOLS, stream=True))[:-1]
+    assert [c["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] for c in chunks
+            if c["choices"][0]["delta"].get("tool_calls")] == ["get_weather"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
+    # a tool that was not declared (or no tools at all): the JSON is the answer's content
+    other = [{"type": "function", "function": {"name": "get_time"}}]
+    assert chat(client, tools=other).get_json()["choices"][0]["message"]["content"] == answer
+    assert chat(client).get_json()["choices"][0]["message"]["content"] == answer
+
+
+def test_deprecated_functions_answer_in_the_tool_calls_shape(client, app_and_reg, stub_grammar):
+    backend(app_and_reg[1]).script = (CALL, "stop")
+    body = chat(client, functions=[TOOLS[0]["function"]], function_call={"name": "get_weather"}).get_json()
+    assert body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
 
 
 @pytest.mark.parametrize("size", [64, 40000])  # the large one is rendered and tokenized in an OS thread

@@ -269,10 +269,13 @@ BAD = [
     ({"messages": HELLO, "stream": "yes"}, "stream"),
     ({"messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": HELLO, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-    ({"messages": HELLO, "n": 2}, "n"),
-    ({"messages": HELLO, "logprobs": True}, "logprobs"),
+    ({"messages": HELLO, "n": 2}, "n"),  # the single-user server has one slot: one choice at a time
+    ({"messages": HELLO, "logprobs": "yes"}, "logprobs"),
     ({"messages": HELLO, "top_logprobs": 3}, "top_logprobs"),
-    ({"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": HELLO, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": HELLO, "logit_bias": {"1000000": 1}}, "logit_bias"),
+    ({"messages": HELLO, "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": HELLO, "tools": {}}, "tools"),
     ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
@@ -366,7 +369,8 @@ def _cancels(srv) -> int:
 
 def test_stream_disconnect_frees_the_lock(srv):
     before = _cancels(srv)
-    s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100, "temperature": 0, "stream": True})
+    s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100_000, "temperature": 0, "stream": True,
+                         "ignore_eos": True})  # the whole context: still running when the hang-up is seen
     got = b""
     while b"data: " not in got:  # the role chunk: the generation has started (tiny models finish in ~0.1 s)
         got += s.recv(65536)
@@ -426,7 +430,8 @@ def test_metrics_move_when_requests_are_served_rejected_and_disconnected(srv):
     finally:
         list(lines)
         r.close()
-    s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100, "temperature": 0, "stream": True})
+    s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100_000, "temperature": 0, "stream": True,
+                         "ignore_eos": True})  # the whole context: still running when the hang-up is seen
     got = b""
     while b"data: " not in got:
         got += s.recv(65536)

@@ -147,6 +147,29 @@ def forward(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slot
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
             all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
     """Same contract as llama.forward: B rows of T tokens; logits [B, V] (or [B, T, V]) and new state."""
+    x, state = _body(params, state, tokens, slots, start, cfg=cfg, span=span)
+    if not all_logits:
+        x = common.last_valid(x, n_new)
+    x = common.rms_norm(x, params.norm, cfg.rms_eps)
+    head = params.embed if params.head is None else params.head
+    logits = weights.linear(x, head).astype(jnp.float32)
+    if cfg.final_softcap:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits, state
+
+
+def hidden_states(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
+                  start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
+                  kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
+    """The final hidden states [B, T, H] (after the final norm, before the LM head), every position."""
+    x, state = _body(params, state, tokens, slots, start, cfg=cfg, span=span)
+    return common.rms_norm(x, params.norm, cfg.rms_eps), state
+
+
+def _body(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array, start: jax.Array, *,
+          cfg: ModelConfig, span: int) -> tuple[jax.Array, common.KVCache]:
+    """The layer stack shared by the logits and the hidden-state outputs: the residual stream
+    [B, T, H] after the last layer (before the final norm) and the updated state."""
     B, T = tokens.shape
     nh, nkv, hd, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.sliding_window
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
@@ -184,12 +207,4 @@ def forward(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slot
         h = common.rms_norm(x, lp.ffn_norm, cfg.rms_eps)
         f = jax.nn.gelu(weights.linear(h, lp.w_gate), approximate=True) * weights.linear(h, lp.w_up)
         x = x + common.rms_norm(weights.linear(f, lp.w_down), lp.post_ffw_norm, cfg.rms_eps)
-
-    if not all_logits:
-        x = common.last_valid(x, n_new)
-    x = common.rms_norm(x, params.norm, cfg.rms_eps)
-    head = params.embed if params.head is None else params.head
-    logits = weights.linear(x, head).astype(jnp.float32)
-    if cfg.final_softcap:
-        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-    return logits, state.replace(k=kc, v=vc)
+    return x, state.replace(k=kc, v=vc)

@@ -94,6 +94,15 @@ class ArchModule(Protocol):
         Returns f32 logits [B, V] of each row's last real token ([B, T, V] with all_logits) and the
         new state (same structure and shapes as `state`)."""
 
+    @staticmethod
+    def hidden_states(params: Any, state: Any, tokens: jax.Array, slots: jax.Array, start: jax.Array,
+                      n_new: jax.Array, *, cfg: ModelConfig, span: int,
+                      kernels: Kernels = ...) -> tuple[jax.Array, Any]:
+        """`forward` without the LM head: the final hidden states [B, T, H] of every position (after
+        the final norm), which embeddings pool, and the new state (written exactly as `forward`
+        writes it; a row starting at position 0 starts a new sequence). Why every module has it: an
+        embedding is the same forward as a prompt chunk, so it must share the body, not copy it."""
+
 
 class MixedSteps(ArchModule, Protocol):
     """`Capabilities.mixed_steps`."""

@@ -226,6 +226,30 @@ def forward_groups(params: LlamaParams, state: common.KVCache, groups: tuple[Gro
     """
     if all_logits and len(groups) != 1:
         raise ValueError("all_logits takes exactly one group")
+    xs, state = _body(params, state, groups, cfg=cfg, span=span, kernels=kernels)
+    if all_logits:
+        x = xs[0]
+    else:
+        x = jnp.concatenate([common.last_valid(xg, g[3]) for xg, g in zip(xs, groups)])
+    x = common.rms_norm(x, params.norm, cfg.rms_eps)
+    head = params.embed if params.head is None else params.head
+    logits = weights.linear(x, head, params.head_bias).astype(jnp.float32)
+    return logits, state
+
+
+def hidden_states(params: LlamaParams, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
+                  start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
+                  kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
+    """`forward`'s final hidden states [B, T, H] (after the final norm, before the LM head), every
+    position: what embeddings pool. Positions past n_new[b] are padding and hold no meaning."""
+    xs, state = _body(params, state, ((tokens, slots, start, n_new),), cfg=cfg, span=span, kernels=kernels)
+    return common.rms_norm(xs[0], params.norm, cfg.rms_eps), state
+
+
+def _body(params: LlamaParams, state: common.KVCache, groups: tuple[Group, ...], *, cfg: ModelConfig,
+          span: int, kernels: Kernels) -> tuple[list[jax.Array], common.KVCache]:
+    """The layer stack shared by the logits and the hidden-state outputs: each group's residual
+    stream [B, T, H] after the last layer (before the final norm), and the updated state."""
     nh, nkv, hd, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
     shapes = [g[0].shape for g in groups]
     sizes = [b * t for b, t in shapes]
@@ -296,11 +320,4 @@ def forward_groups(params: LlamaParams, state: common.KVCache, groups: tuple[Gro
     carry, _ = jax.lax.scan(scanned, (x, state.k, state.v), (per_layer, layer_ids))
     x, kc, vc = carry
     xs = [p.reshape(b, t, H) for p, (b, t) in zip(jnp.split(x, cuts), shapes)]
-    if all_logits:
-        x = xs[0]
-    else:
-        x = jnp.concatenate([common.last_valid(xg, g[3]) for xg, g in zip(xs, groups)])
-    x = common.rms_norm(x, params.norm, cfg.rms_eps)
-    head = params.embed if params.head is None else params.head
-    logits = weights.linear(x, head, params.head_bias).astype(jnp.float32)
-    return logits, state.replace(k=kc, v=vc)
+    return xs, state.replace(k=kc, v=vc)

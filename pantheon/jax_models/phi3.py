@@ -142,3 +142,11 @@ def forward_groups(params: Phi3Params, state: common.KVCache, groups: tuple[Grou
     """llama.forward_groups with LongRoPE's divisors."""
     return llama.forward_groups(_long_or_short(params, state, cfg), state, groups, cfg=cfg, span=span,
                                 all_logits=all_logits, kernels=kernels)
+
+
+def hidden_states(params: Phi3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
+                  start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
+                  kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
+    """llama.hidden_states with LongRoPE's divisors."""
+    return llama.hidden_states(_long_or_short(params, state, cfg), state, tokens, slots, start, n_new, cfg=cfg,
+                               span=span, kernels=kernels)

@@ -560,6 +560,27 @@ def forward(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: 
     the recurrent state kept is the one after the row's last real token, and start[b] == 0 starts
     the row from a zero recurrent state. Returns logits [B, V] (or [B, T, V]) and the new state.
     """
+    x, new_state = _body(params, state, tokens, slots, start, n_new, cfg=cfg, span=span)
+    if not all_logits:
+        x = common.last_valid(x, n_new)
+    x = common.rms_norm(x, params.norm, cfg.rms_eps)
+    head = params.embed if params.head is None else params.head
+    return weights.linear(x, head).astype(jnp.float32), new_state
+
+
+def hidden_states(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: jax.Array,
+                  start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
+                  kernels: Kernels = XLA) -> tuple[jax.Array, HybridCache]:
+    """The final hidden states [B, T, H] (after the final norm, before the LM head), every position.
+    As in `forward`, a row starting at position 0 starts from a zero recurrent state."""
+    x, new_state = _body(params, state, tokens, slots, start, n_new, cfg=cfg, span=span)
+    return common.rms_norm(x, params.norm, cfg.rms_eps), new_state
+
+
+def _body(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: jax.Array, start: jax.Array,
+          n_new: jax.Array, *, cfg: ModelConfig, span: int) -> tuple[jax.Array, HybridCache]:
+    """The layer stack shared by the logits and the hidden-state outputs: the residual stream
+    [B, T, H] after the last layer (before the final norm) and the updated state."""
     d = hybrid_dims(cfg)
     B, T = tokens.shape
     P, G = d.period, d.groups
@@ -623,9 +644,5 @@ def forward(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: 
     new_state = state.replace(k=kc, v=vc, recurrent=RecurrentState(
         conv=rec.conv.at[:, slots].set(conv1.reshape((d.n_lin,) + conv1.shape[2:])),
         ssm=rec.ssm.at[:, slots].set(ssm1.reshape((d.n_lin,) + ssm1.shape[2:]))))
-    if not all_logits:
-        x = common.last_valid(x, n_new)
-    x = common.rms_norm(x, params.norm, cfg.rms_eps)
-    head = params.embed if params.head is None else params.head
-    return weights.linear(x, head).astype(jnp.float32), new_state
+    return x, new_state
 

@@ -48,13 +48,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from typing import Any
+
+import numpy as np
+
 from .. import compile_guard, decode_state, osthread
 from ..config import Settings
 from ..engine import Chunk, Model, StepHandle, StepPlan
-from ..errors import BusyError, ModelFailed
-from ..gen_types import Event, Finished, GenRequest, Sink, Started, Tokens
+from ..errors import BusyError, ModelFailed, RequestError
+from ..gen_types import Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
+from .embed import EmbedDriver
 
-IDLE, PREFILL, DECODE = "IDLE", "PREFILL", "DECODE"
+# A slot of an n > 1 request is FORK once the prompt (but its last token) is in its cache, and
+# FORKWAIT while it waits for that copy (a sibling choice). Both are neither idle nor stepping.
+IDLE, PREFILL, DECODE, FORK, FORKWAIT = "IDLE", "PREFILL", "DECODE", "FORK", "FORKWAIT"
 PRESSURE_CRITICAL = 3
 
 
@@ -65,8 +72,9 @@ class _Handle:
         self._sched = sched
         self._job = job
 
-    def cancel(self) -> None:
-        self._sched._cancel(self._job)
+    def cancel(self, choice: int | None = None) -> None:
+        """Stop the request (every choice), or only choice `choice` of an n > 1 request."""
+        self._sched._cancel(self._job, choice)
 
 
 @dataclass(eq=False)
@@ -75,6 +83,7 @@ class _Job:
     sink: Sink
     enqueued_at: float
     cancelled: bool = False  # guarded by the scheduler's _mu
+    cancelled_choices: set[int] = field(default_factory=set)  # _mu: choices stopped alone (n > 1)
 
 
 @dataclass(eq=False)
@@ -91,6 +100,8 @@ class _Slot:
     last_token: int = -1  # the last token emitted: the input of the slot's next decode row
     generated: int = 0
     reused: int = 0
+    choice: int = 0  # which choice of its job the slot generates (n > 1)
+    matcher: Any = None  # the choice's grammar matcher (GenRequest.constraint), driver-only
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,11 @@ class _Row:
     job: _Job
     part: tuple[int, ...] = ()  # the prompt chunk (empty: a decode row)
     final: bool = False  # the prompt's last chunk: the row emits the first token
+    ends_prompt: bool = False  # the last chunk of an n > 1 prompt (no token: the choices fork after it)
+
+    @property
+    def emits(self) -> bool:
+        return not self.part or self.final
 
 
 @dataclass
@@ -133,7 +149,7 @@ class SchedulerStats:
     host_ms_total: float = 0.0  # host work per step (planning, dispatching, emitting), device waits excluded
 
 
-class BatchScheduler:
+class BatchScheduler(EmbedDriver):
     """One per loaded model: the driver of its slots (QWEN35_BATCH_SLOTS=0 -> one slot, immediate 429)."""
 
     def __init__(self, model: Model, settings: Settings, pressure: Callable[[], int] | None = None,
@@ -160,6 +176,7 @@ class BatchScheduler:
         self._turn_prefill = True  # driver-only: whose turn it is when both kinds of work exist
         self._inflight: _InFlight | None = None  # driver-only: the dispatched step not yet read
         self._state = model.new_state()  # driver-only after start: the donated device state
+        self._embed_queue, self._embed_jobs = deque(), []  # _mu: embeddings jobs waiting / started (.embed)
         if settings.warmup if warmup is None else warmup:
             self._state = model.warmup(self._state, mixed=self.mixed)
         self._thread = osthread.start_thread(self._drive, name=f"driver-{model.name}")
@@ -167,6 +184,8 @@ class BatchScheduler:
     # ---- called from request greenlets --------------------------------------------------------
     def submit(self, req: GenRequest, sink: Sink) -> _Handle:
         job = _Job(req=req, sink=sink, enqueued_at=time.monotonic())
+        if req.n > self.n_slots:
+            raise RequestError(f"n: at most {self.n_slots} choices (the model's slots), got {req.n}", param="n")
         with self._mu:
             if self.failure is not None:
                 raise ModelFailed(f"model {self.model.name!r} failed: {self.failure}")
@@ -185,9 +204,12 @@ class BatchScheduler:
             self._work.notify_all()
         return _Handle(self, job)
 
-    def _cancel(self, job: _Job) -> None:
+    def _cancel(self, job: _Job, choice: int | None = None) -> None:
         with self._mu:
-            job.cancelled = True
+            if choice is None:
+                job.cancelled = True
+            else:
+                job.cancelled_choices.add(choice)
             self._work.notify_all()
 
     def load_info(self) -> dict:
@@ -222,8 +244,7 @@ class BatchScheduler:
     def _drive_loop(self) -> None:
         while True:
             if self._inflight is not None and self._read_first(self._inflight):
-                done, self._inflight = self._inflight, None
-                self._collect(done)
+                self._collect_inflight()
             events: list[tuple[_Job, Event]] = []
             with self._mu:
                 if self._closed:
@@ -231,9 +252,10 @@ class BatchScheduler:
                 released = self._take_cancelled_locked(events)
                 self._reap_queue_locked(events)
                 admitted = self._admit_locked(events)
+                embeds = self._embed_admit_locked(events)
                 work = any(sl.state != IDLE for sl in self._slots)
                 if not work and self._inflight is None and not events:
-                    self._work.wait(0.5 if self._queue else None)
+                    self._work.wait(0.5 if self._queue or self._embed_queue else None)
                     continue
             self._deliver(events)
             t0 = time.perf_counter()
@@ -241,22 +263,32 @@ class BatchScheduler:
                 self._state = self.model.release(self._state, sl.index)
             for sl, job in admitted:
                 self._insert(sl, job)
+            self._fork_ready()
+            if embeds:
+                self._embed_round(embeds)
+                t0 = time.perf_counter()  # the step's host time leaves the embed call out
             try:
                 nxt = self._dispatch(t0) if work else None
             except Exception as exc:  # a step that cannot even be dispatched fails like one that ran
                 self._step_failed(exc)
                 continue
-            done, self._inflight = self._inflight, nxt
+            done, self._inflight = self._inflight, nxt  # (None when a mask builder collected it already)
             if done is not None:
                 self._collect(done)
         self._shutdown()
+
+    def _collect_inflight(self) -> None:
+        """Read and hand out the step in flight, if any (it is then no longer in flight)."""
+        done, self._inflight = self._inflight, None
+        if done is not None:
+            self._collect(done)
 
     def _read_first(self, inflight: _InFlight) -> bool:
         """Whether to read the step in flight before dispatching the next one (giving up one step of
         overlap): when it carries a prompt's last chunk (its first token should reach the client now,
         not a step later: time to first token), or when requests wait and it will end a request by
         its budget (the freed slot is admitted a step sooner)."""
-        if any(r.final for r in inflight.rows):
+        if any(r.final or r.ends_prompt for r in inflight.rows):
             return True
         return bool(self._queue) and any(not r.part and r.slot.generated + 1 >= r.job.req.max_tokens
                                          for r in inflight.rows)
@@ -269,7 +301,7 @@ class BatchScheduler:
         out = []
         inflight = {id(r.slot) for r in self._inflight.rows} if self._inflight is not None else set()
         for sl in self._slots:
-            if sl.state != IDLE and sl.job is not None and sl.job.cancelled:
+            if sl.state != IDLE and sl.job is not None and (sl.job.cancelled or sl.choice in sl.job.cancelled_choices):
                 if self.recurrent and id(sl) in inflight:
                     sl.hist, sl.scope = [], ""
                 events.append(self._release_locked(sl, "cancelled"))
@@ -282,7 +314,8 @@ class BatchScheduler:
         for job in self._queue:
             if job.cancelled:
                 self.stats.cancelled += 1
-                events.append((job, Finished("cancelled", prompt_tokens=len(job.req.prompt_ids))))
+                events += [(job, Finished("cancelled", prompt_tokens=len(job.req.prompt_ids), choice=i))
+                           for i in range(job.req.n)]
             elif now - job.enqueued_at > self.queue_wait_s:
                 self.stats.rejected_timeout += 1
                 events.append((job, Finished("error", error=BusyError(
@@ -295,25 +328,38 @@ class BatchScheduler:
         out = []
         while self._queue and self.pressure() < PRESSURE_CRITICAL:
             idle = [sl for sl in self._slots if sl.state == IDLE]
-            if not idle:
+            n = self._queue[0].req.n
+            if len(idle) < n:  # an n > 1 request waits for n free slots (first come, first served)
                 break
             job = self._queue.popleft()
             slot, reuse = self._pick_slot(idle, job.req)
+            prompt = job.req.prompt_ids
             slot.state = PREFILL
             slot.job = job
+            slot.choice = 0
             slot.session_id = job.req.session_id
             slot.scope = job.req.cache_scope
             slot.hist = slot.hist[:reuse]
-            slot.pending = list(job.req.prompt_ids[reuse:])
+            # n > 1: the prompt but its last token goes into one slot; the choices then fork from it,
+            # each decoding the last token first (pantheon.engine.Model.copy_slot)
+            slot.pending = list(prompt[reuse:] if n == 1 else prompt[reuse:-1])
             slot.pos = reuse
             slot.generated = 0
             slot.reused = reuse
+            if n > 1 and not slot.pending:
+                slot.state = FORK
+            others = sorted((sl for sl in idle if sl is not slot), key=lambda sl: len(sl.hist))[: n - 1]
+            for i, sl in enumerate(others, start=1):
+                sl.state, sl.job, sl.choice = FORKWAIT, job, i
+                sl.session_id, sl.scope, sl.hist, sl.pending = None, job.req.cache_scope, [], []
+                sl.generated, sl.reused = 0, 0
             if reuse:
                 self.stats.prefix_hits += 1
                 self.stats.reused_tokens += reuse
             else:
                 self.stats.prefix_misses += 1
-            events.append((job, Started(reused_tokens=reuse)))
+            if job.req.prompt_logprobs is None:  # else Started carries them, after _insert scores the prompt
+                events.append((job, Started(reused_tokens=reuse)))
             out.append((slot, job))
         return out
 
@@ -375,8 +421,9 @@ class BatchScheduler:
         else:
             self.stats.completed += 1
         self._work.notify_all()
+        sl.matcher = None
         return job, Finished(reason, error=error, prompt_tokens=len(job.req.prompt_ids),
-                             completion_tokens=sl.generated, reused_tokens=sl.reused)
+                             completion_tokens=sl.generated, reused_tokens=sl.reused, choice=sl.choice)
 
     @staticmethod
     def _deliver(events: list[tuple[_Job, Event]]) -> None:
@@ -390,8 +437,50 @@ class BatchScheduler:
     # ---- device work (driver thread, no lock held) ------------------------------------------------
     def _insert(self, sl: _Slot, job: _Job) -> None:
         req = job.req
-        self._state = self.model.insert(self._state, decode_state.slot_insert(
-            sl.index, req.prompt_ids, sl.reused, req.params, req.max_tokens, req.stop_ids))
+        if req.prompt_logprobs is not None:  # legacy echo + logprobs: score the prompt first
+            lps, self._state = self.model.prompt_logprobs(self._state, req.prompt_ids, req.prompt_logprobs)
+            entries = tuple(None if e is None else TokenLogprob(t, e[0], tuple(e[1]))
+                            for t, e in zip(req.prompt_ids, lps))
+            self._deliver([(job, Started(reused_tokens=sl.reused, prompt_logprobs=entries))])
+        self._state = self.model.insert(self._state, self._slot_insert(sl, req, sl.reused))
+        sl.matcher = self._matcher(req)
+
+    def _slot_insert(self, sl: _Slot, req: GenRequest, reused: int, last: int | None = None) -> Any:
+        return decode_state.slot_insert(
+            sl.index, req.prompt_ids, reused, req.choice_params(sl.choice), req.max_tokens, req.stop_ids,
+            logit_bias=req.logit_bias, logprobs=req.logprobs is not None, last=last)
+
+    def _matcher(self, req: GenRequest) -> Any:
+        """A fresh grammar matcher for one choice of `req`, or None (no constraint)."""
+        if req.constraint is None:
+            return None
+        return req.constraint.matcher(req.stop_ids, int(self.model.config.vocab))
+
+    def _fork_ready(self) -> None:
+        """n > 1: every job whose prompt (but its last token) is in its first slot and no longer in
+        flight forks now: the other choices' slots get a copy of that cache, and every choice starts
+        decoding from the prompt's last token with its own seed."""
+        busy = {id(r.slot) for r in self._inflight.rows} if self._inflight is not None else set()
+        for sl in self._slots:
+            if sl.state != FORK or id(sl) in busy:
+                continue
+            job = sl.job
+            assert job is not None
+            req = job.req
+            prompt = req.prompt_ids
+            with self._mu:
+                group = sorted((s for s in self._slots if s.job is job), key=lambda s: s.choice)
+            for s in group:
+                if s is not sl:
+                    self._state = self.model.copy_slot(self._state, sl.index, s.index)
+            for s in group:
+                self._state = self.model.insert(self._state, self._slot_insert(s, req, len(prompt) - 1, prompt[-1]))
+                s.hist, s.pos, s.last_token, s.pending = list(prompt[:-1]), len(prompt) - 1, prompt[-1], []
+                s.matcher = self._matcher(req)
+            with self._mu:
+                for s in group:
+                    if s.job is job and s.state in (FORK, FORKWAIT):
+                        s.state = DECODE
 
     def _dispatch(self, t0: float) -> _InFlight | None:
         """Plan the next step from the host's view of the slots and dispatch it (returns at once)."""
@@ -413,36 +502,59 @@ class BatchScheduler:
         rows: list[_Row] = []
         chunk = None
         if pre is not None:
+            job = jobs[id(pre)]
             part = tuple(pre.pending[: self.chunk])
-            final = len(part) == len(pre.pending)
+            last = len(part) == len(pre.pending)
+            final = last and job.req.n == 1  # an n > 1 prompt's last chunk samples nothing: the choices fork
             chunk = Chunk(pre.index, part, pre.pos, final)
-            rows.append(_Row(pre, jobs[id(pre)], part, final))
+            rows.append(_Row(pre, job, part, final, ends_prompt=last and not final))
             pre.pending = pre.pending[len(part):]
             pre.pos += len(part)
-            if final:
+            if last:
                 with self._mu:
-                    if pre.state == PREFILL:
-                        pre.state = DECODE  # its first token is on the device: the next step decodes it
+                    if pre.state == PREFILL:  # its first token is on the device: the next step decodes it
+                        pre.state = DECODE if final else FORK
         reach = max((sl.pos + 1 for sl in decoders), default=0)
         for sl in decoders:
             rows.append(_Row(sl, jobs[id(sl)]))
             sl.pos += 1
         plan = StepPlan(chunk=chunk, decode=tuple(sl.index for sl in decoders), reach=reach)
-        handle, self._state = self.model.step(self._state, plan)
+        if any(r.slot.matcher is not None and r.emits for r in rows):
+            handle, self._state = self.model.step(self._state, plan, mask=lambda: self._masks(rows))
+        else:
+            handle, self._state = self.model.step(self._state, plan)
         now = time.perf_counter()
         return _InFlight(handle, rows, kind, len(chunk.tokens) if chunk else 0, now, (now - t0) * 1000)
+
+    def _masks(self, rows: list[_Row]) -> np.ndarray:
+        """The grammar masks of a step's rows, built while its forward runs: first the step before it
+        is read (its tokens advance the matchers), then each constrained row's allowed tokens (all
+        ones for the others)."""
+        self._collect_inflight()
+        words = np.full((len(rows), self.model.mask_words), -1, np.int32)
+        for i, r in enumerate(rows):
+            m = r.slot.matcher
+            if r.emits and m is not None and r.slot.job is r.job:
+                m.fill_mask(words[i])  # (a finished or failed matcher allows only the stop ids)
+        return words
+
+    def _logprobs(self, done: _InFlight) -> tuple[np.ndarray, np.ndarray] | None:
+        if not any(r.job.req.logprobs is not None and r.emits for r in done.rows):
+            return None
+        return self.model.read_logprobs(done.handle)
 
     def _collect(self, done: _InFlight) -> None:
         """Read a step's ids (waits for the device if it is not done) and hand them to their owners."""
         try:
             packed = self.model.read(done.handle)
+            lps = self._logprobs(done)
         except Exception as exc:  # a failed step fails its requests, not the server
             self._step_failed(exc)
             return
         t_read = time.perf_counter()
         events: list[tuple[_Job, Event]] = []
         with self._mu:
-            for r, (tok, flag) in zip(done.rows, packed.tolist()):
+            for i, (r, (tok, flag)) in enumerate(zip(done.rows, packed.tolist())):
                 sl = r.slot
                 if sl.job is not r.job or sl.state == IDLE:
                     continue  # finished or cancelled since: a dead row
@@ -456,7 +568,15 @@ class BatchScheduler:
                     continue
                 sl.generated += 1
                 sl.last_token = tok
-                events.append((r.job, Tokens((tok,))))
+                k = r.job.req.logprobs
+                entry = None
+                if k is not None and lps is not None:
+                    lp, top = lps
+                    entry = (TokenLogprob(tok, float(lp[i, 0]),
+                                          tuple((int(top[i, j]), float(lp[i, 1 + j])) for j in range(k))),)
+                if sl.matcher is not None:
+                    sl.matcher.consume(tok)  # a rejected token (not under the mask) leaves only the stop ids
+                events.append((r.job, Tokens((tok,), choice=sl.choice, logprobs=entry)))
                 if flag in decode_state.FINISH_REASONS:
                     events.append(self._release_locked(sl, decode_state.FINISH_REASONS[flag]))
             st = self.stats
@@ -485,6 +605,7 @@ class BatchScheduler:
         so every slot's prefix history goes too, since the cache it described is gone."""
         events: list[tuple[_Job, Event]] = []
         with self._mu:
+            self._embed_fail_locked(events, exc)
             for sl in self._slots:
                 if sl.state != IDLE:
                     events.append(self._release_locked(sl, "error", exc))
@@ -501,6 +622,7 @@ class BatchScheduler:
         events: list[tuple[_Job, Event]] = []
         with self._mu:
             self.failure = message
+            self._embed_fail_locked(events, err)
             for sl in self._slots:
                 if sl.state != IDLE and sl.job is not None:
                     events.append(self._release_locked(sl, "error", err))
@@ -513,6 +635,7 @@ class BatchScheduler:
         events: list[tuple[_Job, Event]] = []
         err = BusyError("server is shutting down", status=503)
         with self._mu:
+            self._embed_fail_locked(events, err)
             for sl in self._slots:
                 if sl.state != IDLE and sl.job is not None:
                     events.append(self._release_locked(sl, "error", err))

@@ -168,6 +168,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.register_blueprint(admin.bp)
     app.register_blueprint(tokens.bp)
     app.register_blueprint(openapi.bp)
+    from . import embeddings
+    app.register_blueprint(embeddings.bp)
     if settings.registry_url:  # otherwise nothing here ever contacts a router
         from ..registration import Registration
         state.registration = Registration(settings, served=lambda: served_models(state.registry)).start()

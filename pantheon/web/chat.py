@@ -1,17 +1,12 @@
 """POST /v1/chat/completions: validate the body, run one generation, and shape the OpenAI response.
 
 `parse_chat_request` turns the JSON body into a `ChatRequest` or raises a 400 naming the field; it never
-ignores a field it does not honour. `Generation` owns everything one completion holds while it runs:
-the registry ref, the backend handle, the detokenizer and the emitter. Its life:
-
-1. `start()` renders the prompt, admits it (`admit_prompt`: memory and context window; FIT, CAPPED
-   with the oldest turns dropped, or refused), submits it, and waits (cooperatively) for the backend's
-   first event, so a refusal (queue timeout, busy single-user model) is still a real HTTP status;
-2. `pump()` yields text/tool-call deltas as tokens arrive, cancels the backend when a stop string is
-   hit, and notices a client that went away;
-3. `close()` (always, exactly once) cancels what still runs, waits a moment for the backend to confirm,
-   and releases the registry ref. Waiting for the confirmation means the model's slot/lock is free by
-   the time the client (or the next request) sees the answer.
+ignores a field it does not honour. `Generation` is the chat side of a generation in flight
+(pantheon.web.generation holds the life it shares with legacy completions: submit, per-choice events,
+cancel, close): `start()` renders the prompt, admits it (`admit_prompt`: memory and context window;
+FIT, CAPPED with the oldest turns dropped, or refused), builds the grammar a `response_format` or a
+forced `tool_choice` asks for, and launches it; `complete()` and `frames()` shape the n choices as a
+chat.completion object or as chat.completion.chunk events.
 
 `SSEStream` is the streaming body: an iterable whose `close()` (called by the WSGI server, also on
 disconnect) closes the generation even if the iteration never started.
@@ -22,38 +17,39 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
-import secrets
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .. import memory
-from ..emitter import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, Delta, Emitter, merge_deltas
+from ..emitter import Delta, Emitter, merge_deltas
 from ..errors import PantheonError, RequestError
+from ..gen_types import GenRequest
 from . import bridge
 from .body import shown
-from .errors import from_exception
-from .schema import CHAT_FIELDS_PENDING, CHAT_MESSAGE, CHAT_REQUEST, fields
+from .fields import MAX_ID_CHARS
+from .fields import bad as _bad
+from .fields import boolean as _boolean
+from .fields import choices_n, logit_bias, sampling_params, stream_flags, top_logprobs
+from .fields import integer as _integer
+from .fields import stop_strings as _stop
+from .fields import string as _string
+from .generation import ClientGone, GenerationCore, Piece, SSEStream, json_line, new_id
+from .logprobs import chat_logprobs
+from .schema import CHAT_MESSAGE, CHAT_REQUEST, fields
+
+__all__ = ["ClientGone", "Generation", "SSEStream", "ChatRequest", "parse_chat_request", "cache_scope",
+           "admit_prompt", "new_completion_id"]
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant", "tool")
-# Control tokens the emitter must see although they are "special" in some GGUFs (Qwen's <tool_call>).
-MARKERS = frozenset({THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE})
-MAX_STOP = 4
-MAX_STOP_CHARS = 512
-MAX_ID_CHARS = 256
-POLL_S = 0.1  # longest a waiting request goes without checking that its client is still there
-CHECK_GAP_S = 0.005  # while events flow, check the client at most this often (one poll() syscall)
-CANCEL_WAIT_S = 5.0  # how long close() waits for the backend to confirm a cancel
+ROLES = ("system", "user", "assistant", "tool", "function")  # "function": the deprecated tool result (-> "tool")
 BIG_PROMPT_CHARS = 16384  # larger requests are rendered and tokenized off the hub, in an OS thread
 ANSWER_RESERVE_MAX = 256  # tokens admission keeps free for the answer (also at most window // 8 and max_tokens)
 
 # The fields a chat body may carry: pantheon.web.schema's, the one description of the request
 # (GET /openapi.json publishes it; tests hold these validators to it).
-TOP_FIELDS = fields(CHAT_REQUEST) - CHAT_FIELDS_PENDING
+TOP_FIELDS = fields(CHAT_REQUEST)
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 VERBOSITY = ("low", "medium", "high")
 REASONING_EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
@@ -63,11 +59,7 @@ MESSAGE_FIELDS = fields(CHAT_MESSAGE)
 
 def new_completion_id() -> str:
     """Unpredictable and unique across restarts (the seed used an unseeded rand())."""
-    return "chatcmpl-" + secrets.token_hex(12)
-
-
-class ClientGone(Exception):
-    """The client closed its connection; there is no one left to answer."""
+    return new_id("chatcmpl-")
 
 
 @dataclass
@@ -89,10 +81,20 @@ class ChatRequest:
     cache_salt: str | None = None
     cache_scope: str = ""  # prefix-reuse tenant (see cache_scope()); set by the route from the API key
     size: int = 0  # bytes of the request body: decides whether tokenizing is moved off the hub
+    n: int = 1  # choices; at most the model's slots (checked at start)
+    logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k most likely (top_logprobs)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); ids checked against the vocabulary at start
+    response_format: dict | None = None  # json_object / json_schema (None: text); its grammar is built at start
+    parallel_tool_calls: bool = True  # a forced tool call may be several calls
 
     @property
     def tools_enabled(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: the output is constrained to a call."""
+        return self.tools_enabled and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
 
     def template_tools(self) -> list[dict] | None:
         """Tools shown to the model: none for tool_choice "none", only the named one for a named choice."""
@@ -104,63 +106,7 @@ class ChatRequest:
         return self.tools
 
 
-# ---- validation ------------------------------------------------------------------------------------
-def _bad(param: str, message: str) -> RequestError:
-    param = shown(param)  # a field name is the client's text: echo it short
-    return RequestError(f"{param}: {message}", param=param)
-
-
-def _is_num(v: Any) -> bool:
-    """A JSON number. Integers are exact (math.isfinite would overflow on an integer literal past 1e308)."""
-    if isinstance(v, bool):
-        return False
-    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))
-
-
-def _number(body: Mapping, key: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not _is_num(v):
-        raise _bad(key, f"must be a number, got {json.dumps(v)[:40]}")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise _bad(key, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {shown(repr(v))}")
-    return float(v)
-
-
-def _integer(body: Mapping, key: str, lo: int, hi: int) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise _bad(key, f"must be an integer, got {json.dumps(v)[:40]}")
-    if v < lo or v > hi:
-        raise _bad(key, f"must be in [{lo}, {hi}], got {v}")
-    return v
-
-
-def _string(body: Mapping, key: str, max_len: int = MAX_ID_CHARS) -> str | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise _bad(key, "must be a string")
-    if len(v) > max_len:
-        raise _bad(key, f"must be at most {max_len} characters")
-    return v
-
-
-def _boolean(body: Mapping, key: str) -> bool | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise _bad(key, "must be true or false")
-    return v
-
-
+# ---- validation (the generic field checks live in pantheon.web.fields) --------------------------------
 def _content(msg: Mapping, where: str, required: bool) -> None:
     c = msg.get("content")
     if c is None:
@@ -229,6 +175,8 @@ def _messages(body: Mapping) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {json.dumps(role)[:40]}")
+        m = _legacy_message(m, where)
+        role = m["role"]
         _content(m, where, required=not (role == "assistant" and m.get("tool_calls")))
         _tool_calls(m, where)
         for key in ("name", "tool_call_id"):
@@ -246,8 +194,65 @@ def _messages(body: Mapping) -> list[dict]:
     return out
 
 
+def _legacy_message(m: dict, where: str) -> dict:
+    """The deprecated function-calling message forms as their tool forms: an assistant `function_call`
+    becomes a one-call `tool_calls` (no id: none was ever given), a "function" message a tool result
+    carrying the function's name."""
+    fc = m.get("function_call")
+    if fc is not None:
+        if m.get("role") != "assistant":
+            raise _bad(f"{where}.function_call", "is only allowed on assistant messages")
+        if "tool_calls" in m:
+            raise _bad(f"{where}.function_call", "cannot be given with tool_calls (it is their deprecated form)")
+        if not isinstance(fc, dict) or set(fc) - {"name", "arguments"}:
+            raise _bad(f"{where}.function_call", "must be an object with name and arguments")
+        if not isinstance(fc.get("name"), str) or not fc["name"]:
+            raise _bad(f"{where}.function_call.name", "must be a non-empty string")
+        if fc.get("arguments") is not None and not isinstance(fc["arguments"], str):
+            raise _bad(f"{where}.function_call.arguments", "must be a JSON string")
+        m = {k: v for k, v in m.items() if k != "function_call"}
+        m["tool_calls"] = [{"type": "function", "function": dict(fc)}]
+    if m.get("role") == "function":
+        if not isinstance(m.get("name"), str) or not m["name"]:
+            raise _bad(f"{where}.name", "is required on a function message (the function's name)")
+        m = {**m, "role": "tool"}
+    return m
+
+
+def _function_def(fn: Any, p: str, seen: set[str]) -> None:
+    """Check one function definition (a tool's `function`, or an entry of the deprecated `functions`)."""
+    if not isinstance(fn, dict):
+        raise _bad(p, "must be an object")
+    extra = set(fn) - {"name", "description", "parameters", "strict"}
+    if extra:
+        raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise _bad(f"{p}.name", "must be a non-empty string of at most 64 characters")
+    if name in seen:
+        raise _bad(f"{p}.name", f"duplicate tool name {name!r}")
+    seen.add(name)
+    if "description" in fn and not isinstance(fn["description"], str):
+        raise _bad(f"{p}.description", "must be a string")
+    if "parameters" in fn and not isinstance(fn["parameters"], dict):
+        raise _bad(f"{p}.parameters", "must be a JSON Schema object")
+    if "strict" in fn and not isinstance(fn["strict"], bool):
+        raise _bad(f"{p}.strict", "must be true or false")
+
+
 def _tools(body: Mapping) -> list[dict] | None:
+    """`tools`, or the deprecated `functions` (a list of function definitions) as tools; not both."""
     tools = body.get("tools")
+    functions = body.get("functions")
+    if functions is not None:
+        if tools is not None:
+            raise _bad("functions", "cannot be given with tools (it is their deprecated form)")
+        if not isinstance(functions, list) or not functions:
+            raise _bad("functions", "must be a non-empty list of function definitions")
+        seen: set[str] = set()
+        for i, fn in enumerate(functions):
+            _function_def(fn, f"functions[{i}]", seen)
+        return [{"type": "function", "function": fn} for fn in functions]
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -262,28 +267,29 @@ def _tools(body: Mapping) -> list[dict] | None:
         extra = set(t) - {"type", "function"}
         if extra:
             raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
-        fn = t.get("function")
-        if not isinstance(fn, dict):
-            raise _bad(f"{p}.function", "must be an object")
-        extra = set(fn) - {"name", "description", "parameters", "strict"}
-        if extra:
-            raise _bad(f"{p}.function.{sorted(extra)[0]}", "is not supported")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise _bad(f"{p}.function.name", "must be a non-empty string of at most 64 characters")
-        if name in seen:
-            raise _bad(f"{p}.function.name", f"duplicate tool name {name!r}")
-        seen.add(name)
-        if "description" in fn and not isinstance(fn["description"], str):
-            raise _bad(f"{p}.function.description", "must be a string")
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
-            raise _bad(f"{p}.function.parameters", "must be a JSON Schema object")
-        if "strict" in fn and not isinstance(fn["strict"], bool):
-            raise _bad(f"{p}.function.strict", "must be true or false")
+        _function_def(t.get("function"), f"{p}.function", seen)
     return tools or None
 
 
+def _function_call(body: Mapping, tools: list[dict] | None) -> Any:
+    """The deprecated `function_call` ("none", "auto" or {"name": ...}) as a tool_choice."""
+    fc = body.get("function_call")
+    if body.get("tool_choice") is not None:
+        raise _bad("function_call", "cannot be given with tool_choice (it is its deprecated form)")
+    if fc in ("none", "auto"):
+        if fc == "auto" and not tools:
+            raise _bad("function_call", "\"auto\" needs functions (only \"none\" is valid without them)")
+        return fc
+    if not isinstance(fc, dict) or set(fc) != {"name"} or not isinstance(fc["name"], str):
+        raise _bad("function_call", "must be \"none\", \"auto\" or {\"name\": ...}")
+    if fc["name"] not in {t["function"]["name"] for t in tools or []}:
+        raise _bad("function_call.name", f"no function named {shown(fc['name'])!r} was declared")
+    return {"type": "function", "function": {"name": fc["name"]}}
+
+
 def _tool_choice(body: Mapping, tools: list[dict] | None) -> Any:
+    if body.get("function_call") is not None:
+        return _function_call(body, tools)
     tc = body.get("tool_choice")
     if tc is None:
         return "auto" if tools else "none"
@@ -335,24 +341,28 @@ def _compat_fields(body: Mapping) -> bool | None:
     return REASONING_EFFORT[effort]
 
 
-def _stop(body: Mapping) -> tuple[str, ...]:
-    s = body.get("stop")
-    if s is None:
-        return ()
-    items = [s] if isinstance(s, str) else s
-    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-        raise _bad("stop", "must be a string or a list of strings")
-    if len(items) > MAX_STOP:
-        raise _bad("stop", f"at most {MAX_STOP} stop strings are allowed")
-    if any(len(x) > MAX_STOP_CHARS for x in items):
-        raise _bad("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters")
-    return tuple(x for x in items if x)
+def _response_format(body: Mapping) -> dict | None:
+    """`response_format`: None for plain text; any other is returned for the grammar built at start
+    (pantheon.structured owns its shape and answers a bad one with a 400 naming the field)."""
+    rf = body.get("response_format")
+    if rf is None or rf == {"type": "text"}:
+        return None
+    if not isinstance(rf, dict):
+        raise _bad("response_format", "must be an object such as {\"type\": \"json_object\"}")
+    return rf
+
+
+def _logprobs(body: Mapping) -> int | None:
+    """`logprobs` (bool) and `top_logprobs` (0..20, only with logprobs): None, or the alternatives per token."""
+    want = _boolean(body, "logprobs")
+    k = top_logprobs(body)
+    if body.get("top_logprobs") is not None and not want:
+        raise _bad("top_logprobs", "needs \"logprobs\": true")
+    return k if want else None
 
 
 def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     """Validate a chat-completions body; raises RequestError (400) naming the first bad field."""
-    from ..gen_types import SamplingParams
-
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", param=None)
     unknown = sorted(set(body) - TOP_FIELDS)
@@ -365,33 +375,12 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     mct = _integer(body, "max_completion_tokens", 1, 1 << 31)
     if mct is not None:
         max_tokens = mct
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
-    top_k = _integer(body, "top_k", -1, 1 << 30)
-    min_p = _number(body, "min_p", 0.0, 1.0)
-    rep = _number(body, "repetition_penalty", 0.0, 10.0, lo_open=True)
-    pres = _number(body, "presence_penalty", -2.0, 2.0)
-    freq = _number(body, "frequency_penalty", -2.0, 2.0)
-    seed = _integer(body, "seed", -(1 << 63), (1 << 63) - 1)  # a signed 64-bit integer, as OpenAI's
+    params = sampling_params(body)
     stop = _stop(body)
-    stream = bool(_boolean(body, "stream"))
-    include_usage = False
-    so = body.get("stream_options")
-    if so is not None:
-        if not stream:
-            raise _bad("stream_options", "is only allowed when stream is true")
-        if not isinstance(so, dict):
-            raise _bad("stream_options", "must be an object")
-        extra = sorted(set(so) - {"include_usage"})
-        if extra:
-            raise _bad(f"stream_options.{extra[0]}", "is not supported")
-        iu = so.get("include_usage")
-        if iu is not None and not isinstance(iu, bool):
-            raise _bad("stream_options.include_usage", "must be true or false")
-        include_usage = bool(iu)
+    stream, include_usage = stream_flags(body)
     tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
-    _boolean(body, "parallel_tool_calls")
+    parallel = _boolean(body, "parallel_tool_calls")
     session_id = _string(body, "session_id")
     # Then the headers: X-Session-Id, and X-SMG-Routing-Key (the router forwards that one and strips
     # X-Session-Id, so a session routed through SMG keeps its key all the way to the slot).
@@ -403,18 +392,12 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
             if len(hdr) > MAX_ID_CHARS:
                 raise _bad(header, f"must be at most {MAX_ID_CHARS} characters")
             session_id = hdr
-    n = _integer(body, "n", 1, 1 << 30)
-    if n is not None and n != 1:
-        raise _bad("n", "only n=1 is supported")
+    n = choices_n(body)
     user = _string(body, "user")
     cache_salt = _string(body, "cache_salt")
-    if _boolean(body, "logprobs"):
-        raise _bad("logprobs", "log probabilities are not supported (only false)")
-    if body.get("top_logprobs") not in (None, 0):
-        raise _bad("top_logprobs", "log probabilities are not supported")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise _bad("response_format", "only {\"type\": \"text\"} is supported (no constrained decoding)")
+    logprobs = _logprobs(body)
+    bias = logit_bias(body)
+    rf = _response_format(body)
     enable_thinking = None
     ctk = body.get("chat_template_kwargs")
     if ctk is not None:
@@ -427,31 +410,23 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     effort_thinking = _compat_fields(body)
     if enable_thinking is None:  # an explicit chat_template_kwargs.enable_thinking wins
         enable_thinking = effort_thinking
-    try:
-        params = SamplingParams(
-            temperature=1.0 if temperature is None else temperature,
-            top_k=0 if top_k is None or top_k < 0 else top_k,
-            top_p=1.0 if top_p is None else top_p,
-            min_p=0.0 if min_p is None else min_p,
-            repetition_penalty=1.0 if rep is None else rep,
-            presence_penalty=0.0 if pres is None else pres,
-            frequency_penalty=0.0 if freq is None else freq,
-            seed=seed,
-        )
-    except ValueError as exc:  # SamplingParams names the field first
-        field = str(exc).split(" ", 1)[0]
-        raise RequestError(str(exc), param=field) from None
     ignore_eos = bool(_boolean(body, "ignore_eos"))
     truncate = _string(body, "truncate")
     if truncate not in (None, "none", "oldest"):
         raise _bad("truncate", "must be \"none\" or \"oldest\"")
-    return ChatRequest(model=model, messages=messages, params=params, max_tokens=max_tokens, stop=stop,
+    creq = ChatRequest(model=model, messages=messages, params=params, max_tokens=max_tokens, stop=stop,
                        stream=stream, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
                        session_id=session_id, enable_thinking=enable_thinking, ignore_eos=ignore_eos,
-                       user=user, cache_salt=cache_salt, truncate_oldest=truncate == "oldest")
+                       user=user, cache_salt=cache_salt, truncate_oldest=truncate == "oldest",
+                       n=n, logprobs=logprobs, logit_bias=bias, response_format=rf,
+                       parallel_tool_calls=parallel is not False)
+    if rf is not None and creq.forces_tool_call:
+        raise _bad("response_format", "cannot be combined with tool_choice \"required\" or a named function "
+                                      "(each constrains the whole output)")
+    return creq
 
 
-def cache_scope(api_key: str | None, creq: ChatRequest) -> str:
+def cache_scope(api_key: str | None, creq: Any) -> str:
     """The tenant whose earlier prompts this request may reuse from the prefix cache.
 
     Automatic longest-prefix reuse is a side channel: `cached_tokens` (and the time to first token)
@@ -595,97 +570,73 @@ def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dic
 
 
 # ---- running one completion --------------------------------------------------------------------------
-def _json_line(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+class Generation(GenerationCore):
+    """One chat completion in flight (see pantheon.web.generation for its life). Greenlet only."""
 
-
-class Generation:
-    """One completion in flight. Greenlet only: every method runs in the request's greenlet."""
+    id_prefix = "chatcmpl-"
 
     def __init__(self, registry: Any, entry: Any, creq: ChatRequest, environ: dict, metrics: Any = None,
                  t0: float | None = None, watch: Any = None):
-        self.metrics = metrics  # pantheon.metrics.Metrics, or None (unit tests)
-        self.watch = watch  # the server's pantheon.memory.MemWatch (None: the process-wide one)
-        self.t0 = time.perf_counter() if t0 is None else t0  # request arrival
-        self._t_last: float | None = None  # when the previous Tokens event arrived
-        self.registry = registry
-        self.entry = entry
+        super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch)
         self.creq = creq
-        self.environ = environ
-        self.id = new_completion_id()
-        self.created = int(time.time())
-        self.model_name = entry.name
-        self.channel = bridge.Channel()
-        self.handle: Any = None
-        self.finished = False  # the backend's Finished event has been seen
-        self.closed = False
-        self.prompt_tokens = 0
-        self.cached_tokens = 0  # prompt tokens served from a prefix already in the slot
-        self.completion_tokens = 0
-        self.capped = False  # context_capped: the oldest turns were dropped, or max_tokens was clamped
         self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
-        self.finish_reason: str | None = None
-        self.emitter: Emitter | None = None
-        self._stop_ids: frozenset[int] = frozenset()
-        self._decoder: Any = None
-        self._tok: Any = None
-        self._eos = False
-        self._last_check = 0.0  # monotonic time of the last client check; 0: check at the first wait
-        self._replay: list[Any] = []  # events taken out early by start(), delivered before the channel's
 
     # -- setup --------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Render, tokenize, submit, and wait for the first event. Raises PantheonError for an HTTP error."""
-        from ..scheduler.api import Finished, GenRequest, Started
-
         card = self.entry.card
         tok = card.tokenizer
-        admit = lambda: admit_prompt(card, self.creq.messages, lambda m: self._prompt(card, m),  # noqa: E731
-                                     self.creq.max_tokens, self.watch, self.creq.truncate_oldest)
+        creq = self.creq
+        self.check_model_limits(card, creq.n, creq.logit_bias)
+        admit = lambda: admit_prompt(card, creq.messages, lambda m: self._prompt(card, m),  # noqa: E731
+                                     creq.max_tokens, self.watch, creq.truncate_oldest)
         try:
-            if self.creq.size > BIG_PROMPT_CHARS:  # rendering + tokenizing would hold the hub for a while
+            if creq.size > BIG_PROMPT_CHARS:  # rendering + tokenizing would hold the hub for a while
                 rendered, ids, self.prompt_capped = bridge.call_in_thread(admit, name="pantheon-tokenize")
             else:
                 rendered, ids, self.prompt_capped = admit()
         except PantheonError:
-            if self.metrics is not None:
-                self.metrics.observe_admission("denied")
+            self.observe_admission("denied")
             raise
-        room = int(card.context_length) - len(ids)
-        want = self.creq.max_tokens
-        self.capped = self.prompt_capped or (want is not None and want > room)
-        if self.metrics is not None:
-            self.metrics.observe_admission("capped" if self.capped else "fit")
-        max_tokens = room if want is None else min(want, room)
-        self.prompt_tokens = len(ids)
-        self._stop_ids = frozenset() if self.creq.ignore_eos else frozenset(tok.eot_ids)
-        self._tok = tok
-        self._decoder = tok.stream(skip_special=False)
+        self.capped = self.prompt_capped
+        max_tokens = self.budget(card, len(ids), creq.max_tokens)
+        self.observe_admission("capped" if self.capped else "fit")
+        # After admission (a prompt that cannot run compiles no grammar), and off the hub: the first
+        # grammar of a tokenizer builds llguidance's token table (0.15 s SmolLM2, 3 s Gemma 3), and a
+        # large schema takes a while to compile.
+        constraint = None
+        if creq.response_format is not None or creq.forces_tool_call:
+            constraint = bridge.call_in_thread(self._constraint, tok, name="pantheon-grammar")
+        stop_ids = frozenset() if creq.ignore_eos else frozenset(tok.eot_ids)
         ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
-        self.emitter = Emitter(stop=self.creq.stop, in_think=in_think, tools_enabled=self.creq.tools_enabled)
-        session = None if self.prompt_capped else self.creq.session_id  # a capped turn starts over
-        req = GenRequest(prompt_ids=ids, params=self.creq.params, max_tokens=max_tokens,  # resolves the seed, once
-                         stop_ids=self._stop_ids, session_id=session, cache_scope=self.creq.cache_scope,
-                         request_id=self.id)
-        t_submit = time.perf_counter()
-        self.handle = self.entry.backend.submit(req, self.channel.put)
-        first = self._next_event()
-        if isinstance(first, Started):
-            self.cached_tokens = first.reused_tokens
-            if self.metrics is not None:
-                self.metrics.observe_queue(self.model_name, time.perf_counter() - t_submit)
-        if isinstance(first, Finished):
-            self.finished = True
-            if first.error is not None:
-                raise first.error
-        if not isinstance(first, Started):
-            self._replay.append(first)  # no Started (a backend may skip it): pump() sees it first
+        tool_names = [t["function"]["name"] for t in creq.template_tools() or []]
+        emitters = [Emitter(stop=creq.stop, in_think=in_think, tools_enabled=creq.tools_enabled, tool_names=tool_names)
+                    for _ in range(creq.n)]
+        session = None if self.prompt_capped else creq.session_id  # a capped turn starts over
+        req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,  # resolves the seed, once
+                         stop_ids=stop_ids, session_id=session, cache_scope=creq.cache_scope,
+                         request_id=self.id, n=creq.n, logprobs=creq.logprobs, logit_bias=creq.logit_bias,
+                         constraint=constraint)
+        self.launch(req, emitters)
+
+    def _constraint(self, tok: Any) -> Any:
+        """The grammar the output must follow: a response_format's JSON, or a forced tool call; None."""
+        creq = self.creq
+        if creq.response_format is None and not creq.forces_tool_call:
+            return None
+        from .. import structured  # the grammar engine (llguidance) loads only when a request needs it
+
+        if creq.response_format is not None:
+            return structured.Grammar.from_response_format(creq.response_format, tok)
+        return structured.Grammar.for_tools(creq.tools, creq.tool_choice, tok, parallel=creq.parallel_tool_calls)
 
     def _prompt(self, card: Any, messages: list[dict] | None = None) -> tuple[str, list[int]]:
         """The rendered chat template of `messages` (default: the request's) and its token ids (BOS
         added when the model wants one)."""
         kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
+        if kwargs["tools"]:  # words the generic tool format's instruction (pantheon.tool_format)
+            kwargs["tool_choice"] = self.creq.tool_choice
         if self.creq.enable_thinking is not None:
             kwargs["enable_thinking"] = self.creq.enable_thinking
         rendered = card.template.render(self.creq.messages if messages is None else messages, **kwargs)
@@ -695,172 +646,66 @@ class Generation:
             ids.insert(0, tok.bos_id)
         return rendered, ids
 
-    def _next_event(self) -> Any:
-        """The next backend event; checks (at most every CHECK_GAP_S) that the client is still connected."""
-        if self._replay:
-            return self._replay.pop(0)
-        while True:
-            now = time.monotonic()
-            if now - self._last_check >= CHECK_GAP_S:
-                self._last_check = now
-                if bridge.client_gone(self.environ):
-                    raise ClientGone()
-            try:
-                return self.channel.get(timeout=POLL_S)
-            except bridge.Timeout:
-                continue
-
-    # -- running ----------------------------------------------------------------------------------------
-    def pump(self) -> Iterator[list[Delta]]:
-        """Yield lists of deltas until the backend finishes; sets finish_reason. Raises on a backend error."""
-        from ..scheduler.api import Finished, Tokens
-
-        em = self.emitter
-        assert em is not None
-        while True:
-            ev = self._next_event()
-            if isinstance(ev, Tokens):
-                if self.metrics is not None:
-                    now = time.perf_counter()
-                    if self._t_last is None:
-                        self.metrics.observe_ttft(self.model_name, now - self.t0)
-                    else:
-                        self.metrics.observe_itl(self.model_name, now - self._t_last)
-                    self._t_last = now
-                out: list[Delta] = []
-                for tid in ev.ids:
-                    if em.stopped or self._eos:
-                        break  # over-generated past a stop string or EOS: discarded
-                    self.completion_tokens += 1
-                    if tid in self._stop_ids:
-                        self._eos = True
-                        break
-                    if self._tok.is_control(tid) and self._tok.token_text(tid) not in MARKERS:
-                        continue  # turn markers, padding...: never shown; the emitter's markers pass
-                    out += em.feed(self._decoder.push(tid))
-                    if em.stopped:
-                        self.handle.cancel()
-                if out:
-                    yield out
-            elif isinstance(ev, Finished):
-                self.finished = True
-                if self.metrics is not None and ev.reason != "error":
-                    self.metrics.observe_e2e(self.model_name, time.perf_counter() - self.t0)
-                if ev.reason == "error" and not em.stopped:
-                    raise ev.error if ev.error is not None else RuntimeError("generation failed")
-                out = []
-                if not em.stopped:
-                    out += em.feed(self._decoder.flush())
-                out += em.finish()
-                if out:
-                    yield out
-                if em.finish_reason is not None:
-                    self.finish_reason = em.finish_reason
-                elif ev.reason == "length" and not self._eos:
-                    self.finish_reason = "length"
-                else:
-                    self.finish_reason = "stop"
-                return
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-    def close(self) -> None:
-        """Cancel if still running, wait briefly for the backend to confirm, release the ref. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.metrics is not None and self.handle is not None:
-            if not self.finished:  # still running: the client went away (or the request was aborted)
-                self.metrics.disconnect(self.model_name)
-            self.metrics.add_tokens(self.model_name, self.prompt_tokens, self.completion_tokens)
-        try:
-            if self.handle is not None and not self.finished:
-                log.info("request %s on %s: cancelling after %d tokens (client gone or request aborted)", self.id,
-                         self.model_name, self.completion_tokens)
-                self.handle.cancel()
-                deadline = time.monotonic() + CANCEL_WAIT_S
-                while time.monotonic() < deadline:
-                    try:
-                        ev = self.channel.get(timeout=max(0.01, deadline - time.monotonic()))
-                    except bridge.Timeout:
-                        break
-                    if type(ev).__name__ == "Finished":
-                        self.finished = True
-                        break
-                if not self.finished:
-                    log.warning("backend of %s did not confirm the cancel of %s within %.0f s", self.model_name,
-                                self.id, CANCEL_WAIT_S)
-        finally:
-            self.registry.release(self.entry)
-
     # -- response shapes ---------------------------------------------------------------------------------
+    def _chunk_logprobs(self, piece_logprobs: Sequence[Any]) -> dict | None:
+        """A piece's (or a whole choice's) `logprobs` object; None when not asked for or it carries none."""
+        if not self.want_logprobs or not piece_logprobs:
+            return None
+        return chat_logprobs(self._tok, (p.logprob for p in piece_logprobs))
+
     def complete(self) -> dict:
-        """Run to the end and return the non-streamed chat.completion object."""
-        deltas: list[Delta] = []
-        for batch in self.pump():
-            deltas += batch
-        merged = merge_deltas(deltas)
-        message = {"role": "assistant", "content": merged["content"],
-                   "reasoning_content": merged["reasoning_content"], "reasoning": merged["reasoning_content"],
-                   "tool_calls": merged["tool_calls"]}
+        """Run to the end and return the non-streamed chat.completion object (n choices, index order)."""
+        deltas: list[list[Delta]] = [[] for _ in self.choices]
+        entries: list[list[Any]] = [[] for _ in self.choices]
+        for piece in self.pump():
+            if piece.delta is not None:
+                deltas[piece.choice].append(piece.delta)
+            entries[piece.choice] += piece.logprobs
+        choices = []
+        for c in self.choices:
+            merged = merge_deltas(deltas[c.index])
+            message = {"role": "assistant", "content": merged["content"],
+                       "reasoning_content": merged["reasoning_content"], "reasoning": merged["reasoning_content"],
+                       "tool_calls": merged["tool_calls"]}
+            logprobs = chat_logprobs(self._tok, (e.logprob for e in entries[c.index])) if self.want_logprobs \
+                else None
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason})
         out = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_name,
-               "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish_reason}],
-               "usage": self.usage()}
+               "choices": choices, "usage": self.usage()}
         if self.capped:
             out["context_capped"] = True
         return out
 
-    def _chunk(self, delta: dict, finish_reason: str | None = None, **extra: Any) -> bytes:
-        return _json_line({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                           "model": self.model_name,
-                           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-                           **extra})
+    def _chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
+               **extra: Any) -> bytes:
+        return json_line({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                          "model": self.model_name,
+                          "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": finish_reason}],
+                          **extra})
 
-    def sse(self) -> Iterator[bytes]:
-        """The SSE body: role chunk, deltas, finish chunk, optional usage chunk, [DONE]."""
-        error: BaseException | None = None
-        try:
-            yield self._chunk({"role": "assistant", "content": ""})
-            for batch in self.pump():
-                for d in batch:
-                    if d.kind == "content":
-                        yield self._chunk({"content": d.text})
-                    elif d.kind == "reasoning":
-                        yield self._chunk({"reasoning_content": d.text, "reasoning": d.text})
-                    elif d.tool_call is not None:
-                        yield self._chunk({"tool_calls": [d.tool_call]})
-            yield self._chunk({}, self.finish_reason, **({"context_capped": True} if self.capped else {}))
-            if self.creq.include_usage:
-                yield _json_line({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                                  "model": self.model_name, "choices": [], "usage": self.usage()})
-        except ClientGone:
-            return
-        except Exception as exc:  # after the 200 went out: report in-band
-            if not isinstance(exc, PantheonError):
-                log.exception("stream %s failed", self.id)
-            error = exc
-        if error is not None:
-            _, body, _ = from_exception(error)
-            yield _json_line(body)
-        yield b"data: [DONE]\n\n"
+    def _piece_chunk(self, piece: Piece) -> bytes:
+        lp = self._chunk_logprobs(piece.logprobs)
+        d = piece.delta
+        if d is None:
+            return self._chunk(piece.choice, {}, piece.finish_reason, lp,
+                               **({"context_capped": True} if self.capped else {}))
+        if d.kind == "content":
+            delta: dict = {"content": d.text}
+        elif d.kind == "reasoning":
+            delta = {"reasoning_content": d.text, "reasoning": d.text}
+        else:
+            delta = {"tool_calls": [d.tool_call]}
+        return self._chunk(piece.choice, delta, None, lp)
 
-
-class SSEStream:
-    """WSGI body for a stream: iterating yields SSE frames; close() always closes the generation, also
-    when the server closes the body without ever iterating it (a client gone before the first byte)."""
-
-    def __init__(self, gen: Generation):
-        self._gen = gen
-        self._it = gen.sse()
-
-    def __iter__(self) -> Iterator[bytes]:
-        return self._it
-
-    def close(self) -> None:
-        try:
-            self._it.close()
-        finally:
-            self._gen.close()
+    def frames(self) -> Iterator[bytes]:
+        """Each choice's role chunk, its deltas (with the logprob entries they carry), its finish chunk;
+        then the optional usage chunk."""
+        for c in self.choices:
+            yield self._chunk(c.index, {"role": "assistant", "content": ""})
+        for piece in self.pump():
+            yield self._piece_chunk(piece)
+        if self.creq.include_usage:
+            yield json_line({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                             "model": self.model_name, "choices": [], "usage": self.usage()})

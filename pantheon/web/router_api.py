@@ -6,7 +6,7 @@
 * `/m/<model>/...`: a root that serves one model, so a process serving several models registers
   each as its own worker (the router keeps one worker per URL and routes by the request's
   `model`): `health` (200 ready, 503 loading or unloading, 404 not served here), `v1/models` (that
-  model only), `v1/chat/completions` (that model only), `v1/loads`.
+  model only), `v1/chat/completions` and `v1/completions` (that model only), `v1/loads`.
 
 What the load figures mean, from what the backends count (`load_info`):
 `num_running_reqs` requests holding a slot, `num_waiting_reqs` queued ones, `max_running_requests`
@@ -26,7 +26,7 @@ from flask import Blueprint, Response, jsonify
 
 from .. import osthread
 from ..errors import RequestError
-from .routes import handle_chat, server
+from .routes import handle_chat, handle_completion, server
 
 bp = Blueprint("router_api", __name__)
 
@@ -174,3 +174,8 @@ def model_loads(model: str) -> Response:
 @bp.post("/m/<path:model>/v1/chat/completions")
 def model_chat(model: str) -> Any:
     return handle_chat(root_model=model)
+
+
+@bp.post("/m/<path:model>/v1/completions")
+def model_completion(model: str) -> Any:
+    return handle_completion(root_model=model)

@@ -1,15 +1,18 @@
-"""The OpenAI-compatible routes and the health probe: `/`, `/v1/models`, `/v1/chat/completions`.
+"""The OpenAI-compatible routes and the health probe: `/`, `/v1/models`, `/v1/chat/completions`,
+`/v1/completions`.
 
 `/` and `/v1/models` only read the registry table (a lock held for microseconds), so they answer at
-once however many generations are running. Chat handlers hold a registry ref for exactly as long as
-the generation runs; `Generation.close` gives it back on every path out (done, error, disconnect).
-A chat response names the instance (replica) that served it in `X-Pantheon-Instance`.
+once however many generations are running. Generation handlers (chat and legacy completions, one
+`serve_generation`) hold a registry ref for exactly as long as the generation runs;
+`GenerationCore.close` gives it back on every path out (done, error, disconnect). A generation's
+response names the instance (replica) that served it in `X-Pantheon-Instance`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
@@ -18,7 +21,9 @@ from .. import distributed
 from ..errors import RequestError
 from .body import parse_json, read_body
 from . import bridge
-from .chat import ClientGone, Generation, SSEStream, cache_scope, parse_chat_request
+from .chat import Generation, cache_scope, parse_chat_request
+from .completions import CompletionGeneration, parse_completion_request
+from .generation import ClientGone, GenerationCore, SSEStream
 from .security import presented_key
 
 log = logging.getLogger(__name__)
@@ -26,7 +31,7 @@ log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__)
 
 INSTANCE_HEADER = "X-Pantheon-Instance"  # on chat responses: the model instance (replica) that served it
-BIG_BODY_BYTES = 65536  # larger chat bodies are parsed and validated off the event loop
+BIG_BODY_BYTES = 65536  # larger request bodies are parsed and validated off the event loop
 
 
 def server() -> Any:
@@ -91,13 +96,30 @@ def chat_completions() -> Response:
     return handle_chat()
 
 
+@bp.post("/v1/completions")
+def completions() -> Response:
+    return handle_completion()
+
+
 def handle_chat(root_model: str | None = None) -> Response:
     """One chat completion. `root_model`: the request came in under that model's own root
     (`/m/<model>/...`, pantheon.web.router_api), which serves that model only."""
+    return serve_generation(parse_chat_request, Generation, root_model)
+
+
+def handle_completion(root_model: str | None = None) -> Response:
+    """One legacy completion (`root_model` as for chat)."""
+    return serve_generation(parse_completion_request, CompletionGeneration, root_model)
+
+
+def serve_generation(parse_body: Callable[[Any, Any], Any], make: Callable[..., GenerationCore],
+                     root_model: str | None) -> Response:
+    """Parse with `parse_body(json, headers)`, take a model ref, start `make(...)`'s generation, and
+    answer with its SSE stream or its complete object."""
     t0 = time.perf_counter()
     raw = read_raw()
     headers = request.headers
-    parse = lambda: parse_chat_request(parse_json(raw), headers)  # noqa: E731
+    parse = lambda: parse_body(parse_json(raw), headers)  # noqa: E731
     # A large body is parsed and validated in an OS thread: a 4 MB body of tiny items is ~10^6 Python
     # objects to check, long enough to stall every other request if it ran on the event loop.
     creq = bridge.call_in_thread(parse, name="pantheon-parse") if len(raw) > BIG_BODY_BYTES else parse()
@@ -112,8 +134,8 @@ def handle_chat(root_model: str | None = None) -> Response:
     distributed.check_healthy()  # 503 while a multi-host model has lost a process
     entry = registry.acquire(creq.model, creq.session_id)
     try:
-        gen = Generation(registry, entry, creq, request.environ, metrics=server().metrics, t0=t0,
-                         watch=server().memwatch)
+        gen = make(registry, entry, creq, request.environ, metrics=server().metrics, t0=t0,
+                   watch=server().memwatch)
     except BaseException:
         registry.release(entry)
         raise

@@ -1,15 +1,15 @@
 """The HTTP API's request and response bodies as JSON Schema (the OpenAPI 3.1 dialect), as Python data.
 
 Why data and not prose: this module is the one description of what each route takes. The route
-validators read their field lists from it (`chat.TOP_FIELDS` is `CHAT_REQUEST`'s properties less
-`CHAT_FIELDS_PENDING`, `chat.MESSAGE_FIELDS` is `CHAT_MESSAGE`'s, the admin and tokenizer routes'
+validators read their field lists from it (`chat.TOP_FIELDS` is `CHAT_REQUEST`'s properties,
+`chat.MESSAGE_FIELDS` is `CHAT_MESSAGE`'s, completions', embeddings', the admin and tokenizer routes'
 allowed fields and bounds likewise), `GET /openapi.json` (pantheon.web.openapi) publishes it, and
 tests/test_openapi.py holds the validators to it: every property's `examples[0]` must be accepted,
 every value the property's schema refuses must be a 400 naming the field, the bounds (`minimum`,
 `maximum`, `maxLength`, `maxItems`, ...) are probed at and just past their edges, and a field missing
 here is refused. So a field cannot be added to a validator without being documented, nor documented
 without being checked. (The chat validator's numeric bounds are still literals in chat.py; those
-tests are what holds them equal to the ones here.)
+tests are what holds them equal to the ones here, as for pantheon.web.fields and pantheon.structured.)
 
 Conventions: request objects are closed (`additionalProperties: false`: the validators refuse a field
 they do not know rather than ignore it); an optional top-level field set to null counts as absent
@@ -37,15 +37,16 @@ PROMPT_CACHE_KEY_CHARS = 1024
 MAX_TOKENS_MAX = 1 << 31
 TOP_K_MAX = 1 << 30
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit integer, as OpenAI's
-TOP_LOGPROBS_MAX = 20
-LOGIT_BIAS_MAX = 300  # entries in one logit_bias object
-LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LIMIT, LIMIT]
+TOP_LOGPROBS_MAX = 20  # gen_types.MAX_TOP_LOGPROBS
+LOGIT_BIAS_MAX = 300  # entries in one logit_bias object (gen_types.MAX_LOGIT_BIAS)
+LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LIMIT, LIMIT] (gen_types.LOGIT_BIAS_RANGE)
+EMBED_INPUTS_MAX = 2048  # inputs in one /v1/embeddings call (OpenAI's limit)
 DETOKENIZE_MAX = 1 << 20  # token ids in one /detokenize call
 ADMIN_NAME_CHARS = 4096  # admin string fields (paths, names)
 ADMIN_DIES_MAX = 64
 UNLOAD_TIMEOUT_MAX_S = 86400
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "function")  # "function": the deprecated tool result
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 VERBOSITY = ("low", "medium", "high")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -150,17 +151,29 @@ def _message(role: Schema, required: tuple[str, ...], **more: Schema) -> Schema:
             "required": ["role", *required], "additionalProperties": {"type": "null"}}
 
 
+_FUNCTION_CALL: Schema = {**_object({"name": {"type": "string", "minLength": 1},
+                                     "arguments": {"type": ["string", "null"], "description": "a JSON string"}},
+                                    required=("name",)),
+                           "deprecated": True, "description": "the old form of one tool call",
+                           "examples": [{"name": "get_weather", "arguments": "{}"}]}
+
 CHAT_MESSAGE: Schema = {
-    "description": "One turn: content is required except on an assistant message with tool_calls; tool_calls "
-                   "only on assistant messages, tool_call_id only on tool messages. Any other field is refused "
-                   "unless it is null.",
+    "description": "One turn: content is required except on an assistant message with tool_calls (or the "
+                   "deprecated function_call, not both); tool_calls and function_call only on assistant "
+                   "messages, tool_call_id only on tool messages; a function message (the deprecated tool "
+                   "result) names its function. Any other field is refused unless it is null.",
     "anyOf": [
         _message(_enum(("system", "user"), examples=["user"]), ("content",)),
         _message({"const": "assistant", "examples": ["assistant"]}, ("content",),
-                 tool_calls=_TOOL_CALLS),
+                 tool_calls=_TOOL_CALLS, function_call=_FUNCTION_CALL),
         _message({"const": "assistant", "examples": ["assistant"]}, ("tool_calls",),
                  tool_calls={**_TOOL_CALLS, "minItems": 1}),
+        _message({"const": "assistant", "examples": ["assistant"]}, ("function_call",),
+                 function_call=_FUNCTION_CALL),
         _message({"const": "tool", "examples": ["tool"]}, ("content",), tool_call_id=_str(None, "call_1")),
+        _message({"const": "function", "examples": ["function"], "deprecated": True}, ("content", "name"),
+                 name={"type": "string", "minLength": 1, "examples": ["get_weather"]},
+                 tool_call_id=_str(None, "call_1")),
     ],
 }
 
@@ -168,12 +181,10 @@ FUNCTION_DEF: Schema = _object({
     "name": {"type": "string", "minLength": 1, "maxLength": TOOL_NAME_CHARS},
     "description": {"type": "string"},
     "parameters": {"type": "object", "description": "a JSON Schema object"},
+    "strict": {"type": "boolean"},
 }, required=("name",))
 
-TOOL: Schema = _object({"type": {"const": "function"},
-                        "function": {**FUNCTION_DEF, "properties": {**FUNCTION_DEF["properties"],
-                                                                    "strict": {"type": "boolean"}}}},
-                       required=("type", "function"))
+TOOL: Schema = _object({"type": {"const": "function"}, "function": FUNCTION_DEF}, required=("type", "function"))
 
 NAMED_FUNCTION: Schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 
@@ -183,22 +194,26 @@ LOGIT_BIAS: Schema = {
     "propertyNames": {"pattern": "^[0-9]{1,10}$"},
     "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT, "maximum": LOGIT_BIAS_LIMIT},
     "maxProperties": LOGIT_BIAS_MAX,
-    "examples": [{"50256": -100}],
+    "examples": [{"50": -100}],
 }
 
+_JSON_SCHEMA_OBJECT: Schema = {"type": "object", "description": "a JSON Schema object (llguidance must support it)"}
 RESPONSE_FORMAT: Schema = {
     "oneOf": [
         _object({"type": {"const": "text"}}, required=("type",)),
-        _object({"type": {"const": "json_object"}}, required=("type",)),
+        _object({"type": {"const": "json_object"},
+                 "schema": {**_JSON_SCHEMA_OBJECT, "type": ["object", "null"],
+                            "description": "llama.cpp's form: a schema the object must match"}}, required=("type",)),
         _object({"type": {"const": "json_schema"},
-                 "json_schema": _object({"name": {"type": "string", "minLength": 1, "maxLength": 64},
+                 "json_schema": _object({"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
                                          "description": {"type": "string"},
-                                         "schema": {"type": "object", "description": "a JSON Schema object"},
-                                         "strict": {"type": ["boolean", "null"]}}, required=("name",))},
+                                         "schema": _JSON_SCHEMA_OBJECT,
+                                         "strict": {"type": ["boolean", "null"]}}, required=("name", "schema"))},
                 required=("type", "json_schema")),
     ],
-    "description": "text: free text; json_object: any JSON object; json_schema: JSON valid for the given schema",
-    "examples": [{"type": "text"}],
+    "description": "text: free text; json_object: a JSON object; json_schema: JSON valid for the given schema. "
+                   "Not with tool_choice \"required\" or a named function (each constrains the whole output).",
+    "examples": [{"type": "text"}, {"type": "json_object"}],
 }
 
 CHAT_REQUEST: Schema = _object(_optional({
@@ -231,17 +246,19 @@ CHAT_REQUEST: Schema = _object(_optional({
                     "examples": ["none"]},
     "parallel_tool_calls": _bool(),
     "session_id": _str(example="conversation-1", description="also the X-Session-Id / X-SMG-Routing-Key header"),
-    "n": _int(1, None, 1, description="choices to generate"),
+    "n": _int(1, MAX_TOKENS_MAX, 1, description="choices to generate; at most the model's batch slots"),
     "user": _str(example="user-1234"),
     "logprobs": _bool(False, description="return the chosen tokens' log probabilities"),
-    "top_logprobs": _int(0, TOP_LOGPROBS_MAX, 0, description="alternatives per position; needs logprobs"),
+    "top_logprobs": _int(0, TOP_LOGPROBS_MAX, 2, description="alternatives per position; needs logprobs: true"),
     "logit_bias": LOGIT_BIAS,
     "response_format": RESPONSE_FORMAT,
-    "functions": {"type": "array", "items": FUNCTION_DEF, "deprecated": True,
-                  "description": "the old form of tools",
+    "functions": {"type": "array", "minItems": 1, "items": FUNCTION_DEF, "deprecated": True,
+                  "description": "the old form of tools (not with tools); names unique",
                   "examples": [[{"name": "get_weather", "parameters": {"type": "object"}}]]},
-    "function_call": {"anyOf": [_enum(("none", "auto")), NAMED_FUNCTION], "deprecated": True,
-                      "description": "the old form of tool_choice", "examples": ["none"]},
+    "function_call": {"anyOf": [_enum(("none", "auto")), {**NAMED_FUNCTION, "additionalProperties": False}],
+                      "deprecated": True, "examples": ["none"],
+                      "description": "the old form of tool_choice (not with it): \"auto\" needs functions, a name "
+                                     "must be one of them"},
     "chat_template_kwargs": {**_object({"enable_thinking": nullable(_bool())}),
                              "examples": [{"enable_thinking": False}]},
     "ignore_eos": _bool(False, description="generate the full budget past end-of-turn tokens (benchmarks)"),
@@ -262,31 +279,27 @@ CHAT_REQUEST: Schema = _object(_optional({
     "modalities": {"type": "array", "items": {"const": "text"}, "examples": [["text"]]},
 }, keep=("messages",)), required=("messages",))
 
-# Documented chat fields whose validators other issue-20 branches are adding. Until those land the
-# chat gate refuses them (a field is never taken unchecked); whoever merges them empties this set.
-CHAT_FIELDS_PENDING: frozenset[str] = frozenset({"logit_bias", "functions", "function_call"})
-
 # ---- completions (legacy) and embeddings ------------------------------------------------------------------
+_IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 PROMPT: Schema = {
-    "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
-              {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-              {"type": "array", "minItems": 1, "items": {"type": "array", "items": {"type": "integer", "minimum": 0},
-                                                         "minItems": 1}}],
-    "description": "text, texts, token ids, or lists of token ids (one prompt each)",
+    "anyOf": [{"type": "string"}, _IDS, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+              {"type": "array", "items": _IDS, "minItems": 1, "maxItems": 1}],
+    "description": "a text or token ids, or a list holding one of either (one prompt per request)",
     "examples": ["Once upon a time", [1, 2, 3]],
 }
 
 COMPLETION_REQUEST: Schema = _object(_optional({
     "model": CHAT_REQUEST["properties"]["model"],
     "prompt": PROMPT,
-    "suffix": _str(None, "\n", description="text after the completion (echoed; not used for infilling)"),
+    "suffix": {"type": "string", "maxLength": 0, "examples": [""],
+               "description": "fill-in-the-middle is not supported: only empty"},
     "max_tokens": _int(1, MAX_TOKENS_MAX, 16, description="default 16, as OpenAI's"),
     "temperature": _num(0.0, 2.0, 0.7),
     "top_p": _num(0.0, 1.0, 0.9, lo_open=True),
     "top_k": _int(-1, TOP_K_MAX, 40),
     "min_p": _num(0.0, 1.0, 0.05),
-    "n": _int(1, None, 1),
-    "best_of": _int(1, None, 1, description="only 1 or equal to n"),
+    "n": _int(1, MAX_TOKENS_MAX, 1, description="choices to generate; at most the model's batch slots"),
+    "best_of": _int(1, MAX_TOKENS_MAX, 1, description="only 1 or equal to n (choices are not ranked)"),
     "stream": _bool(False),
     "stream_options": {**_object({"include_usage": nullable(_bool())}),
                        "description": "only with stream: true", "examples": [{"include_usage": True}]},
@@ -299,16 +312,21 @@ COMPLETION_REQUEST: Schema = _object(_optional({
     "seed": _int(SEED_MIN, SEED_MAX, 42),
     "logit_bias": LOGIT_BIAS,
     "user": _str(example="user-1234"),
+    "ignore_eos": _bool(False, description="generate the full budget past end-of-text tokens (benchmarks)"),
 }, keep=("prompt",)), required=("prompt",))
 
 EMBEDDING_REQUEST: Schema = _object(_optional({
-    "input": {**PROMPT, "description": "text, texts, token ids, or lists of token ids (one vector each)",
+    "input": {"anyOf": [{"type": "string", "minLength": 1}, _IDS,
+                        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                         "maxItems": EMBED_INPUTS_MAX},
+                        {"type": "array", "items": _IDS, "minItems": 1, "maxItems": EMBED_INPUTS_MAX}],
+              "description": "a text, token ids, or a list of either (not a mix): one vector each",
               "examples": ["The food was delicious.", ["a", "b"]]},
     "model": CHAT_REQUEST["properties"]["model"],
     "encoding_format": _enum(("float", "base64"), description="base64: little-endian float32"),
-    "dimensions": _int(1, None, 64, description="truncate each vector to this many dimensions (then renormalise)"),
+    "dimensions": _int(1, None, 64, description="the model's own dimensions only (vectors are not shortened)"),
     "user": _str(example="user-1234"),
-    "pooling": _enum(("mean", "last"), description="how token states become one vector (default: the model's)"),
+    "pooling": _enum(("mean", "last"), description="how token states become one vector (default: mean)"),
 }, keep=("input",)), required=("input",))
 
 # ---- tokenizer routes (llama.cpp's shapes) --------------------------------------------------------------
@@ -320,7 +338,7 @@ TOKENIZE_REQUEST: Schema = _object({
 }, required=("content",))
 
 DETOKENIZE_REQUEST: Schema = _object({
-    "tokens": {**_token_list([9906, 1917]), "maxItems": DETOKENIZE_MAX,
+    "tokens": {**_token_list([72, 105]), "maxItems": DETOKENIZE_MAX,
                "description": "ids of the model's vocabulary"},
     "model": CHAT_REQUEST["properties"]["model"],
 }, required=("tokens",))

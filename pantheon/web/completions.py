@@ -1,0 +1,265 @@
+"""POST /v1/completions, the legacy OpenAI route: a prompt continued as it is, with no chat template.
+
+Clients still use it for plain continuation, for scoring (`echo` + `logprobs`: the prompt's own token
+log probabilities) and in benchmarks. `parse_completion_request` validates the body with the same field
+checks as chat (pantheon.web.fields); `CompletionGeneration` tokenizes the prompt (BOS as the tokenizer
+wants it; a prompt given as token ids is taken as it is), admits it against the context window and the
+memory free now, and shares the rest of its life with chat (pantheon.web.generation): n choices, stop
+strings per choice, logprobs carried on the chunks they belong to.
+
+Choices that differ from OpenAI's (stated in docs/http-api.md):
+
+* one prompt per request (a list of several prompts is a 400, not a batch);
+* `suffix` (fill-in-the-middle) is a 400, and so is `best_of` other than 1 or `n` (no server-side ranking);
+* `max_tokens` is at least 1 (scoring a prompt alone is `echo` + `logprobs` with `max_tokens: 1`);
+* `top_logprobs` lists the k most likely tokens and always the token itself (up to k + 1 entries), as
+  OpenAI documents; `text_offset` counts characters of the returned `text` (the echoed prompt included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import memory
+from ..emitter import Emitter
+from ..errors import PantheonError, RequestError
+from ..gen_types import GenRequest, SamplingParams
+from . import bridge
+from .body import shown
+from .chat import BIG_PROMPT_CHARS, answer_reserve
+from .fields import (MAX_TOKENS_LIMIT, bad, boolean, choices_n, integer, logit_bias, sampling_params, stop_strings,
+                     stream_flags, string, top_logprobs)
+from .generation import GenerationCore, Piece, json_line
+from .logprobs import Positioned, legacy_logprobs
+from .schema import COMPLETION_REQUEST, fields
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
+
+COMPLETION_FIELDS = fields(COMPLETION_REQUEST)  # pantheon.web.schema describes the body
+
+
+@dataclass
+class CompletionRequest:
+    model: str | None
+    prompt: str | list[int]  # text, or token ids taken as they are
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    n: int = 1
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely
+    echo: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    ignore_eos: bool = False
+    user: str | None = None
+    # what the routes and cache_scope() read of every generation request; this route has no sessions
+    session_id: str | None = None
+    cache_salt: str | None = None
+    cache_scope: str = ""
+    size: int = 0
+
+
+def _token_ids(v: Any, where: str) -> list[int] | None:
+    """`v` as a list of token ids, None when it is not a list of integers."""
+    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        return None
+    if not v:
+        raise bad(where, "must not be empty")
+    neg = next((i for i in v if i < 0), None)
+    if neg is not None:
+        raise bad(where, f"{neg} is not a token id")
+    return v
+
+
+def _prompt(body: Mapping) -> str | list[int]:
+    """`prompt`: a string, a list of token ids, or a list holding one of either."""
+    p = body.get("prompt")
+    if p is None:
+        raise bad("prompt", "is required")
+    if isinstance(p, str):
+        return p
+    ids = _token_ids(p, "prompt")
+    if ids is not None:
+        return ids
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > 1:
+            raise bad("prompt", f"one prompt per request (got {len(p)}); send them as separate requests")
+        if isinstance(p[0], str):
+            return p[0]
+        ids = _token_ids(p[0], "prompt[0]")
+        if ids is not None:
+            return ids
+    raise bad("prompt", "must be a string, a list of token ids, or a list holding one of either")
+
+
+def parse_completion_request(body: Any, headers: Mapping[str, str]) -> CompletionRequest:
+    """Validate a legacy completions body; raises RequestError (400) naming the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", param=None)
+    unknown = sorted(set(body) - COMPLETION_FIELDS)
+    if unknown:
+        raise bad(unknown[0], "is not a supported field" +
+                  (f" (also unsupported: {', '.join(shown(u) for u in unknown[1:6])})" if len(unknown) > 1 else ""))
+    model = string(body, "model")
+    prompt = _prompt(body)
+    if body.get("suffix") not in (None, ""):
+        raise bad("suffix", "suffix is not supported (no fill-in-the-middle)")
+    max_tokens = integer(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
+    params = sampling_params(body)
+    stop = stop_strings(body)
+    stream, include_usage = stream_flags(body)
+    n = choices_n(body)
+    best_of = integer(body, "best_of", 1, MAX_TOKENS_LIMIT)
+    if best_of is not None and best_of not in (1, n):
+        raise bad("best_of", f"only 1 or n ({n}) is supported: choices are not ranked on the server")
+    logprobs = top_logprobs(body, "logprobs") if body.get("logprobs") is not None else None
+    echo = bool(boolean(body, "echo"))
+    return CompletionRequest(model=model, prompt=prompt, params=params,
+                             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=stop,
+                             stream=stream, include_usage=include_usage, n=n, logprobs=logprobs, echo=echo,
+                             logit_bias=logit_bias(body), ignore_eos=bool(boolean(body, "ignore_eos")),
+                             user=string(body, "user"))
+
+
+def admit_ids(card: Any, n_prompt: int, max_tokens: int, watch: Any) -> None:
+    """Admit a prompt of `n_prompt` tokens as it is (nothing here can be dropped to make it fit): it must
+    leave one token of the context window to generate (else 400 context_length_exceeded) and fit the
+    memory free now (else 503 with Retry-After)."""
+    window = int(card.context_length)
+    if n_prompt > window - 1:
+        raise RequestError(f"prompt: this model's maximum context length is {window} tokens and at least one must "
+                           f"be left to generate, but the prompt has {n_prompt} tokens", param="prompt",
+                           code="context_length_exceeded")
+    if card.admit is None:
+        return
+    reserve = answer_reserve(window, max_tokens)
+    adm = card.admit(n_prompt, reserve, watch)
+    adm.raise_if_denied()
+    budget = adm.fit_tokens + reserve
+    if adm.window > 0 and n_prompt > budget - 1:
+        memory.Admission(memory.DENIED, max(0, budget - 1), f"the prompt has {n_prompt} tokens and only "
+                         f"{budget - 1} fit in the memory free now", adm.window, adm.pressure).raise_if_denied()
+
+
+class CompletionGeneration(GenerationCore):
+    """One legacy completion in flight (see pantheon.web.generation for its life). Greenlet only."""
+
+    id_prefix = "cmpl-"
+
+    def __init__(self, registry: Any, entry: Any, creq: CompletionRequest, environ: dict, metrics: Any = None,
+                 t0: float | None = None, watch: Any = None):
+        super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch)
+        self.creq = creq
+        self.echo_text = ""  # the prompt as returned with echo
+        self._prompt_items: list[Positioned] = []  # the prompt's logprob entries (echo + logprobs)
+
+    def start(self) -> None:
+        card = self.entry.card
+        tok = card.tokenizer
+        creq = self.creq
+        self.check_model_limits(card, creq.n, creq.logit_bias)
+        if isinstance(creq.prompt, str) and len(creq.prompt) > BIG_PROMPT_CHARS:  # off the hub
+            ids, bos_added = bridge.call_in_thread(lambda: self._tokenize(tok), name="pantheon-tokenize")
+        else:
+            ids, bos_added = self._tokenize(tok)
+        try:
+            admit_ids(card, len(ids), creq.max_tokens, self.watch)
+        except PantheonError:
+            self.observe_admission("denied")
+            raise
+        max_tokens = self.budget(card, len(ids), creq.max_tokens)
+        self.observe_admission("capped" if self.capped else "fit")
+        self.echo_text = creq.prompt if isinstance(creq.prompt, str) else tok.decode(ids)
+        score_prompt = creq.echo and creq.logprobs is not None
+        req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,
+                         stop_ids=frozenset() if creq.ignore_eos else frozenset(tok.eot_ids),
+                         cache_scope=creq.cache_scope, request_id=self.id, n=creq.n, logprobs=creq.logprobs,
+                         logit_bias=creq.logit_bias, prompt_logprobs=creq.logprobs if score_prompt else None)
+        emitters = [Emitter(stop=creq.stop, parse_think=False) for _ in range(creq.n)]
+        self.launch(req, emitters, continuation=True)
+        if score_prompt:
+            self._prompt_items = self._score_prompt(tok, ids, bos_added)
+
+    def _tokenize(self, tok: Any) -> tuple[list[int], bool]:
+        """The prompt's ids, and whether a BOS was put in front of text that did not hold one."""
+        p = self.creq.prompt
+        if not isinstance(p, str):
+            out = next((i for i in p if i >= tok.vocab_size), None)
+            if out is not None:
+                raise bad("prompt", f"{out} is not a token id of this model (0..{tok.vocab_size - 1})")
+            return list(p), False
+        ids = tok.encode(p)
+        added = tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id)
+        if added:
+            ids.insert(0, tok.bos_id)
+        if not ids:
+            raise bad("prompt", "is empty (it has no tokens)")
+        return ids, added
+
+    def _score_prompt(self, tok: Any, ids: Sequence[int], bos_added: bool) -> list[Positioned]:
+        """The prompt's entries from Started.prompt_logprobs, placed in the echoed text (a BOS the server
+        added takes no room in it)."""
+        got = self.started.prompt_logprobs if self.started is not None else None
+        if got is None or len(got) != len(ids):
+            raise RuntimeError("the backend did not return the prompt's log probabilities")
+        dec, offset, out = tok.stream(skip_special=False), 0, []
+        for k, (tid, lp) in enumerate(zip(ids, got)):
+            out.append(Positioned(tid, None if k == 0 else lp, offset))
+            if not (k == 0 and bos_added):
+                offset += len(dec.push(tid))
+        return out
+
+    # -- response shapes ---------------------------------------------------------------------------------
+    def _generated(self, items: Sequence[Positioned]) -> list[Positioned]:
+        """Generated tokens' entries with offsets into the returned text (after the echoed prompt)."""
+        shift = len(self.echo_text) if self.creq.echo else 0
+        return [Positioned(p.id, p.logprob, p.offset + shift) for p in items]
+
+    def complete(self) -> dict:
+        """Run to the end and return the non-streamed text_completion object (n choices, index order)."""
+        texts: list[list[str]] = [[] for _ in self.choices]
+        items: list[list[Positioned]] = [[] for _ in self.choices]
+        for piece in self.pump():
+            if piece.delta is not None:
+                texts[piece.choice].append(piece.delta.text)
+            items[piece.choice] += piece.logprobs
+        prefix = self.echo_text if self.creq.echo else ""
+        choices = [{"text": prefix + "".join(texts[c.index]), "index": c.index,
+                    "logprobs": legacy_logprobs(self._tok, self._prompt_items + self._generated(items[c.index]))
+                    if self.want_logprobs else None,
+                    "finish_reason": c.finish_reason} for c in self.choices]
+        out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name,
+               "choices": choices, "usage": self.usage()}
+        if self.capped:
+            out["context_capped"] = True
+        return out
+
+    def _chunk(self, index: int, text: str, logprobs: Sequence[Positioned] = (), finish_reason: str | None = None,
+               **extra: Any) -> bytes:
+        lp = legacy_logprobs(self._tok, logprobs) if self.want_logprobs and logprobs else None
+        return json_line({"id": self.id, "object": "text_completion", "created": self.created,
+                          "model": self.model_name,
+                          "choices": [{"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason}],
+                          **extra})
+
+    def _piece_chunk(self, piece: Piece) -> bytes:
+        items = self._generated(piece.logprobs)
+        if piece.delta is None:
+            return self._chunk(piece.choice, "", items, piece.finish_reason,
+                               **({"context_capped": True} if self.capped else {}))
+        return self._chunk(piece.choice, piece.delta.text, items)
+
+    def frames(self) -> Iterator[bytes]:
+        """With echo, each choice's prompt first (and its logprobs); the text as it comes; each choice's
+        finish chunk; then the optional usage chunk."""
+        if self.creq.echo:
+            for c in self.choices:
+                yield self._chunk(c.index, self.echo_text, self._prompt_items)
+        for piece in self.pump():
+            yield self._piece_chunk(piece)
+        if self.creq.include_usage:
+            yield json_line({"id": self.id, "object": "text_completion", "created": self.created,
+                             "model": self.model_name, "choices": [], "usage": self.usage()})

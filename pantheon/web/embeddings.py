@@ -1,0 +1,269 @@
+"""POST /v1/embeddings (and /m/<model>/v1/embeddings): OpenAI's embeddings API over any loaded model.
+
+An embedding is the model's final hidden state (after the final norm, before the LM head), pooled
+over the input's tokens and L2-normalised. Generative models were not trained for this, so the vectors
+are fit for similarity search between texts of one model, not interchangeable with a trained
+embedding model's. Pooling is OpenAI-compatible by default ("mean" over the tokens); the extension
+field `pooling: "last"` takes the last token's state instead (what last-token embedding models use).
+
+Request: `input` (a string, a list of strings, a list of token ids, or a list of lists of token ids; at
+most MAX_INPUTS items, none empty), `model`, `encoding_format` ("float" | "base64": the vector's
+little-endian float32 bytes), `dimensions` (only the model's own size: vectors are not truncated),
+`user` (accepted, unused), `pooling`. Texts are tokenized with the model's BOS/EOS as its file asks
+(`Tokenizer.encode(add_special=True)`); token ids are taken as given. An input longer than the
+model's context window is a 400 `context_length_exceeded`, as in chat.
+
+The inputs go to the model's scheduler as one `EmbedRequest`: they are batched with each other and with
+concurrent requests' (pantheon.scheduler.embed), and the request greenlet waits cooperatively for the
+result, noticing a client that went away (the job is then cancelled).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flask import Blueprint, Response, jsonify, request
+
+from ..errors import RequestError
+from ..gen_types import EMBED_POOLINGS, EmbedRequest, Embedded, Finished
+from . import bridge
+from .body import parse_json, shown
+from .chat import BIG_PROMPT_CHARS
+from .generation import CHECK_GAP_S, POLL_S, ClientGone
+from .routes import BIG_BODY_BYTES, INSTANCE_HEADER, read_raw, server
+from .schema import EMBED_INPUTS_MAX, EMBEDDING_REQUEST, fields
+
+bp = Blueprint("embeddings", __name__)
+
+FIELDS = fields(EMBEDDING_REQUEST)  # pantheon.web.schema describes the body
+ENCODINGS = ("float", "base64")
+MAX_INPUTS = EMBED_INPUTS_MAX  # items one request may carry (OpenAI's limit)
+MAX_ID_CHARS = 256
+CANCEL_WAIT_S = 5.0  # how long a request whose client left waits for the scheduler to let go of its slots
+
+
+@dataclass
+class EmbeddingsRequest:
+    """A validated body. Exactly one of `texts` / `token_inputs` is set."""
+
+    texts: list[str] | None
+    token_inputs: list[list[int]] | None
+    model: str | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    pooling: str = "mean"
+
+    @property
+    def count(self) -> int:
+        return len(self.texts if self.texts is not None else self.token_inputs or [])
+
+
+def _bad(param: str, message: str) -> RequestError:
+    return RequestError(f"{param}: {message}", param=param)
+
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _inputs(raw: Any) -> tuple[list[str] | None, list[list[int]] | None]:
+    """OpenAI's four shapes of `input` -> (texts, None) or (None, token id lists)."""
+    shape = "must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list):
+        raise _bad("input", shape)
+    if not raw:
+        raise _bad("input", "must not be empty")
+    if all(_is_id(v) for v in raw):
+        raw = [raw]  # one input given as token ids
+    if len(raw) > MAX_INPUTS:
+        raise _bad("input", f"at most {MAX_INPUTS} inputs are allowed, got {len(raw)}")
+    if all(isinstance(v, str) for v in raw):
+        for i, text in enumerate(raw):
+            if not text:
+                raise _bad(f"input[{i}]", "must not be an empty string")
+        return raw, None
+    if all(isinstance(v, list) for v in raw):
+        for i, ids in enumerate(raw):
+            if not ids:
+                raise _bad(f"input[{i}]", "must not be an empty list of token ids")
+            if not all(_is_id(t) and t >= 0 for t in ids):
+                raise _bad(f"input[{i}]", "must be a list of token ids (non-negative integers)")
+        return None, raw
+    raise _bad("input", shape + " (not a mix of them)")
+
+
+def parse_embeddings_request(body: Any) -> EmbeddingsRequest:
+    """Validate an embeddings body; raises RequestError (400) naming the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise _bad(shown(unknown[0]), "is not a supported field")
+    if "input" not in body:
+        raise _bad("input", "is required")
+    texts, token_inputs = _inputs(body["input"])
+    for key in ("model", "user"):
+        v = body.get(key)
+        if v is not None and (not isinstance(v, str) or len(v) > MAX_ID_CHARS):
+            raise _bad(key, f"must be a string of at most {MAX_ID_CHARS} characters")
+    fmt = body.get("encoding_format")
+    if fmt is None:
+        fmt = "float"
+    if fmt not in ENCODINGS:
+        raise _bad("encoding_format", f"must be one of {', '.join(ENCODINGS)}")
+    dims = body.get("dimensions")
+    if dims is not None and (not _is_id(dims) or dims < 1):
+        raise _bad("dimensions", "must be a positive integer")
+    pooling = body.get("pooling")
+    if pooling is None:
+        pooling = "mean"
+    if pooling not in EMBED_POOLINGS:
+        raise _bad("pooling", f"must be one of {', '.join(EMBED_POOLINGS)}")
+    return EmbeddingsRequest(texts=texts, token_inputs=token_inputs, model=body.get("model"),
+                             encoding_format=fmt, dimensions=dims, pooling=pooling)
+
+
+def _too_long(index: int, n: str, window: int) -> RequestError:
+    return RequestError(f"input[{index}]: this model's maximum context length is {window} tokens, but the input has "
+                        f"{n} tokens; shorten it", param="input", code="context_length_exceeded")
+
+
+def tokenize_inputs(card: Any, ereq: EmbeddingsRequest) -> list[list[int]]:
+    """Each input's token ids, checked against the model's vocabulary and context window (400s)."""
+    tok, window = card.tokenizer, int(card.context_length)
+    if ereq.token_inputs is not None:
+        vocab = int(tok.vocab_size)
+        for i, ids in enumerate(ereq.token_inputs):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise _bad(f"input[{i}]", f"{bad} is not a token id of this model (0..{vocab - 1})")
+            if len(ids) > window:
+                raise _too_long(i, str(len(ids)), window)
+        return ereq.token_inputs
+    out = []
+    bound = getattr(tok, "min_tokens", None)
+    for i, text in enumerate(ereq.texts or []):
+        if callable(bound) and bound(text) > window:  # provably too long: refused before tokenizing it
+            raise _too_long(i, f"at least {bound(text)}", window)
+        ids = tok.encode(text, add_special=True)
+        if not ids:
+            raise _bad(f"input[{i}]", "has no tokens")
+        if len(ids) > window:
+            raise _too_long(i, str(len(ids)), window)
+        out.append(ids)
+    return out
+
+
+def model_dimensions(entry: Any) -> int | None:
+    """The model's embedding size (its hidden size), or None when the entry does not say."""
+    cfg = getattr(getattr(entry, "model", None), "config", None)
+    hidden = getattr(cfg, "hidden", None)
+    return int(hidden) if isinstance(hidden, int) else None
+
+
+def encode_vector(vec: np.ndarray, fmt: str) -> list[float] | str:
+    """One embedding as OpenAI sends it: a list of floats, or base64 of its little-endian float32 bytes."""
+    v = np.asarray(vec, dtype="<f4")
+    if fmt == "base64":
+        return base64.b64encode(v.tobytes()).decode("ascii")
+    return v.tolist()
+
+
+def response_body(vectors: np.ndarray, fmt: str, model: str, prompt_tokens: int) -> dict:
+    return {"object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, fmt)}
+                     for i, v in enumerate(vectors)],
+            "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def _wait(channel: bridge.Channel, environ: dict) -> Any:
+    """The backend's one event; raises ClientGone when the client leaves first."""
+    last_check = 0.0
+    while True:
+        now = time.monotonic()
+        if now - last_check >= CHECK_GAP_S:
+            last_check = now
+            if bridge.client_gone(environ):
+                raise ClientGone()
+        try:
+            return channel.get(timeout=POLL_S)
+        except bridge.Timeout:
+            continue
+
+
+def _run(entry: Any, inputs: list[list[int]], pooling: str, environ: dict) -> Embedded:
+    """Submit to the model's scheduler and wait for the vectors; a backend error is raised as is."""
+    submit = getattr(entry.backend, "submit_embed", None)
+    if submit is None:
+        raise RequestError(f"model {entry.name!r} does not serve embeddings", param="model", status=400,
+                           code="embeddings_unsupported")
+    channel = bridge.Channel()
+    handle = submit(EmbedRequest(inputs=inputs, pooling=pooling), channel.put)
+    try:
+        ev = _wait(channel, environ)
+    except ClientGone:
+        handle.cancel()
+        try:  # the scheduler lets go of the job's slots before the registry ref goes
+            channel.get(timeout=CANCEL_WAIT_S)
+        except bridge.Timeout:
+            pass
+        raise
+    if isinstance(ev, Finished):
+        raise ev.error if ev.error is not None else RuntimeError(f"embeddings {ev.reason}")
+    return ev
+
+
+@bp.post("/v1/embeddings")
+def embeddings() -> Response:
+    return handle_embeddings()
+
+
+@bp.post("/m/<path:model>/v1/embeddings")
+def model_embeddings(model: str) -> Response:
+    return handle_embeddings(root_model=model)
+
+
+def handle_embeddings(root_model: str | None = None) -> Response:
+    """One embeddings request. `root_model`: it came in under that model's own root (`/m/<model>/...`)."""
+    raw = read_raw()
+    parse = lambda: parse_embeddings_request(parse_json(raw))  # noqa: E731
+    # A large body (thousands of inputs, or long token-id lists) is parsed and checked in an OS thread,
+    # as chat's: millions of small JSON items would stall every other request on the event loop.
+    ereq = bridge.call_in_thread(parse, name="pantheon-parse") if len(raw) > BIG_BODY_BYTES else parse()
+    if root_model is not None:
+        if ereq.model and ereq.model != root_model:
+            raise RequestError(f"model {ereq.model!r} is not served at this root (it serves {root_model!r})",
+                               param="model", status=404, code="model_not_found")
+        ereq.model = root_model
+    st = server()
+    registry = st.registry
+    entry = registry.acquire(ereq.model)
+    try:
+        dims = model_dimensions(entry)
+        if ereq.dimensions is not None and dims is not None and ereq.dimensions != dims:
+            raise _bad("dimensions", f"this model's embeddings have {dims} dimensions (they cannot be shortened)")
+        chars = sum(len(t) for t in ereq.texts or [])
+        work = lambda: tokenize_inputs(entry.card, ereq)  # noqa: E731
+        inputs = bridge.call_in_thread(work, name="pantheon-tokenize") if chars > BIG_PROMPT_CHARS else work()
+        try:
+            done = _run(entry, inputs, ereq.pooling, request.environ)
+        except ClientGone:
+            return Response(status=499)
+        vectors = np.asarray(done.vectors, np.float32)
+        if ereq.dimensions is not None and ereq.dimensions != vectors.shape[1]:
+            raise _bad("dimensions", f"this model's embeddings have {vectors.shape[1]} dimensions (they cannot be "
+                                     "shortened)")
+        if st.metrics is not None:
+            st.metrics.add_tokens(entry.name, done.prompt_tokens, 0)
+        resp = jsonify(response_body(vectors, ereq.encoding_format, entry.name, done.prompt_tokens))
+        resp.headers[INSTANCE_HEADER] = entry.instance_id
+        return resp
+    finally:
+        registry.release(entry)

@@ -316,7 +316,7 @@ class Grammar:
         if extra:
             raise RequestError(f"{p}.{extra[0]} is not supported", param=f"{p}.{extra[0]}")
         name = js.get("name")
-        if not isinstance(name, str) or not _NAME_RE.match(name):
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):  # fullmatch: "$" passes a final "\n"
             raise RequestError(f"{p}.name is required: 1 to 64 characters of a-z, A-Z, 0-9, _ and -",
                                param=f"{p}.name")
         if "description" in js and not isinstance(js["description"], str):

@@ -363,6 +363,15 @@ def test_message_fields_follow_the_schema(app, role, variant):
     assert status == 200
 
 
+def test_a_pattern_is_matched_whole(app):
+    """The schema's patterns are ECMA regexes, whose "$" is the very end; Python's "$" also passes a
+    final newline, so a validator must fullmatch. (json_schema.name took "answer\\n" until this test.)"""
+    route = BODY_ROUTES["chat"]
+    rf = {"type": "json_schema", "json_schema": {"name": "answer\n", "schema": {"type": "object"}}}
+    assert not jsonschema_rs.Draft202012Validator(schema.RESPONSE_FORMAT).is_valid(rf)
+    _refused_naming(route, "response_format", *_post(app, route, {**route.base, "response_format": rf}))
+
+
 # ---- the fuzz -----------------------------------------------------------------------------------------------
 def _examples(op: Operation, mode: GenerationMode) -> int:
     """Examples per operation and mode: bodies get the most; a route without inputs needs one."""

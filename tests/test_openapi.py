@@ -40,10 +40,6 @@ MODEL = "fuzz-target"  # the one resident model (a name the fuzzer will not gues
 ADMIN_KEY = "openapi-admin"
 HELLO = [{"role": "user", "content": "hi"}]
 
-# (check, field) pairs that fail until a validator is fixed; each is a strict xfail (empty: none).
-PENDING_FIELDS: set[tuple[str, str]] = set()
-
-
 class ByteTokenizer(CharTokenizer):
     """test_web_app's one-character-one-token tokenizer on 512 ids: small enough for llguidance to build
     its token table at once, so response_format and forced tool calls compile real grammars."""
@@ -270,9 +266,7 @@ def _field_cases(kind: str) -> list:
         for name, prop in route.schema["properties"].items():
             if kind == "bounds" and not _edges(prop):
                 continue
-            marks = [pytest.mark.xfail(strict=True, reason="a known gap (PENDING_FIELDS)")] \
-                if (kind, f"{route_name}.{name}") in PENDING_FIELDS else []
-            out.append(pytest.param(route_name, name, id=f"{route_name}.{name}", marks=marks))
+            out.append(pytest.param(route_name, name, id=f"{route_name}.{name}"))
     return out
 
 
@@ -401,17 +395,6 @@ def _answer_schema(doc: dict, op: Operation, status: int, ctype: str) -> dict | 
     return doc["components"]["schemas"][ref.rsplit("/", 1)[1]] if ref else found["schema"]
 
 
-# component name -> BODY_ROUTES name
-_ROUTE_OF_BODY = {n: name for name, route in BODY_ROUTES.items() for n, sch in schema.COMPONENTS.items()
-                  if sch is route.schema}
-
-
-def _pending(op: Operation, error: Any) -> bool:
-    """A schema violation in a field with a known gap (a "refuses" entry of PENDING_FIELDS)."""
-    path = list(error.instance_path)
-    return bool(path) and ("refuses", f"{_ROUTE_OF_BODY.get(op.body)}.{path[0]}") in PENDING_FIELDS
-
-
 def check_answer(doc: dict, op: Operation, mode: GenerationMode, case: Any, resp: Any) -> int:
     """Every fuzzed answer: no 5xx; a 4xx is the error shape; a body the schema refuses is not taken;
     a 200 is as documented (SSE ends with [DONE]). Returns the status."""
@@ -424,7 +407,7 @@ def check_answer(doc: dict, op: Operation, mode: GenerationMode, case: Any, resp
     taken = status < 300 or (err is not None and err["code"] == "model_not_found")
     if mode is GenerationMode.NEGATIVE and taken and op.body is not None:
         body_check = jsonschema_rs.Draft202012Validator(doc["components"]["schemas"][op.body])
-        wrong = [e for e in body_check.iter_errors(case.body) if not _pending(op, e)]
+        wrong = list(body_check.iter_errors(case.body))
         assert not wrong, f"{sent} -> {status}: a body the schema refuses was taken ({wrong[0].message[:200]})"
     if status == 200 and ctype.startswith("text/event-stream"):
         frames = [f[6:] for f in resp.content.split(b"\n\n") if f.startswith(b"data: ")]

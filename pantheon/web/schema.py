@@ -7,9 +7,12 @@ allowed fields and bounds likewise), `GET /openapi.json` (pantheon.web.openapi) 
 tests/test_openapi.py holds the validators to it: every property's `examples[0]` must be accepted,
 every value the property's schema refuses must be a 400 naming the field, the bounds (`minimum`,
 `maximum`, `maxLength`, `maxItems`, ...) are probed at and just past their edges, and a field missing
-here is refused. So a field cannot be added to a validator without being documented, nor documented
-without being checked. (The chat validator's numeric bounds are still literals in chat.py; those
-tests are what holds them equal to the ones here, as for pantheon.web.fields and pantheon.structured.)
+here is refused; a fuzz of every route from the published document finds no body the schema refuses
+taken. So a field cannot be added to a validator without being documented, nor documented without
+being checked. (The generation routes' numeric bounds are still literals in pantheon.web.fields,
+chat.py, embeddings.py and pantheon.structured; those tests are what holds them equal to these.)
+Bounds a model sets (n by its slots, token ids by its vocabulary, dimensions by its size) are checked
+when the request starts; the schema gives the field's own range.
 
 Conventions: request objects are closed (`additionalProperties: false`: the validators refuse a field
 they do not know rather than ignore it); an optional top-level field set to null counts as absent

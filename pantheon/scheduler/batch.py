@@ -57,12 +57,11 @@ from ..config import Settings
 from ..engine import Chunk, Model, StepHandle, StepPlan
 from ..errors import BusyError, ModelFailed, RequestError
 from ..gen_types import Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
-from .embed import EmbedDriver
+from .embed import PRESSURE_CRITICAL, EmbedDriver
 
 # A slot of an n > 1 request is FORK once the prompt (but its last token) is in its cache, and
 # FORKWAIT while it waits for that copy (a sibling choice). Both are neither idle nor stepping.
 IDLE, PREFILL, DECODE, FORK, FORKWAIT = "IDLE", "PREFILL", "DECODE", "FORK", "FORKWAIT"
-PRESSURE_CRITICAL = 3
 
 
 class _Handle:
@@ -187,22 +186,28 @@ class BatchScheduler(EmbedDriver):
         if req.n > self.n_slots:
             raise RequestError(f"n: at most {self.n_slots} choices (the model's slots), got {req.n}", param="n")
         with self._mu:
-            if self.failure is not None:
-                raise ModelFailed(f"model {self.model.name!r} failed: {self.failure}")
-            if self._closed:
-                raise BusyError("server is shutting down", status=503)
-            free = self._free_slots_locked()
-            if self.immediate and (free == 0 or self._queue):
-                raise BusyError("a generation is already in progress on this model; retry shortly",
-                                status=429, retry_after=1)
-            if len(self._queue) >= self.queue_depth + free:
-                self.stats.rejected_full += 1
-                if self.pressure() >= PRESSURE_CRITICAL:
-                    raise BusyError("memory pressure is critical; try again later", status=503)
-                raise BusyError("all slots are busy and the queue is full", status=429, retry_after=5)
+            self._admission_locked()
             self._queue.append(job)
             self._work.notify_all()
         return _Handle(self, job)
+
+    def _admission_locked(self) -> None:
+        """The one rule for queueing a job of either kind (generation, embedding): raises when it
+        cannot even be queued -- failed or closing (503), the single-user slot busy (429 at once),
+        the queue full (429, or 503 under critical memory pressure)."""
+        if self.failure is not None:
+            raise ModelFailed(f"model {self.model.name!r} failed: {self.failure}")
+        if self._closed:
+            raise BusyError("server is shutting down", status=503)
+        free = self._free_slots_locked()
+        waiting = len(self._queue) + len(self._embed_queue)
+        if self.immediate and (free == 0 or waiting):
+            raise BusyError("a request is already in progress on this model; retry shortly", status=429, retry_after=1)
+        if waiting >= self.queue_depth + free:
+            self.stats.rejected_full += 1
+            if self.pressure() >= PRESSURE_CRITICAL:
+                raise BusyError("memory pressure is critical; try again later", status=503)
+            raise BusyError("all slots are busy and the queue is full", status=429, retry_after=5)
 
     def _cancel(self, job: _Job, choice: int | None = None) -> None:
         with self._mu:
@@ -309,20 +314,25 @@ class BatchScheduler(EmbedDriver):
         return out
 
     def _reap_queue_locked(self, events: list[tuple[_Job, Event]]) -> None:
+        self._queue = self._reap_locked(self._queue, events, lambda job: [
+            Finished("cancelled", prompt_tokens=len(job.req.prompt_ids), choice=i) for i in range(job.req.n)])
+
+    def _reap_locked(self, queue: deque, events: list, cancelled: Callable[[Any], list[Event]]) -> deque:
+        """The jobs of `queue` (either kind) still waiting: a cancelled one leaves with the events
+        `cancelled(job)` gives; one that waited longer than `queue_wait_s` is refused (429 Retry-After 2)."""
         now = time.monotonic()
-        keep: deque[_Job] = deque()
-        for job in self._queue:
+        keep: deque = deque()
+        for job in queue:
             if job.cancelled:
                 self.stats.cancelled += 1
-                events += [(job, Finished("cancelled", prompt_tokens=len(job.req.prompt_ids), choice=i))
-                           for i in range(job.req.n)]
+                events += [(job, ev) for ev in cancelled(job)]
             elif now - job.enqueued_at > self.queue_wait_s:
                 self.stats.rejected_timeout += 1
                 events.append((job, Finished("error", error=BusyError(
                     "timed out waiting for a free slot", status=429, retry_after=2))))
             else:
                 keep.append(job)
-        self._queue = keep
+        return keep
 
     def _admit_locked(self, events: list[tuple[_Job, Event]]) -> list[tuple[_Slot, _Job]]:
         out = []

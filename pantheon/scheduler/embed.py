@@ -38,13 +38,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BusyError, CompileForbiddenError, ModelFailed, RequestError
+from ..errors import CompileForbiddenError, RequestError
 from ..gen_types import EmbedRequest, EmbedSink, Embedded, Event, Finished
 from ..pooling import EmbedRun
 
 IDLE = "IDLE"  # the value of batch.IDLE (batch imports this module, so it cannot be imported from there)
 EMBED = "EMBED"  # a slot an embeddings input is being fed into
-PRESSURE_CRITICAL = 3
+PRESSURE_CRITICAL = 3  # memory pressure level (pantheon.memory) at which no job is admitted
 
 
 @dataclass(eq=False)
@@ -86,20 +86,7 @@ class EmbedDriver:
         job = _EmbedJob(req=req, sink=sink, enqueued_at=time.monotonic(),
                         runs=[EmbedRun(ids, req.pooling) for ids in req.inputs])
         with self._mu:
-            if self.failure is not None:
-                raise ModelFailed(f"model {self.model.name!r} failed: {self.failure}")
-            if self._closed:
-                raise BusyError("server is shutting down", status=503)
-            free = self._free_slots_locked()
-            waiting = len(self._queue) + len(self._embed_queue)
-            if self.immediate and (free == 0 or waiting):
-                raise BusyError("a request is already in progress on this model; retry shortly",
-                                status=429, retry_after=1)
-            if waiting >= self.queue_depth + free:
-                self.stats.rejected_full += 1
-                if self.pressure() >= PRESSURE_CRITICAL:
-                    raise BusyError("memory pressure is critical; try again later", status=503)
-                raise BusyError("all slots are busy and the queue is full", status=429, retry_after=5)
+            self._admission_locked()  # (BatchScheduler's: one rule for both kinds of job)
             self._embed_queue.append(job)
             self._work.notify_all()
         return _EmbedHandle(self, job)
@@ -110,19 +97,8 @@ class EmbedDriver:
         this iteration's embed call: (slot, job, input) for every input holding a slot."""
         if not self._embed_queue and not self._embed_jobs:
             return []  # the common case, once per driver iteration
-        now = time.monotonic()
-        keep: deque[_EmbedJob] = deque()
-        for job in self._embed_queue:
-            if job.cancelled:
-                self.stats.cancelled += 1
-                events.append((job, Finished("cancelled", prompt_tokens=job.req.prompt_tokens)))
-            elif now - job.enqueued_at > self.queue_wait_s:
-                self.stats.rejected_timeout += 1
-                events.append((job, Finished("error", error=BusyError(
-                    "timed out waiting for a free slot", status=429, retry_after=2))))
-            else:
-                keep.append(job)
-        self._embed_queue = keep
+        self._embed_queue = self._reap_locked(  # (BatchScheduler's, shared with generation)
+            self._embed_queue, events, lambda job: [Finished("cancelled", prompt_tokens=job.req.prompt_tokens)])
         for job in [j for j in self._embed_jobs if j.cancelled]:
             self._embed_drop_locked(job)
             self.stats.cancelled += 1

@@ -15,6 +15,7 @@ from flask import Blueprint, Response, jsonify
 from ..errors import CatalogError, RequestError
 from . import bridge
 from .body import shown
+from .fields import body_object
 from .routes import read_json, server
 from .schema import ADMIN_DIES_MAX, ADMIN_NAME_CHARS, LOAD_REQUEST, UNLOAD_REQUEST, UNLOAD_TIMEOUT_MAX_S, fields
 from .security import model_path_in_dir
@@ -24,16 +25,6 @@ bp = Blueprint("admin", __name__, url_prefix="/admin")
 LOAD_FIELDS = fields(LOAD_REQUEST)  # pantheon.web.schema describes the bodies; these validators hold to it
 UNLOAD_FIELDS = fields(UNLOAD_REQUEST)
 MAX_DIES = ADMIN_DIES_MAX
-
-
-def _object(body: Any, allowed: frozenset[str]) -> dict:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise RequestError(f"{shown(unknown[0])}: is not a supported field (allowed: {', '.join(sorted(allowed))})",
-                           param=shown(unknown[0]))
-    return body
 
 
 def _opt_str(body: dict, key: str) -> str | None:
@@ -82,7 +73,7 @@ def _then_register(registration: Any, fn: Any, *args: Any) -> Any:
 
 @bp.post("/models/load")
 def load() -> Response:
-    body = _object(read_json(), LOAD_FIELDS)
+    body = body_object(read_json(), LOAD_FIELDS)
     # The whole body is checked before the file system or the catalog is asked anything.
     name = _opt_str(body, "name")
     dies = body.get("dies")
@@ -99,7 +90,7 @@ def load() -> Response:
 
 @bp.post("/models/unload")
 def unload() -> Response:
-    body = _object(read_json(), UNLOAD_FIELDS)
+    body = body_object(read_json(), UNLOAD_FIELDS)
     name, instance_id = _opt_str(body, "name"), _opt_str(body, "instance_id")
     if (name is None) == (instance_id is None):
         raise RequestError("give exactly one of \"name\" (every replica of that model) or \"instance_id\"",

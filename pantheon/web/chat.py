@@ -30,7 +30,7 @@ from .body import shown
 from .fields import MAX_ID_CHARS
 from .fields import bad as _bad
 from .fields import boolean as _boolean
-from .fields import choices_n, logit_bias, sampling_params, stream_flags, top_logprobs
+from .fields import body_object, choices_n, logit_bias, sampling_params, stream_flags, top_logprobs
 from .fields import integer as _integer
 from .fields import stop_strings as _stop
 from .fields import string as _string
@@ -363,12 +363,7 @@ def _logprobs(body: Mapping) -> int | None:
 
 def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     """Validate a chat-completions body; raises RequestError (400) naming the first bad field."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", param=None)
-    unknown = sorted(set(body) - TOP_FIELDS)
-    if unknown:
-        raise _bad(unknown[0], "is not a supported field" +
-                   (f" (also unsupported: {', '.join(shown(u) for u in unknown[1:6])})" if len(unknown) > 1 else ""))
+    body = body_object(body, TOP_FIELDS)
     model = _string(body, "model")
     messages = _messages(body)
     max_tokens = _integer(body, "max_tokens", 1, 1 << 31)

@@ -27,9 +27,8 @@ from ..emitter import Emitter
 from ..errors import PantheonError, RequestError
 from ..gen_types import GenRequest, SamplingParams
 from . import bridge
-from .body import shown
 from .chat import BIG_PROMPT_CHARS, answer_reserve
-from .fields import (MAX_TOKENS_LIMIT, bad, boolean, choices_n, integer, logit_bias, sampling_params, stop_strings,
+from .fields import (MAX_TOKENS_LIMIT, bad, body_object, boolean, choices_n, integer, logit_bias, sampling_params, stop_strings,
                      stream_flags, string, top_logprobs)
 from .generation import GenerationCore, Piece, json_line
 from .logprobs import Positioned, legacy_logprobs
@@ -97,12 +96,7 @@ def _prompt(body: Mapping) -> str | list[int]:
 
 def parse_completion_request(body: Any, headers: Mapping[str, str]) -> CompletionRequest:
     """Validate a legacy completions body; raises RequestError (400) naming the first bad field."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", param=None)
-    unknown = sorted(set(body) - COMPLETION_FIELDS)
-    if unknown:
-        raise bad(unknown[0], "is not a supported field" +
-                  (f" (also unsupported: {', '.join(shown(u) for u in unknown[1:6])})" if len(unknown) > 1 else ""))
+    body = body_object(body, COMPLETION_FIELDS)
     model = string(body, "model")
     prompt = _prompt(body)
     if body.get("suffix") not in (None, ""):

@@ -31,8 +31,10 @@ from flask import Blueprint, Response, jsonify, request
 from ..errors import RequestError
 from ..gen_types import EMBED_POOLINGS, EmbedRequest, Embedded, Finished
 from . import bridge
-from .body import parse_json, shown
+from .body import parse_json
 from .chat import BIG_PROMPT_CHARS
+from .fields import bad as _bad
+from .fields import body_object
 from .generation import CHECK_GAP_S, POLL_S, ClientGone
 from .routes import BIG_BODY_BYTES, INSTANCE_HEADER, read_raw, server
 from .schema import EMBED_INPUTS_MAX, EMBEDDING_REQUEST, fields
@@ -60,10 +62,6 @@ class EmbeddingsRequest:
     @property
     def count(self) -> int:
         return len(self.texts if self.texts is not None else self.token_inputs or [])
-
-
-def _bad(param: str, message: str) -> RequestError:
-    return RequestError(f"{param}: {message}", param=param)
 
 
 def _is_id(v: Any) -> bool:
@@ -100,11 +98,7 @@ def _inputs(raw: Any) -> tuple[list[str] | None, list[list[int]] | None]:
 
 def parse_embeddings_request(body: Any) -> EmbeddingsRequest:
     """Validate an embeddings body; raises RequestError (400) naming the first bad field."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise _bad(shown(unknown[0]), "is not a supported field")
+    body = body_object(body, FIELDS)
     if "input" not in body:
         raise _bad("input", "is required")
     texts, token_inputs = _inputs(body["input"])

@@ -24,6 +24,18 @@ MAX_ID_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 31  # an integer field's ceiling where the real bound is the model's context
 
 
+def body_object(body: Any, allowed: frozenset[str]) -> dict:
+    """`body` if it is a JSON object holding only `allowed` fields; else a 400 naming the first other
+    field (a route never ignores a field it does not honour). Every route's first check."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", param=None)
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(unknown[0], "is not a supported field" +
+                  (f" (also unsupported: {', '.join(shown(u) for u in unknown[1:6])})" if len(unknown) > 1 else ""))
+    return body
+
+
 def bad(param: str, message: str) -> RequestError:
     """A 400 naming `param` (shortened: a field name is the client's text)."""
     param = shown(param)

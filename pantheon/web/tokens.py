@@ -18,21 +18,13 @@ from ..errors import RequestError
 from . import bridge
 from .body import shown
 from .chat import BIG_PROMPT_CHARS
+from .fields import body_object
 from .routes import read_json, server
 from .schema import DETOKENIZE_MAX, DETOKENIZE_REQUEST, ID_CHARS, TOKENIZE_REQUEST, fields
 
 bp = Blueprint("tokens", __name__)
 
 MAX_DETOKENIZE = DETOKENIZE_MAX  # token ids one /detokenize call may carry
-
-
-def _object(body: Any, allowed: frozenset[str]) -> dict:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise RequestError(f"{shown(unknown[0])}: is not a supported field", param=shown(unknown[0]))
-    return body
 
 
 def _flag(body: dict, key: str) -> bool:
@@ -65,7 +57,7 @@ def get_model(model_id: str) -> Response:
 
 @bp.post("/tokenize")
 def tokenize() -> Response:
-    body = _object(read_json(), fields(TOKENIZE_REQUEST))
+    body = body_object(read_json(), fields(TOKENIZE_REQUEST))
     content = body.get("content")
     if not isinstance(content, str):
         raise RequestError("content: must be a string", param="content")
@@ -82,7 +74,7 @@ def tokenize() -> Response:
 
 @bp.post("/detokenize")
 def detokenize() -> Response:
-    body = _object(read_json(), fields(DETOKENIZE_REQUEST))
+    body = body_object(read_json(), fields(DETOKENIZE_REQUEST))
     ids = body.get("tokens")
     if isinstance(ids, list):  # JSON has one number type: 5.0 is the id 5, as in every integer field
         ids = [int(i) if isinstance(i, float) and i.is_integer() else i for i in ids]

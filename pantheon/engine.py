@@ -41,7 +41,7 @@ from .config import load_settings
 from .errors import ModelLoadError
 from .gguf_loader import GGUFFile, ModelConfig, open_gguf
 from .decode_state import DecodeState
-from .gen_types import GREEDY, ModelCard
+from .gen_types import GREEDY, MAX_TOP_LOGPROBS, ModelCard
 from .jax_models.common import last_valid
 from .jax_models.registry import capabilities_of
 from .weights import XLA, Kernels
@@ -373,24 +373,20 @@ class Model:
         back. Costs one extra prefill of the prompt (legacy completions' echo + logprobs).
         """
         self._check_live()
-        from .gen_types import MAX_TOP_LOGPROBS
         if not 0 <= k <= MAX_TOP_LOGPROBS:
             raise ValueError(f"k must be in 0..{MAX_TOP_LOGPROBS}")
         toks = list(tokens)
         out: list[tuple[float, list[tuple[int, float]]] | None] = [None]
         for start in range(0, max(len(toks) - 1, 0), self.chunk):
             part = toks[start:start + self.chunk]
-            nxt = np.zeros((1, len(part)), np.int32)
-            follow = toks[start + 1:start + 1 + len(part)]
-            nxt[0, :len(follow)] = follow
+            follow = toks[start + 1:start + 1 + len(part)]  # the token each position predicts
             plan = self._plan([part], [self.scratch_slot], [start], True)
             self._note_shape(plan.key)
             _, every, cache = plan.fn(self.params, state.cache, *plan.args, **plan.kwargs)
             state = self._track(state.replace(cache=cache))
-            T = every.shape[1]
-            pad = np.zeros((1, T), np.int32)
-            pad[0, :len(part)] = nxt[0]
-            lps, ids = self._score(every[:1], self._on_device(pad), k=MAX_TOP_LOGPROBS)
+            nxt = np.zeros((1, every.shape[1]), np.int32)  # padded to the chunk bucket
+            nxt[0, :len(follow)] = follow
+            lps, ids = self._score(every[:1], self._on_device(nxt), k=MAX_TOP_LOGPROBS)
             lps, ids = _to_host(lps)[0], _to_host(ids)[0]
             for j in range(len(follow)):
                 out.append((float(lps[j, 0]), [(int(ids[j, i]), float(lps[j, 1 + i])) for i in range(k)]))

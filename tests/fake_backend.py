@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from pathlib import Path
 
 import pytest
 
 from pantheon import osthread
 from pantheon.config import Settings
 from pantheon.gen_types import Finished, Started, TokenLogprob, Tokens
-from pantheon.registry import Registry
-from pantheon.web import create_app
-from test_web_app import FakeModel, Handle, ScriptBackend
+from test_web_app import FakeModel, Handle, ScriptBackend, registry_app
 
 SLOTS = 4
 
@@ -129,11 +126,4 @@ def surface_app(tmp_path):
     """(app, registry) serving model "m" (4 slots) on a ChoicesBackend."""
     (tmp_path / "models").mkdir()
     settings = Settings(home=tmp_path, model_dir=(tmp_path / "models").resolve())
-    reg = Registry(settings, load_model=lambda p, n, d, s: FakeModel(n, n_slots=SLOTS),
-                   make_backend=lambda m, s: ChoicesBackend(m),
-                   devices=lambda s: [{"die": 0, "platform": "cpu", "kind": "cpu", "budget_bytes": 10**9}],
-                   estimate=lambda p, s, pl: 1000)
-    app = create_app(settings, registry=reg, exit_on_failure=False)
-    app.extensions["pantheon"].startup.join(10)
-    reg.load("fake", "m", None, resolve=lambda s: Path(s))
-    return app, reg
+    return registry_app(settings, lambda p, n, d, s: FakeModel(n, n_slots=SLOTS), lambda m, s: ChoicesBackend(m))

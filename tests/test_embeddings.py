@@ -372,20 +372,12 @@ def test_an_embedding_shape_compiled_after_warm_up_fails_only_its_request():
 
 # ---- the HTTP route (fake engine, Flask test client) --------------------------------------------------
 def make_app(tmp_path, **settings_kw):
-    from pantheon.registry import Registry
     from pantheon.scheduler.batch import BatchScheduler
-    from pantheon.web import create_app
+    from test_web_app import registry_app
     (tmp_path / "models").mkdir(exist_ok=True)
     settings = Settings(home=tmp_path, model_dir=(tmp_path / "models").resolve(), batch_slots=4, prefill_chunk=8,
                         **settings_kw)
-    reg = Registry(settings, load_model=lambda p, n, d, s: EmbedFake(name=n),
-                   make_backend=lambda m, s: BatchScheduler(m, s, warmup=False),
-                   devices=lambda s: [{"die": 0, "platform": "cpu", "kind": "cpu", "budget_bytes": 10**9}],
-                   estimate=lambda p, s, pl: 1000)
-    app = create_app(settings, registry=reg, exit_on_failure=False)
-    app.extensions["pantheon"].startup.join(10)
-    reg.load("fake", "m", None, resolve=lambda s: Path(s))
-    return app, reg
+    return registry_app(settings, lambda p, n, d, s: EmbedFake(name=n), lambda m, s: BatchScheduler(m, s, warmup=False))
 
 
 @pytest.fixture()

@@ -11,28 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import tiny_fixture, wait_until
-from pantheon import engine, reference
+from conftest import wait_until
+from test_scheduler import model, prompts, sched  # noqa: F401 (the tiny llama, 8 slots; its scheduler)
+from pantheon import reference
 from pantheon.config import Settings
 from pantheon.errors import RequestError
 from pantheon.gen_types import Finished, GenRequest, SamplingParams, Started, Tokens
 from pantheon.scheduler.batch import BatchScheduler
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def model():
-    path, _, _ = tiny_fixture("llama")
-    return engine.load(path, engine.LoadOptions(n_slots=8, max_seq=128, prefill_chunk=16))
-
-
-@pytest.fixture(scope="module")
-def sched(model):
-    s = BatchScheduler(model, Settings(home=Path("/tmp"), batch_slots=8, queue_depth=32, queue_wait_s=30.0,
-                                       prefill_chunk=16, forbid_compile=True))
-    yield s
-    s.close()
 
 
 class Events:
@@ -59,12 +46,6 @@ class Events:
     def wait(self) -> "Events":
         assert self.done.wait(120), "the request did not finish"
         return self
-
-
-def prompts() -> list[list[int]]:
-    _, j, _ = tiny_fixture("llama")
-    base = j["prompt_ids"]
-    return [base[: 3 + 3 * i] + [7 + i] * i for i in range(8)]
 
 
 def run(sched, prompt, n_choices=1, **kw) -> Events:

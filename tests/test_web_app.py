@@ -144,20 +144,25 @@ class ScriptBackend:
         pass
 
 
-@pytest.fixture()
-def app_and_reg(tmp_path):
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "ok.gguf").write_bytes(b"GGUF")
-    (tmp_path / "secret.gguf").write_bytes(b"GGUF")
-    settings = Settings(home=tmp_path, admin_key=ADMIN, model_dir=(tmp_path / "models").resolve())
-    reg = Registry(settings, load_model=lambda p, n, d, s: FakeModel(n, think=n.startswith("think")),
-                   make_backend=lambda m, s: ScriptBackend(m),
+def registry_app(settings: Settings, load_model, make_backend) -> tuple:
+    """(app, registry) on one fake die, with model "m" loaded through `load_model` / `make_backend`."""
+    reg = Registry(settings, load_model=load_model, make_backend=make_backend,
                    devices=lambda s: [{"die": 0, "platform": "cpu", "kind": "cpu", "budget_bytes": 10**9}],
                    estimate=lambda p, s, pl: 1000)
     app = create_app(settings, registry=reg, exit_on_failure=False)
     app.extensions["pantheon"].startup.join(10)
     reg.load("fake", "m", None, resolve=lambda s: Path(s))
     return app, reg
+
+
+@pytest.fixture()
+def app_and_reg(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "ok.gguf").write_bytes(b"GGUF")
+    (tmp_path / "secret.gguf").write_bytes(b"GGUF")
+    settings = Settings(home=tmp_path, admin_key=ADMIN, model_dir=(tmp_path / "models").resolve())
+    return registry_app(settings, lambda p, n, d, s: FakeModel(n, think=n.startswith("think")),
+                        lambda m, s: ScriptBackend(m))
 
 
 @pytest.fixture()

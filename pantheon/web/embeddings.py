@@ -36,7 +36,7 @@ from .chat import BIG_PROMPT_CHARS
 from .fields import bad as _bad
 from .fields import body_object
 from .generation import CHECK_GAP_S, POLL_S, ClientGone
-from .routes import BIG_BODY_BYTES, INSTANCE_HEADER, read_raw, server
+from .routes import INSTANCE_HEADER, parse_for_root, read_raw, server
 from .schema import EMBED_INPUTS_MAX, EMBEDDING_REQUEST, fields
 
 bp = Blueprint("embeddings", __name__)
@@ -227,15 +227,7 @@ def model_embeddings(model: str) -> Response:
 def handle_embeddings(root_model: str | None = None) -> Response:
     """One embeddings request. `root_model`: it came in under that model's own root (`/m/<model>/...`)."""
     raw = read_raw()
-    parse = lambda: parse_embeddings_request(parse_json(raw))  # noqa: E731
-    # A large body (thousands of inputs, or long token-id lists) is parsed and checked in an OS thread,
-    # as chat's: millions of small JSON items would stall every other request on the event loop.
-    ereq = bridge.call_in_thread(parse, name="pantheon-parse") if len(raw) > BIG_BODY_BYTES else parse()
-    if root_model is not None:
-        if ereq.model and ereq.model != root_model:
-            raise RequestError(f"model {ereq.model!r} is not served at this root (it serves {root_model!r})",
-                               param="model", status=404, code="model_not_found")
-        ereq.model = root_model
+    ereq = parse_for_root(raw, lambda: parse_embeddings_request(parse_json(raw)), root_model)
     st = server()
     registry = st.registry
     entry = registry.acquire(ereq.model)

@@ -28,6 +28,7 @@ Hidden control tokens (turn markers) keep their entries: they were generated.
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import secrets
@@ -95,7 +96,7 @@ class Piece:
     finish_reason: str | None = None
 
 
-class GenerationCore:
+class GenerationCore(abc.ABC):
     """One generation in flight. Greenlet only: every method runs in the request's greenlet.
 
     Subclasses (chat, legacy completions) implement `start` (build and `launch` the request),
@@ -147,8 +148,9 @@ class GenerationCore:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # -- setup ----------------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Render or tokenize the prompt, admit it, build and submit the GenRequest (see `launch`)."""
 
     def observe_admission(self, outcome: str) -> None:
         if self.metrics is not None:
@@ -354,12 +356,13 @@ class GenerationCore:
                         CANCEL_WAIT_S)
 
     # -- streaming ------------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def complete(self) -> dict:
-        raise NotImplementedError
+        """Run to the end and return the route's non-streamed answer."""
 
+    @abc.abstractmethod
     def frames(self) -> Iterator[bytes]:
         """The SSE events of a stream, before [DONE]."""
-        raise NotImplementedError
 
     def sse(self) -> Iterator[bytes]:
         """The SSE body: the route's frames, then [DONE]; an error after the 200 went out is sent in-band."""

@@ -112,6 +112,22 @@ def handle_completion(root_model: str | None = None) -> Response:
     return serve_generation(parse_completion_request, CompletionGeneration, root_model)
 
 
+def parse_for_root(raw: bytes, parse: Callable[[], Any], root_model: str | None) -> Any:
+    """`parse()`'s request (anything with a `model` field), bound to the model root it came in under.
+
+    A large body is parsed and validated in an OS thread: a 4 MB body of tiny items is ~10^6 Python
+    objects to check, long enough to stall every other request if it ran on the event loop. Under
+    `/m/<model>/...` the request is that model's: a body naming another one is a 404.
+    """
+    req = bridge.call_in_thread(parse, name="pantheon-parse") if len(raw) > BIG_BODY_BYTES else parse()
+    if root_model is not None:
+        if req.model and req.model != root_model:
+            raise RequestError(f"model {req.model!r} is not served at this root (it serves {root_model!r})",
+                               param="model", status=404, code="model_not_found")
+        req.model = root_model
+    return req
+
+
 def serve_generation(parse_body: Callable[[Any, Any], Any], make: Callable[..., GenerationCore],
                      root_model: str | None) -> Response:
     """Parse with `parse_body(json, headers)`, take a model ref, start `make(...)`'s generation, and
@@ -119,15 +135,7 @@ def serve_generation(parse_body: Callable[[Any, Any], Any], make: Callable[..., 
     t0 = time.perf_counter()
     raw = read_raw()
     headers = request.headers
-    parse = lambda: parse_body(parse_json(raw), headers)  # noqa: E731
-    # A large body is parsed and validated in an OS thread: a 4 MB body of tiny items is ~10^6 Python
-    # objects to check, long enough to stall every other request if it ran on the event loop.
-    creq = bridge.call_in_thread(parse, name="pantheon-parse") if len(raw) > BIG_BODY_BYTES else parse()
-    if root_model is not None:
-        if creq.model and creq.model != root_model:
-            raise RequestError(f"model {creq.model!r} is not served at this root (it serves {root_model!r})",
-                               param="model", status=404, code="model_not_found")
-        creq.model = root_model
+    creq = parse_for_root(raw, lambda: parse_body(parse_json(raw), headers), root_model)
     creq.size = len(raw)
     creq.cache_scope = cache_scope(presented_key(), creq)
     registry = server().registry

@@ -7,23 +7,23 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import PantheonError
+from pantheon.errors import PantheonError
 
 
 def _model_arg(value: str) -> Path:
-    from .catalog import resolve_model
+    from pantheon.formats.catalog import resolve_model
     return resolve_model(value)
 
 
 def _sampling(args: argparse.Namespace):
-    from .sampler import SamplingParams
+    from pantheon.runtime.sampler import SamplingParams
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, seed=args.seed)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from .catalog import pull
+    from pantheon.formats.catalog import pull
     for name in args.names:
         print(pull(name))
     return 0
@@ -32,7 +32,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from collections import Counter
 
-    from .gguf_loader import open_gguf
+    from pantheon.formats.gguf_loader import open_gguf
     f = open_gguf(_model_arg(args.model))
     print(f"file: {f.path} ({f.path.stat().st_size:,} bytes)")
     for k, v in sorted(f.config.__dict__.items()):
@@ -50,12 +50,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):
-    from .engine import LoadOptions, load
+    from pantheon.runtime.engine import LoadOptions, load
     return load(_model_arg(args.model), LoadOptions(name=args.model, max_seq=args.max_seq, n_slots=1))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from . import reference
+    from pantheon.runtime import reference
     model = _load(args)
     tok = model.tokenizer
     if args.chat:
@@ -86,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from . import reference
+    from pantheon.runtime import reference
     model = _load(args)
     ids = [int(x) for x in args.ids.split(",") if x.strip()]
     lg = reference.logits(model, ids).astype(np.float32)
@@ -96,12 +96,12 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .web.launch import serve
+    from pantheon.web.launch import serve
     return serve(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import main as bench_main
+    from pantheon.bench.engine import main as bench_main
     return bench_main(args)
 
 
@@ -117,7 +117,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .catalog import DEFAULT_MODEL
+    from pantheon.formats.catalog import DEFAULT_MODEL
     ap = argparse.ArgumentParser(prog="pantheon", description="JAX-native LLM inference engine and server")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this process's rank; 0 serves HTTP, the others follow (PANTHEON_PROCESS_ID)")
     p.set_defaults(fn=cmd_serve)
 
-    from .router_cmd import add_parser as add_router_parser
+    from pantheon.serving.router_cmd import add_parser as add_router_parser
     add_router_parser(sub)
 
     p = sub.add_parser("bench", help="engine and serving benchmarks")

@@ -90,14 +90,14 @@ class Settings:
     # Test-only (PANTHEON_TEST_PRESSURE=0..3): the memory watch reports the host at this pressure level
     # (OK, ELEVATED, HIGH, CRITICAL) instead of measuring it, so tests can force admission denials.
     test_pressure: int | None = None
-    # Router registration (pantheon.registration): all off unless registry_url is set.
+    # Router registration (pantheon.serving.registration): all off unless registry_url is set.
     registry_url: str | None = None  # the router's base URL (SMG), e.g. http://10.0.0.1:30000
     registry_key: str | None = None  # bearer token for the router's control plane
     node_id: str = "node0"
     registry_transport: str = "local"
     advertise_url: str | None = None  # how the router reaches this server; default: the bound address
     registry_interval_s: float = 5.0  # keep-alive: how often the router's view is checked
-    # One model over several hosts (pantheon.distributed): process 0 of num_processes serves HTTP, the
+    # One model over several hosts (pantheon.serving.distributed): process 0 of num_processes serves HTTP, the
     # others mirror its steps. coordinator is HOST:PORT of process 0's jax.distributed service.
     coordinator: str | None = None
     num_processes: int = 1

@@ -25,7 +25,7 @@ REAL = FIXTURES / "real"
 
 
 def pytest_configure(config):
-    from pantheon import compile_guard
+    from pantheon.runtime import compile_guard
     from pantheon.config import load_settings
 
     compile_guard.enable_persistent_cache(load_settings().home)
@@ -43,7 +43,7 @@ _tiny_models: dict[str, object] = {}
 
 def tiny_model(name: str):
     """A tiny fixture model loaded once per session with small caches (2 slots, 64 positions)."""
-    from pantheon import engine
+    from pantheon.runtime import engine
 
     if name not in _tiny_models:
         path, _, _ = tiny_fixture(name)
@@ -64,7 +64,7 @@ def centered(x: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="session")
 def real_model_path():
     """real_model_path(name) -> Path of a catalog model, downloaded once into PANTHEON_HOME."""
-    from pantheon import catalog
+    from pantheon.formats import catalog
 
     def get(name: str) -> Path:
         return catalog.pull(name, progress=False)
@@ -78,7 +78,7 @@ _loaded: dict[str, object] = {}
 @pytest.fixture(scope="session")
 def load_real(real_model_path):
     """load_real(name) -> a Model loaded once per test session (shared by every test that asks)."""
-    from pantheon import engine
+    from pantheon.runtime import engine
 
     def get(name: str, kv_dtype: str | None = None):
         """kv_dtype None: the default KV cache (float16 on CPU), 8 slots; "float32": a one-slot instance
@@ -112,22 +112,22 @@ class Collector:
         self.done = threading.Event()
 
     def __call__(self, ev) -> None:
-        from pantheon.gen_types import Finished
+        from pantheon.types import Finished
         self.events.append(ev)
         if isinstance(ev, Finished):
             self.done.set()
 
     @property
     def ids(self) -> list[int]:
-        from pantheon.gen_types import Tokens
+        from pantheon.types import Tokens
         return [i for ev in self.events if isinstance(ev, Tokens) for i in ev.ids]
 
     @property
     def finished(self):
-        from pantheon.gen_types import Finished
+        from pantheon.types import Finished
         return next(ev for ev in self.events if isinstance(ev, Finished))
 
     @property
     def started(self):
-        from pantheon.gen_types import Started
+        from pantheon.types import Started
         return next((ev for ev in self.events if isinstance(ev, Started)), None)

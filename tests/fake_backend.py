@@ -1,4 +1,4 @@
-"""A scripted backend that speaks the whole request-side contract of pantheon.gen_types: n choices whose
+"""A scripted backend that speaks the whole request-side contract of pantheon.types: n choices whose
 Tokens interleave (several ids per event), per-token logprobs with their top alternatives, the prompt's
 logprobs in Started, one Finished per choice, and cancel.
 
@@ -16,7 +16,7 @@ import pytest
 
 from pantheon import osthread
 from pantheon.config import Settings
-from pantheon.gen_types import Finished, Started, TokenLogprob, Tokens
+from pantheon.types import Finished, Started, TokenLogprob, Tokens
 from test_web_app import FakeModel, Handle, ScriptBackend, registry_app
 
 SLOTS = 4

@@ -2,7 +2,7 @@
 
 It keeps the slot table on the host and "samples" a token that depends only on the slot's own history
 (prompt + fed tokens), so a request's tokens are the same alone or batched, and stop ids, budgets, the
-sequence limit, inactive slots and release behave as the device's (pantheon.decode_state). A step can be
+sequence limit, inactive slots and release behave as the device's (pantheon.runtime.decode_state). A step can be
 made to block (`gate`) so tests can hold the driver mid-step deterministically.
 """
 
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pantheon.decode_state import IDLE, LENGTH, RUNNING, STOP
+from pantheon.runtime.decode_state import IDLE, LENGTH, RUNNING, STOP
 from pantheon.jax_models.interface import Capabilities
 
 
@@ -106,7 +106,7 @@ class FakeModel:
     @staticmethod
     def read_logprobs(handle: FakeHandle) -> tuple[np.ndarray, np.ndarray]:
         """Fake logprobs: a token's is -id/1000 and the top ones are ids 1, 2, ... with -i/100."""
-        from pantheon.gen_types import MAX_TOP_LOGPROBS
+        from pantheon.types import MAX_TOP_LOGPROBS
         n = handle.n_rows
         lp = np.zeros((n, 1 + MAX_TOP_LOGPROBS), np.float32)
         lp[:, 0] = -handle.packed[:, 0] / 1000.0

@@ -1,7 +1,7 @@
 """One process of a two-process engine job for tests/test_multihost.py (not a test itself).
 
 `python tests/multihost_job.py PORT PROCESS_ID OUT.npz`: process 0 loads the tiny llama fixture over
-the 4 dies of both processes through pantheon.distributed, computes teacher-forced logits, a greedy
+the 4 dies of both processes through pantheon.serving.distributed, computes teacher-forced logits, a greedy
 continuation, one two-row batched step, and two models generating from two threads at once, and writes them to OUT.npz; process 1 mirrors it until
 process 0 stops the cluster. Each process sees 2 CPU devices (XLA_FLAGS set by the caller).
 """
@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import TINY  # noqa: E402
 
-from pantheon import distributed, engine  # noqa: E402
-from pantheon.sampler import SamplingParams  # noqa: E402
-from pantheon import reference  # noqa: E402
+from pantheon.serving import distributed
+from pantheon.runtime import engine  # noqa: E402
+from pantheon.runtime.sampler import SamplingParams  # noqa: E402
+from pantheon.runtime import reference  # noqa: E402
 
 OPTS = engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, kv_dtype="float32")
 TWO_MODEL_PROMPT = list(range(3, 15))
@@ -33,8 +34,8 @@ TWO_MODEL_PROMPT = list(range(3, 15))
 def batched_steps(model, prompt: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Slots 0 and 1 take two prompts (one chunk each), then decode one token each in one step:
     (the first tokens, the decode step's tokens, its logits [2, V])."""
-    from pantheon.decode_state import slot_insert
-    from pantheon.engine import Chunk, StepPlan
+    from pantheon.runtime.decode_state import slot_insert
+    from pantheon.runtime.engine import Chunk, StepPlan
     greedy = SamplingParams(temperature=0.0, seed=0)
     state = model.new_state()
     first = []

@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pantheon import bench_serve
-from pantheon.metrics import Metrics
+from pantheon.bench import serve as bench_serve
+from pantheon.serving.metrics import Metrics
 
 CHUNK_DELAY_S = 0.004
 
@@ -221,7 +221,7 @@ def test_compare_gives_ratios(capsys):
 
 
 def test_reads_pantheon_metrics_deltas(capsys):
-    """The names bench serve reads from /metrics are the ones pantheon.metrics exposes."""
+    """The names bench serve reads from /metrics are the ones pantheon.serving.metrics exposes."""
     m = Metrics()
     sched = {"prefix_hits": 0, "prefix_misses": 0, "reused_tokens": 0}
     m.set_backend_source(lambda: [("fake", dict(sched)), ("other-model", {"prefix_hits": 99})])

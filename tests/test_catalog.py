@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pantheon import catalog
-from pantheon.catalog import CATALOG, DEFAULT_MODEL, CatalogEntry, is_cached, pull, resolve_model
+from pantheon.formats import catalog
+from pantheon.formats.catalog import CATALOG, DEFAULT_MODEL, CatalogEntry, is_cached, pull, resolve_model
 from pantheon.errors import CatalogError
 
 PARTS = [b"GGUF" + b"a" * 5000, b"b" * 7000, b"c" * 123]

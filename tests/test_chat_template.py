@@ -1,4 +1,4 @@
-"""Specification of pantheon.chat_template: HF-identical rendering of model templates, and the ChatML fallback."""
+"""Specification of pantheon.text.chat_template: HF-identical rendering of model templates, and the ChatML fallback."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from pantheon.chat_template import ChatTemplate
+from pantheon.text.chat_template import ChatTemplate
 from pantheon.errors import TemplateError
-from pantheon.gguf_meta import open_reader
+from pantheon.formats.gguf_reader import open_reader
 
 REAL_NAMES = ["smollm2-135m", "qwen-0.5b", "gemma3-270m"]
 

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pantheon.dies import Die, DieManager, InsufficientMemoryError, LoadEstimate, estimate_load_bytes
+from pantheon.serving.dies import Die, DieManager, InsufficientMemoryError, LoadEstimate, estimate_load_bytes
 from pantheon.errors import PantheonError, RequestError
-from pantheon.gguf_loader import ModelConfig
-from pantheon.sharding import param_spec, state_spec
+from pantheon.formats.gguf_loader import ModelConfig
+from pantheon.runtime.sharding import param_spec, state_spec
 
 from conftest import TINY
 
@@ -135,7 +135,7 @@ def test_from_jax_budgets():
 # ---- estimates ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["llama", "qwen35"])
 def test_estimate_matches_a_real_load(name):
-    from pantheon.engine import LoadOptions, load_on
+    from pantheon.runtime.engine import LoadOptions, load_on
     import jax
     opts = LoadOptions(n_slots=2, max_seq=64, prefill_chunk=32)
     path = TINY / f"{name}.gguf"
@@ -151,7 +151,7 @@ def test_estimate_matches_a_real_load(name):
 
 
 def test_estimate_of_an_hf_checkpoint():
-    from pantheon.engine import LoadOptions, load
+    from pantheon.runtime.engine import LoadOptions, load
     hf = TINY.parent / "tiny-hf" / "qwen2"
     opts = LoadOptions(n_slots=1, max_seq=32, prefill_chunk=16)
     est = estimate_load_bytes(hf, opts)
@@ -196,13 +196,13 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
     assert "--xla_force_host_platform_device_count=4" in os.environ["XLA_FLAGS"]
     import jax
     import numpy as np
-    from pantheon import compile_guard
+    from pantheon.runtime import compile_guard
     from pantheon.config import load_settings
-    from pantheon.dies import DieManager, estimate_load_bytes
-    from pantheon import reference
-    from pantheon.decode_state import slot_insert
-    from pantheon.engine import Chunk, LoadOptions, StepPlan, load_on
-    from pantheon.gen_types import GREEDY
+    from pantheon.serving.dies import DieManager, estimate_load_bytes
+    from pantheon.runtime import reference
+    from pantheon.runtime.decode_state import slot_insert
+    from pantheon.runtime.engine import Chunk, LoadOptions, StepPlan, load_on
+    from pantheon.types import GREEDY
 
     compile_guard.enable_persistent_cache(load_settings().home)  # as conftest does: reruns are fast
     tiny = sys.argv[1]
@@ -308,8 +308,8 @@ def test_die_manager_over_four_devices(multi_die):
 def test_a_quantized_weight_splits_only_on_block_boundaries():
     """Row-parallel (wo, w_down: the inner axis split) keeps whole blocks on every die, else replicates;
     column-parallel (rows split) is always block-aligned."""
-    from pantheon.sharding import weight_spec
-    from pantheon.weights import QuantWeight
+    from pantheon.runtime.sharding import weight_spec
+    from pantheon.ops.weights import QuantWeight
     cfg = ModelConfig(arch="llama", n_layers=1, hidden=512, n_heads=8, n_kv_heads=8, head_dim=64, ffn=1024,
                       vocab=32, rms_eps=1e-6, rope_base=1e4, n_rot=64, rope_type="norm", context_length=64,
                       attn_scale=0.125)

@@ -23,8 +23,8 @@ from conftest import Collector, tiny_model, wait_until
 from fake_engine import FakeModel
 from pantheon.config import Settings
 from pantheon.errors import BusyError, RequestError
-from pantheon.gen_types import EmbedRequest, Embedded, Finished, GenRequest, ModelCard, SamplingParams
-from pantheon.pooling import EmbedRun, normalize
+from pantheon.types import EmbedRequest, Embedded, Finished, GenRequest, ModelCard, SamplingParams
+from pantheon.runtime.pooling import EmbedRun, normalize
 from pantheon.web.embeddings import encode_vector, parse_embeddings_request
 
 D = 16
@@ -356,7 +356,7 @@ def test_an_embedding_shape_compiled_after_warm_up_fails_only_its_request():
     """PANTHEON_FORBID_COMPILE=1: embedding programs are not part of warm-up, so a new shape is refused
     before it runs (500 compile_forbidden); the state is intact and the driver goes on."""
     from conftest import tiny_fixture
-    from pantheon import engine
+    from pantheon.runtime import engine
     from pantheon.scheduler.batch import BatchScheduler
     path, _, _ = tiny_fixture("llama")
     m = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, kv_dtype="float32"))
@@ -444,7 +444,7 @@ def test_route_needs_the_api_key(tmp_path):
 
 
 def test_the_embeddings_modules_import_no_jax():
-    code = ("import sys; import pantheon.web.embeddings, pantheon.pooling, pantheon.gen_types; "
+    code = ("import sys; import pantheon.web.embeddings, pantheon.runtime.pooling, pantheon.types; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')); "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -459,7 +459,7 @@ def test_chunked_embedding_equals_one_pass_and_a_reused_slot_starts_clean(name):
     row at start 0 must forget, recurrent state included) pools to the one-pass hidden states."""
     import jax
     import jax.numpy as jnp
-    from pantheon import pooling
+    from pantheon.runtime import pooling
     m = tiny_model(name)  # chunk 16, max_seq 64
     ids = [(7 * i + 3) % 200 + 1 for i in range(40)]
     state = m.new_state()
@@ -479,7 +479,7 @@ def test_hidden_states_through_the_head_are_the_logits():
     """hidden_states is forward without its head: the same body, no copy that could drift."""
     import jax
     import jax.numpy as jnp
-    from pantheon import weights
+    from pantheon.ops import weights
     m = tiny_model("llama")
     ids = [5, 9, 2, 7, 1]
     args = (jnp.asarray([ids], jnp.int32), jnp.asarray([1], jnp.int32), jnp.zeros(1, jnp.int32),
@@ -537,7 +537,7 @@ def test_same_text_alone_and_batched_with_seven_others_is_equal(smol, smol_sched
 def test_long_input_in_chunks_equals_one_pass(smol):
     import jax
     import jax.numpy as jnp
-    from pantheon import pooling
+    from pantheon.runtime import pooling
     text = " ".join(f"Sentence {i} is about a different topic: weather, music, sport or food." for i in range(16))
     ids = real_ids(smol, text)
     assert len(ids) > 2 * smol.chunk  # three chunks at least
@@ -564,7 +564,7 @@ def test_different_texts_differ_and_related_texts_are_closer(smol, smol_sched):
 
 @pytest.mark.real
 def test_embeddings_do_not_disturb_a_concurrent_generation(smol, smol_sched):
-    from pantheon import reference
+    from pantheon.runtime import reference
     prompt = smol.tokenizer.encode(smol.card.template.render(
         [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True))
     alone = list(reference.generate(smol, prompt, GREEDY, max_tokens=12, stop_ids=[]))

@@ -1,4 +1,4 @@
-"""Specification of the streaming output emitter (pantheon.emitter).
+"""Specification of the streaming output emitter (pantheon.text.emitter).
 
 The emitter splits detokenized fragments into reasoning, content and tool calls and applies stop strings.
 Every rule must hold however the text is split into fragments, so most tests feed the same text both
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pantheon.emitter import (
+from pantheon.text.emitter import (
     THINK_CLOSE,
     THINK_OPEN,
     TOOL_CLOSE,

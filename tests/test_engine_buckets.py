@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from conftest import tiny_fixture
-from pantheon import engine, weights
-from pantheon.decode_state import slot_insert
-from pantheon.engine import Chunk, StepPlan
-from pantheon.gen_types import GREEDY
-from pantheon.sampler import SamplingParams
-from pantheon import reference
+from pantheon.runtime import engine
+from pantheon.ops import weights
+from pantheon.runtime.decode_state import slot_insert
+from pantheon.runtime.engine import Chunk, StepPlan
+from pantheon.types import GREEDY
+from pantheon.runtime.sampler import SamplingParams
+from pantheon.runtime import reference
 
 
 def test_prefill_chunks_come_in_quarters_so_short_prompts_pad_little():

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from conftest import Collector, tiny_fixture, tiny_model, wait_until
-from pantheon import engine
+from pantheon.runtime import engine
 from pantheon.config import Settings
-from pantheon.decode_state import IDLE, LENGTH, RUNNING, STOP, slot_insert
-from pantheon.engine import Chunk, StepPlan
+from pantheon.runtime.decode_state import IDLE, LENGTH, RUNNING, STOP, slot_insert
+from pantheon.runtime.engine import Chunk, StepPlan
 from pantheon.errors import ModelFailed
-from pantheon.gen_types import GREEDY, GenRequest, SamplingParams
+from pantheon.types import GREEDY, GenRequest, SamplingParams
 from pantheon.scheduler.batch import BatchScheduler
 
 
@@ -105,7 +105,7 @@ def test_a_steps_host_input_carries_no_per_request_parameters():
 
 
 def test_the_web_package_and_the_request_types_import_no_jax():
-    code = ("import sys; import pantheon.gen_types, pantheon.scheduler.api, pantheon.web, pantheon.web.chat, "
+    code = ("import sys; import pantheon.types, pantheon.scheduler.api, pantheon.web, pantheon.web.chat, "
             "pantheon.web.routes, pantheon.web.admin, pantheon.web.worker, pantheon.web.launch; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')); "
             "print(bad); sys.exit(1 if bad else 0)")
@@ -200,7 +200,7 @@ def test_a_failed_admission_fails_everything_and_marks_the_model_failed(model):
 def test_a_failed_driver_turns_health_503_naming_the_model_until_unloaded(model):
     """Through the registry and the app: GET / answers 503 naming the failed instance; chat gets 503;
     after an admin unload the server is healthy again, and the model loads and serves again."""
-    from pantheon.registry import Registry
+    from pantheon.serving.registry import Registry
     from pantheon.web import create_app
 
     _, j, _ = tiny_fixture("llama")

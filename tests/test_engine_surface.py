@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from conftest import tiny_fixture, tiny_model
-from pantheon.decode_state import IDLE, RUNNING, slot_insert
-from pantheon.engine import Chunk, StepPlan
-from pantheon.gen_types import GREEDY, MAX_TOP_LOGPROBS, SamplingParams
+from pantheon.runtime.decode_state import IDLE, RUNNING, slot_insert
+from pantheon.runtime.engine import Chunk, StepPlan
+from pantheon.types import GREEDY, MAX_TOP_LOGPROBS, SamplingParams
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

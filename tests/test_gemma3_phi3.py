@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import REAL, centered, real_fixture, tiny_fixture, tiny_model
-from pantheon.chat_template import ChatTemplate
-from pantheon.sampler import SamplingParams
-from pantheon import reference
+from pantheon.text.chat_template import ChatTemplate
+from pantheon.runtime.sampler import SamplingParams
+from pantheon.runtime import reference
 
 ARCHS = ["gemma3", "phi3"]
 TOL = 1e-3

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 from conftest import tiny_fixture
-from pantheon import engine
+from pantheon.runtime import engine
 from pantheon.config import load_settings
 from pantheon.errors import ModelLoadError
-from pantheon.registry import Registry
-from pantheon import reference
+from pantheon.serving.registry import Registry
+from pantheon.runtime import reference
 
 SRC, _, _ = tiny_fixture("llama")
 VT = gguf.GGUFValueType

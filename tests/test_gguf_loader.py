@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from conftest import TINY
-from pantheon import engine
+from pantheon.runtime import engine
 from pantheon.errors import ModelLoadError
-from pantheon.gguf_meta import open_reader, read_metadata
-from pantheon import reference
+from pantheon.formats.gguf_reader import open_reader, read_metadata
+from pantheon.runtime import reference
 
 H, FF, NH, L = 8, 16, 2, 1
 

@@ -1,4 +1,4 @@
-"""pantheon.gguf_meta.MappedGGUF reads every file exactly as gguf.GGUFReader does, fast, and refuses damage.
+"""pantheon.formats.gguf_reader.MappedGGUF reads every file exactly as gguf.GGUFReader does, fast, and refuses damage.
 
 Why: the loader swapped gguf's reader (20-45 s to open a 150k-260k token vocabulary, most of a
 model's start-to-ready time) for its own header parser. Nothing the model is built from may change:
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from conftest import TINY
-from pantheon import gguf_meta
+from pantheon.formats import gguf_reader as gguf_meta
 from pantheon.errors import ModelLoadError
-from pantheon.gguf_meta import MappedGGUF, open_reader, read_metadata
+from pantheon.formats.gguf_reader import MappedGGUF, open_reader, read_metadata
 
 REAL_NAMES = ["smollm2-135m", "qwen-0.5b", "gemma3-270m"]
 TINY_FILES = sorted(TINY.glob("*.gguf"))

@@ -18,11 +18,11 @@ import pytest
 from safetensors.numpy import save_file
 
 from conftest import FIXTURES, centered, tiny_fixture
-from pantheon import engine
+from pantheon.runtime import engine
 from pantheon.errors import ModelLoadError
-from pantheon.hf_loader import _llama3_divisors, open_hf
-from pantheon.sampler import SamplingParams
-from pantheon import reference
+from pantheon.formats.hf_loader import _llama3_divisors, open_hf
+from pantheon.runtime.sampler import SamplingParams
+from pantheon.runtime import reference
 
 HF = FIXTURES / "tiny-hf"
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "qwen35moe"]
@@ -53,7 +53,7 @@ def _norm_rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_every_gguf_tensor_equals_the_converted_hf_tensor(name):
-    from pantheon.gguf_loader import open_gguf
+    from pantheon.formats.gguf_loader import open_gguf
     path, _, _ = tiny_fixture(name)
     gguf = open_gguf(path)
     hf = open_hf(HF / name).tensors

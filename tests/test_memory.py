@@ -1,4 +1,4 @@
-"""Memory watch and request admission (pantheon.memory) on constructed snapshots: no model, no JAX."""
+"""Memory watch and request admission (pantheon.runtime.memory) on constructed snapshots: no model, no JAX."""
 
 from __future__ import annotations
 
@@ -8,10 +8,24 @@ from types import SimpleNamespace
 
 import pytest
 
-from pantheon import memory
+from pantheon.runtime import memory
 from pantheon.errors import BusyError
-from pantheon.memory import (CAPPED, CRITICAL, DENIED, ELEVATED, FIT, HIGH, OK, Admission, MemSnapshot, MemWatch,
-                             PoolSample, admit, cap_messages, level_for)
+from pantheon.runtime.memory import (
+    CAPPED,
+    CRITICAL,
+    DENIED,
+    ELEVATED,
+    FIT,
+    HIGH,
+    OK,
+    Admission,
+    MemSnapshot,
+    MemWatch,
+    PoolSample,
+    admit,
+    cap_messages,
+    level_for,
+)
 
 GiB = 1024 ** 3
 
@@ -114,7 +128,7 @@ def test_measured_die_limits_a_device_model_and_sharding_splits_the_charge():
 
 def test_ladder_halves_the_window_under_high_pressure_and_logs(caplog):
     memory._ladder_logged_at = 0.0
-    with caplog.at_level(logging.WARNING, logger="pantheon.memory"):
+    with caplog.at_level(logging.WARNING, logger="pantheon.runtime.memory"):
         a = admit(fake_model(bpt=1, max_seq=16384), 10000, snap(0.92))
     assert a.window == 8192 and a.outcome == CAPPED and a.fit_tokens == 8192
     assert "[ladder] HIGH -> prefill window clamped 16384 -> 8192" in caplog.text
@@ -152,7 +166,7 @@ def test_memwatch_thread_samples_and_swaps_snapshots():
 
 
 def test_memwatch_reads_dies_from_the_ledger():
-    from pantheon.dies import Die, DieManager
+    from pantheon.serving.dies import Die, DieManager
     dm = DieManager([Die(0, 1000), Die(1, 1000)])
     dm.bind("a", "m", [1], 400)
     w = MemWatch(dm, host_reader=lambda: host(0.1))
@@ -240,7 +254,7 @@ MiB = 1024 ** 2
 
 def smollm_like(platform: str = "cpu", dies=(0,)) -> SimpleNamespace:
     """A model admission can size: SmolLM2-135M's config and the engine's default buckets."""
-    from pantheon.gguf_loader import ModelConfig
+    from pantheon.formats.gguf_loader import ModelConfig
     cfg = ModelConfig(arch="llama", n_layers=30, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn=1536,
                       vocab=49152, rms_eps=1e-5, rope_base=1e5, n_rot=64, rope_type="norm", context_length=8192,
                       attn_scale=0.125)

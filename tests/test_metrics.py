@@ -1,11 +1,11 @@
-"""`pantheon.metrics`: the exposition parses, event counters move, scrape-time callbacks feed gauges."""
+"""`pantheon.serving.metrics`: the exposition parses, event counters move, scrape-time callbacks feed gauges."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pantheon.metrics import MAX_ROUTES, Metrics
+from pantheon.serving.metrics import MAX_ROUTES, Metrics
 
 
 def scrape(m: Metrics) -> dict[tuple[str, tuple], float]:
@@ -134,7 +134,7 @@ def test_die_source_and_failing_callbacks():
 
 
 def test_compile_count_is_reported():
-    from pantheon import compile_guard
+    from pantheon.runtime import compile_guard
 
     s = scrape(Metrics())
     assert value(s, "pantheon_jax_compilations_total") == compile_guard.compile_count()

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pantheon.jax_models import moe_kernels as mk
+from pantheon.ops import moe_kernels as mk
 
 E, K, H, F = 8, 2, 64, 32
 
@@ -123,7 +123,7 @@ def test_experts_stored_as_gguf_blocks_give_what_their_expansion_gives(impl):
     product over gguf's dequantized experts."""
     import gguf
 
-    from pantheon import weights
+    from pantheon.ops import weights
 
     wg, wu, wd, _ = _weights(2)
     q8 = gguf.GGMLQuantizationType.Q8_0

@@ -1,4 +1,4 @@
-"""One model over several hosts (pantheon.distributed): two processes on this machine, 2 CPU devices each,
+"""One model over several hosts (pantheon.serving.distributed): two processes on this machine, 2 CPU devices each,
 serve one tiny model tensor-parallel over all 4 devices.
 
 Specification:
@@ -29,7 +29,7 @@ import requests
 
 from conftest import TINY, centered, tiny_fixture
 from server_util import LLAMA, ROOT, Server, die_with_parent, free_port
-from pantheon import reference
+from pantheon.runtime import reference
 
 TOL = 1e-3  # the oracle parity tolerance (tests/test_oracle_parity.py)
 JOB = Path(__file__).resolve().parent / "multihost_job.py"
@@ -90,7 +90,7 @@ class SeamModel:
         return {"kv": state["kv"].at[slot].add(self.scale * sum(tokens))}
 
     def step(self, state):
-        from pantheon.engine import StepHandle
+        from pantheon.runtime.engine import StepHandle
         self.calls.append(("step",))
         new = {"kv": state["kv"] + 1}
         return StepHandle(packed=new["kv"].astype("int32"), logits=None, n_rows=4), new
@@ -115,7 +115,7 @@ def channel():
     """A Leader with one follower whose end of the control channel is a local socket pair."""
     import socket
 
-    from pantheon import distributed
+    from pantheon.serving import distributed
     ours, theirs = socket.socketpair()
     leader = distributed.Leader(distributed.ClusterSpec("127.0.0.1:1", 2, 0))
     leader.followers.append(distributed._Follower(1, ours))
@@ -126,13 +126,13 @@ def channel():
 
 
 def _frames(sock, n: int) -> list:
-    from pantheon import distributed
+    from pantheon.serving import distributed
     sock.settimeout(5)
     return [distributed.recv_frame(sock) for _ in range(n)]
 
 
 def test_each_verb_goes_to_the_followers_before_it_runs_with_device_state_as_a_reference(channel):
-    from pantheon import distributed
+    from pantheon.serving import distributed
     leader, theirs = channel
     proxy = distributed.LeaderModel(leader, 7, SeamModel(scale=1.0))
     assert proxy.run([2, 3]).tolist() == [1, 6, 1, 1]
@@ -162,7 +162,7 @@ def test_each_verb_goes_to_the_followers_before_it_runs_with_device_state_as_a_r
 
 
 def test_after_a_failure_every_verb_answers_503_but_an_unload_still_frees_memory(channel):
-    from pantheon import distributed
+    from pantheon.serving import distributed
     leader, _ = channel
     proxy = distributed.LeaderModel(leader, 0, SeamModel(scale=1.0))
     handle, _ = proxy.step(proxy.new_state())
@@ -192,7 +192,7 @@ def test_a_closed_follower_connection_fails_the_cluster_within_a_second(channel)
 @pytest.fixture(scope="module")
 def single():
     """The same fixture model in this one process (one die): the reference."""
-    from pantheon import engine
+    from pantheon.runtime import engine
     from multihost_job import OPTS
     return engine.load(TINY / "llama.gguf", OPTS)
 
@@ -227,7 +227,7 @@ def test_teacher_forced_logits_equal_the_single_process_and_the_oracle(cluster_r
 
 
 def test_greedy_continuation_equals_the_single_process_and_the_oracle(cluster_result, single):
-    from pantheon.sampler import SamplingParams
+    from pantheon.runtime.sampler import SamplingParams
     _, fixture, _ = tiny_fixture("llama")
     ref = list(reference.generate(single, fixture["prompt_ids"], SamplingParams(temperature=0.0),
                                max_tokens=len(fixture["greedy_ids"]), stop_ids=[]))
@@ -246,8 +246,8 @@ def test_a_batched_step_equals_the_single_process(cluster_result, single):
 def test_two_models_stepping_at_once_from_two_threads_each_equal_the_single_process(cluster_result, single):
     from multihost_job import OPTS, TWO_MODEL_PROMPT
 
-    from pantheon import engine
-    from pantheon.sampler import SamplingParams
+    from pantheon.runtime import engine
+    from pantheon.runtime.sampler import SamplingParams
     qwen2 = engine.load(TINY / "qwen2.gguf", OPTS)
     for name, model in (("llama", single), ("qwen2", qwen2)):
         ref = list(reference.generate(model, TWO_MODEL_PROMPT, SamplingParams(temperature=0.0), max_tokens=20, stop_ids=[]))
@@ -301,7 +301,7 @@ def _poll(fn, timeout: float, every: float = 0.1):
 
 
 def _single_process_reply(single, text: str, max_tokens: int) -> str:
-    from pantheon.sampler import SamplingParams
+    from pantheon.runtime.sampler import SamplingParams
     prompt = single.card.template.render([{"role": "user", "content": text}], add_generation_prompt=True)
     ids = single.tokenizer.encode(prompt)
     out = list(reference.generate(single, ids, SamplingParams(temperature=0.0), max_tokens=max_tokens))

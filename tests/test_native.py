@@ -1,4 +1,4 @@
-"""The native decode kernels (pantheon.native): exact enough, row-invariant, used by the engine, optional."""
+"""The native decode kernels (pantheon.ops.native): exact enough, row-invariant, used by the engine, optional."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from conftest import tiny_fixture
-from pantheon import engine, native
-from pantheon.decode_state import slot_insert
-from pantheon.engine import Chunk, StepPlan
-from pantheon.gen_types import GREEDY
+from pantheon.runtime import engine
+from pantheon.ops import native
+from pantheon.runtime.decode_state import slot_insert
+from pantheon.runtime.engine import Chunk, StepPlan
+from pantheon.types import GREEDY
 from pantheon.config import load_settings
 from pantheon.jax_models import common
-from pantheon import reference
+from pantheon.runtime import reference
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Building pantheon.native's library: in any OS thread of a gevent-patched process, atomically, visibly.
+"""Building pantheon.ops.native's library: in any OS thread of a gevent-patched process, atomically, visibly.
 
 Why these tests: under `pantheon serve` the first model loads in an OS thread of gunicorn's
 gevent-patched worker, where `subprocess` cannot wait for children; the build used to fail there, leave
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from pantheon import native, osthread
-from pantheon.metrics import Metrics
+from pantheon.ops import native
+from pantheon import osthread
+from pantheon.serving.metrics import Metrics
 from server_util import LLAMA, ROOT, start_server
 
 needs_build = pytest.mark.skipif(not native._cpu_supported() or not (shutil.which("g++") or shutil.which("c++")),
@@ -37,7 +38,8 @@ _GEVENT_BUILD = textwrap.dedent("""
     import json, subprocess, sys
     from pathlib import Path
     import gevent
-    from pantheon import native, osthread
+    from pantheon import osthread
+    from pantheon.ops import native
     if sys.argv[2] == "watcher":
         subprocess.run(["true"], check=True)
     out = {}

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pantheon import native
+from pantheon.ops import native
 from pantheon.config import load_settings
 from pantheon.jax_models import common
-from pantheon.quant_formats import BLOCK_FORMATS, FORMATS
+from pantheon.ops.quant_formats import BLOCK_FORMATS, FORMATS
 
 # Byte offsets of each block format's f16 scales (d, and dmin/m where it has one).
 F16_SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],

@@ -3,7 +3,7 @@ model (smollm2-135m, 8 batch slots): logprobs, n choices, legacy completions wit
 (json_schema / json_object), forced tool calls, and logit_bias, each streamed and not where it applies.
 
 These need the scheduler's side of issue 20 (logprobs computed in the step, n > 1 through the slot cache,
-logit bias and grammar masks in the sampler) and pantheon.structured; the web side alone is covered by
+logit bias and grammar masks in the sampler) and pantheon.text.structured; the web side alone is covered by
 tests/test_web_openai.py on a scripted backend.
 """
 

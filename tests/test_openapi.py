@@ -29,8 +29,8 @@ from schemathesis import GenerationMode
 from fake_backend import ChoicesBackend
 from pantheon import osthread
 from pantheon.config import Settings
-from pantheon.gen_types import Embedded
-from pantheon.registry import Registry
+from pantheon.types import Embedded
+from pantheon.serving.registry import Registry
 from pantheon.web import create_app, schema
 from pantheon.web.errors import ERROR_TYPES
 from pantheon.web.openapi import ADMIN, OPERATIONS, Operation, document
@@ -89,7 +89,7 @@ def _no_download(*args: Any, **kwargs: Any) -> Any:
 @pytest.fixture(scope="module")
 def no_downloads():
     with pytest.MonkeyPatch.context() as mp:  # a catalog name in a fuzzed admin load must not download
-        mp.setattr("pantheon.catalog.pull", _no_download)
+        mp.setattr("pantheon.formats.catalog.pull", _no_download)
         yield
 
 

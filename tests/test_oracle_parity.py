@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import centered, tiny_fixture, tiny_model
-from pantheon.decode_state import RUNNING, slot_insert
-from pantheon.engine import Chunk, StepPlan
-from pantheon.sampler import SamplingParams
-from pantheon import reference
+from pantheon.runtime.decode_state import RUNNING, slot_insert
+from pantheon.runtime.engine import Chunk, StepPlan
+from pantheon.runtime.sampler import SamplingParams
+from pantheon.runtime import reference
 
 DENSE = ["llama", "llama.q8_0", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma3", "phi3"]
 HYBRID = ["qwen35moe", "qwen35moe.q8_0", "qwen35", "qwen3next"]

@@ -1,4 +1,4 @@
-"""pantheon.quant_formats: XLA expansion of GGUF weight blocks, bit for bit gguf.quants.dequantize.
+"""pantheon.ops.quant_formats: XLA expansion of GGUF weight blocks, bit for bit gguf.quants.dequantize.
 
 The reference is the gguf package's numpy dequantizer; results are compared as uint32 bit patterns,
 so -0.0 vs 0.0 and any rounding difference (e.g. from an FMA contraction, which XLA:CPU does emit
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pantheon import quant_formats as qf
+from pantheon.ops import quant_formats as qf
 
 # Byte offsets of the f16 scale fields (d, and dmin/m where the format has one) inside one block,
 # per the ggml block structs. Everything else in a block is quant / sub-scale bits, any value valid.

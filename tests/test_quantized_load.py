@@ -1,6 +1,6 @@
 """Weights stay as the file stores them: no f32 copies on the device, every format, clear failures.
 
-The engine holds each matrix as its GGUF blocks (pantheon.weights.QuantWeight) and multiplies it with
+The engine holds each matrix as its GGUF blocks (pantheon.ops.weights.QuantWeight) and multiplies it with
 one `linear`. These tests pin what that promises: the device holds about the file's bytes, every
 format a file may use loads and computes the same logits through the native kernels and XLA's
 expansion, and a tensor no kernel reads is expanded alone (or, when even gguf cannot read it, the
@@ -18,14 +18,15 @@ import jax
 import numpy as np
 import pytest
 
-from pantheon import engine, native
+from pantheon.runtime import engine
+from pantheon.ops import native
 from pantheon.config import load_settings
 from pantheon.errors import ModelLoadError
-from pantheon.quant_formats import FORMATS
-from pantheon.weights import QuantWeight
+from pantheon.ops.quant_formats import FORMATS
+from pantheon.ops.weights import QuantWeight
 
 from test_gguf_loader import add_tiny_tokenizer
-from pantheon import reference
+from pantheon.runtime import reference
 
 H, FF, L, NH, NKV = 256, 512, 2, 4, 2  # 256-wide rows: whole super-blocks for the K-quants
 
@@ -172,7 +173,7 @@ def test_every_format_loads_as_it_is_stored_and_both_kernels_agree(mix, tmp_path
 def test_a_type_no_kernel_reads_is_expanded_alone_with_a_log_line(tmp_path, caplog):
     path = write_llama(tmp_path / "iq2.gguf", {"ffn_down": "IQ2_XXS", "attn_q": "Q4_K"})
     assert "IQ2_XXS" not in FORMATS
-    with caplog.at_level(logging.INFO, logger="pantheon.gguf_loader"):
+    with caplog.at_level(logging.INFO, logger="pantheon.formats.gguf_loader"):
         model = engine.load(path, engine.LoadOptions(n_slots=1, max_seq=32, prefill_chunk=16))
     assert "blk.0.ffn_down.weight" in caplog.text and "IQ2_XXS" in caplog.text
     kinds = {w.qtype for w in _weights(model)}

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from conftest import centered, tiny_fixture, tiny_model
-from pantheon import weights
-from pantheon.gguf_loader import ModelConfig, ROPE_NEOX
+from pantheon.ops import weights
+from pantheon.formats.gguf_loader import ModelConfig, ROPE_NEOX
 from pantheon.jax_models import qwen35
-from pantheon.sampler import SamplingParams
-from pantheon import reference
+from pantheon.runtime.sampler import SamplingParams
+from pantheon.runtime import reference
 
 ARCHS = ["qwen35moe", "qwen35moe.q8_0", "qwen35", "qwen3next"]
 TOL = 1e-3

@@ -1,7 +1,7 @@
 """tools/make_random_qwen35moe.py writes what the engine reads.
 
 A small random qwen35moe GGUF (hidden 64, 4 layers: 3 DeltaNet + 1 attention, 8 experts top-2) is
-written into tmp_path with the tool and loaded by `pantheon.engine.load`: the logits are finite,
+written into tmp_path with the tool and loaded by `pantheon.runtime.engine.load`: the logits are finite,
 chunked prefill equals whole-prompt prefill (the recurrent state hand-off between chunks), and
 greedy generation runs and agrees with token-by-token decode.
 """
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from conftest import TINY
-from pantheon import engine
-from pantheon.sampler import SamplingParams
-from pantheon import reference
+from pantheon.runtime import engine
+from pantheon.runtime.sampler import SamplingParams
+from pantheon.runtime import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 # std 0.15 (the tiny fixture's scale) gives logits of std ~1.2, so the 1e-4 checks below are not

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import REAL, real_fixture
-from pantheon.sampler import SamplingParams
-from pantheon import reference
+from pantheon.runtime.sampler import SamplingParams
+from pantheon.runtime import reference
 
 MODELS = ["smollm2-135m", "qwen-0.5b"]
 LOGIT_TOL = {"smollm2-135m": 2e-3, "qwen-0.5b": 2e-3}  # f32 KV cache, like the oracle

@@ -22,8 +22,8 @@ from fake_router import FakeRouter
 from test_web_app import ADMIN, HELLO, FakeModel, ScriptBackend, admin
 
 from pantheon.config import Settings, load_settings
-from pantheon.registration import RouterClient, Registration, Served
-from pantheon.registry import Registry
+from pantheon.serving.registration import RouterClient, Registration, Served
+from pantheon.serving.registry import Registry
 from pantheon.web import create_app
 
 ADVERTISE = "http://127.0.0.1:18555"
@@ -285,7 +285,7 @@ def test_router_command_defaults():
     """`pantheon router`: loopback for both of SMG's ports, session affinity keyed by the two session
     headers, probes every few seconds, the control-plane key from the environment, extras last."""
     from pantheon.cli import build_parser
-    from pantheon.router_cmd import smg_argv
+    from pantheon.serving.router_cmd import smg_argv
     argv = smg_argv(build_parser().parse_args(["router", "--", "--disable-retries"]), "cp-key", "api-key")
     flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
     assert argv[1:4] == ["-m", "smg", "launch"]
@@ -303,7 +303,7 @@ def test_router_command_defaults():
 
 def test_router_command_without_smg_says_how_to_install_it(monkeypatch, capsys):
     import importlib.util
-    from pantheon import router_cmd
+    from pantheon.serving import router_cmd
     from pantheon.cli import main
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "smg" else real(name, *a))

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from pantheon.config import Settings, split_model_specs
-from pantheon.dies import LoadEstimate
+from pantheon.serving.dies import LoadEstimate
 from pantheon.errors import PantheonError, RequestError
-from pantheon.registry import MAX_ENTRIES, MAX_SESSIONS, ModelSpec, Registry, default_name, parse_spec
+from pantheon.serving.registry import MAX_ENTRIES, MAX_SESSIONS, ModelSpec, Registry, default_name, parse_spec
 
 MB = 1 << 20
 
@@ -37,7 +37,7 @@ STATE = 10 * MB  # cache + scratch every fake load also reserves (on every die i
 
 
 def estimate(path: Path, settings, platform) -> LoadEstimate:
-    """Weights (split over dies, as an FFN is) plus per-die state: what pantheon.dies estimates."""
+    """Weights (split over dies, as an FFN is) plus per-die state: what pantheon.serving.dies estimates."""
     w = SIZES.get(path.name, MB)
     return LoadEstimate(weights_bytes=w, ffn_weight_bytes=w, scratch_bytes=STATE)
 

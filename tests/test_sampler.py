@@ -1,4 +1,4 @@
-"""Specification of the in-step sampler (pantheon.sampler).
+"""Specification of the in-step sampler (pantheon.runtime.sampler).
 
 The sampler runs inside the jitted model step with per-row knobs.  What users rely on:
 
@@ -27,8 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pantheon import compile_guard
-from pantheon.sampler import (
+from pantheon.runtime import compile_guard
+from pantheon.runtime.sampler import (
     SamplerRows,
     SamplingParams,
     apply_penalties,

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from conftest import Collector, tiny_fixture, wait_until
-from pantheon import compile_guard, engine
+from pantheon.runtime import compile_guard, engine
 from pantheon.config import Settings
-from pantheon.sampler import SamplingParams
+from pantheon.runtime.sampler import SamplingParams
 from pantheon.scheduler import GenRequest
 from pantheon.scheduler.batch import BatchScheduler
-from pantheon import reference
+from pantheon.runtime import reference
 
 GREEDY = SamplingParams(temperature=0.0)
 

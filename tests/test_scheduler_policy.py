@@ -14,7 +14,7 @@ from conftest import Collector, wait_until
 from fake_engine import FakeModel
 from pantheon.config import Settings
 from pantheon.errors import BusyError
-from pantheon.gen_types import GREEDY, GenRequest
+from pantheon.types import GREEDY, GenRequest
 from pantheon.scheduler.batch import BatchScheduler
 
 

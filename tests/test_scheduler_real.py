@@ -8,10 +8,10 @@ import pytest
 
 from conftest import Collector, real_fixture
 from pantheon.config import Settings
-from pantheon.sampler import SamplingParams
+from pantheon.runtime.sampler import SamplingParams
 from pantheon.scheduler import GenRequest
 from pantheon.scheduler.batch import BatchScheduler
-from pantheon import reference
+from pantheon.runtime import reference
 
 GREEDY = SamplingParams(temperature=0.0)
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about rain.",

@@ -13,10 +13,10 @@ import pytest
 
 from conftest import wait_until
 from test_scheduler import model, prompts, sched  # noqa: F401 (the tiny llama, 8 slots; its scheduler)
-from pantheon import reference
+from pantheon.runtime import reference
 from pantheon.config import Settings
 from pantheon.errors import RequestError
-from pantheon.gen_types import Finished, GenRequest, SamplingParams, Started, Tokens
+from pantheon.types import Finished, GenRequest, SamplingParams, Started, Tokens
 from pantheon.scheduler.batch import BatchScheduler
 
 GREEDY = SamplingParams(temperature=0.0)

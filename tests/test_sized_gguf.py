@@ -16,7 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from pantheon import reference
+from pantheon.runtime import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +126,7 @@ def test_q4_k_m_layout_and_order(small_files):
 
 def test_format_overrides_and_every_block_format(tmp_path):
     m = _tool()
-    from pantheon.quant_formats import BLOCK_FORMATS
+    from pantheon.ops.quant_formats import BLOCK_FORMATS
 
     fmts = {"*": "Q8_0", "attn_v": "Q5_0", "ffn_down": "BF16", "blk.1.ffn_up.weight": "F16", "attn_q.bias": "F16",
             "token_embd": "IQ4_XS"}
@@ -227,8 +227,8 @@ def test_real_qwen_tokenizer_padded_to_profile_vocab(tmp_path, real_model_path):
 
 @pytest.mark.parametrize("profile", ["qwen2-7b", "qwen3moe-30b-a3b"])
 def test_engine_loads_and_generates(small_files, profile):
-    from pantheon import engine
-    from pantheon.sampler import SamplingParams
+    from pantheon.runtime import engine
+    from pantheon.runtime.sampler import SamplingParams
 
     model = engine.load(small_files[profile], engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=32))
     try:

@@ -1,4 +1,4 @@
-"""Specification of pantheon.structured: grammars from response_format and forced tool calls.
+"""Specification of pantheon.text.structured: grammars from response_format and forced tool calls.
 
 Only the real models' tokenizers are loaded (from the GGUF metadata), never the weights. Generation is
 simulated on the host by a noisy sampler: random logits, the grammar's mask applied, the best allowed token
@@ -17,12 +17,12 @@ import jsonschema_rs
 import numpy as np
 import pytest
 
-from pantheon import structured
-from pantheon.emitter import Emitter
+from pantheon.text import structured
+from pantheon.text.emitter import Emitter
 from pantheon.errors import RequestError
-from pantheon.gguf_meta import open_reader, read_metadata
-from pantheon.structured import Grammar, UnsupportedSchema, mask_words
-from pantheon.tokenizer import Tokenizer
+from pantheon.formats.gguf_reader import open_reader, read_metadata
+from pantheon.text.structured import Grammar, UnsupportedSchema, mask_words
+from pantheon.text.tokenizer import Tokenizer
 
 MODELS = Path.home() / ".cache" / "pantheon" / "models"
 _tokenizers: dict[str, Tokenizer] = {}

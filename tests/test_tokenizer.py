@@ -1,4 +1,4 @@
-"""Specification of pantheon.tokenizer against the HF oracle fixtures and the streaming invariant.
+"""Specification of pantheon.text.tokenizer against the HF oracle fixtures and the streaming invariant.
 
 The real-model cases require ids equal to HF's (`ids_hf`), which is also llama.cpp's except for one Qwen
 string where llama.cpp re-types the normal token `</s>` as control; HF's answer is the reference.
@@ -15,8 +15,8 @@ from tokenizers import decoders
 
 from conftest import FIXTURES
 from pantheon.errors import ModelLoadError
-from pantheon.gguf_meta import open_reader, read_metadata
-from pantheon.tokenizer import StreamDecoder, Tokenizer
+from pantheon.formats.gguf_reader import open_reader, read_metadata
+from pantheon.text.tokenizer import StreamDecoder, Tokenizer
 
 REAL_NAMES = ["smollm2-135m", "qwen-0.5b", "gemma3-270m"]
 _cache: dict[str, Tokenizer] = {}

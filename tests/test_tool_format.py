@@ -1,4 +1,4 @@
-"""Specification of tools for every model: the generic tool format (pantheon.tool_format), the chat
+"""Specification of tools for every model: the generic tool format (pantheon.text.tool_format), the chat
 template's hook that applies it, the deprecated `functions` / `function_call` request fields, and the
 prompt the real default model (SmolLM2, whose template has no tools branch) receives.
 """
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from pantheon import tool_format
-from pantheon.chat_template import ChatTemplate
+from pantheon.text import tool_format
+from pantheon.text.chat_template import ChatTemplate
 from pantheon.errors import RequestError, TemplateError
-from pantheon.tool_format import NATIVE, ToolSupport
+from pantheon.text.tool_format import NATIVE, ToolSupport
 from pantheon.web.chat import parse_chat_request
 
 # SmolLM2's template, verbatim: every role name is written as it is, and there is no tools branch.
@@ -64,7 +64,7 @@ def test_tool_choice_words_the_instruction(choice, sentence):
 
 
 def test_a_call_is_written_in_the_syntax_the_emitter_parses():
-    from pantheon.emitter import Emitter
+    from pantheon.text.emitter import Emitter
 
     text = tool_format.call_text(CALLED["tool_calls"][0])
     assert text == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -27,18 +27,18 @@ import pytest
 
 from conftest import tiny_fixture
 from pantheon.config import load_settings
-from pantheon.registry import Registry
-from pantheon import reference
+from pantheon.serving.registry import Registry
+from pantheon.runtime import reference
 
 CYCLES = 5
 
 _SCRIPT = textwrap.dedent("""
     import gc, json, sys, threading
     import psutil
-    from pantheon import compile_guard
+    from pantheon.runtime import compile_guard
     from pantheon.config import load_settings
-    from pantheon.registry import Registry
-    from pantheon.sampler import SamplingParams
+    from pantheon.serving.registry import Registry
+    from pantheon.runtime.sampler import SamplingParams
     from pantheon.scheduler import GenRequest
 
     def rss():

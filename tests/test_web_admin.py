@@ -11,8 +11,8 @@ import openai
 import pytest
 import requests
 
-from pantheon.dies import estimate_load_bytes
-from pantheon.engine import LoadOptions
+from pantheon.serving.dies import estimate_load_bytes
+from pantheon.runtime.engine import LoadOptions
 from server_util import LLAMA, QWEN2, TINY, assert_error, start_server
 
 ADMIN = "adm-key"

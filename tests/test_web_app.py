@@ -19,8 +19,8 @@ import pantheon
 from pantheon import osthread
 from pantheon.config import Settings
 from pantheon.errors import BusyError
-from pantheon.gen_types import ModelCard
-from pantheon.registry import Registry
+from pantheon.types import ModelCard
+from pantheon.serving.registry import Registry
 from pantheon.scheduler.api import Finished, Started, Tokens
 from pantheon.web import create_app
 from pantheon.web.chat import new_completion_id
@@ -172,7 +172,7 @@ def client(app_and_reg):
 
 @pytest.fixture()
 def stub_grammar(monkeypatch):
-    """pantheon.structured replaced by a stand-in that records what the web layer asks of it (a real
+    """pantheon.text.structured replaced by a stand-in that records what the web layer asks of it (a real
     grammar needs a real tokenizer; tests/test_structured.py covers those)."""
     calls = []
 
@@ -188,7 +188,7 @@ def stub_grammar(monkeypatch):
             return ("grammar", "tools")
 
     mod = types.SimpleNamespace(Grammar=Grammar)
-    monkeypatch.setitem(sys.modules, "pantheon.structured", mod)
+    monkeypatch.setitem(sys.modules, "pantheon.text.structured", mod)
     monkeypatch.setattr(pantheon, "structured", mod, raising=False)
     return calls
 

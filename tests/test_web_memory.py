@@ -22,16 +22,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from pantheon import memory
+from pantheon.runtime import memory
 from pantheon.config import Settings
-from pantheon.dies import Die, DieManager, estimate_load_bytes
-from pantheon.engine import LoadOptions
+from pantheon.serving.dies import Die, DieManager, estimate_load_bytes
+from pantheon.runtime.engine import LoadOptions
 from pantheon.errors import BusyError, RequestError
-from pantheon.gen_types import ModelCard
+from pantheon.types import ModelCard
 from pantheon.jax_models.interface import Capabilities
-from pantheon.memory import MemSnapshot, MemWatch, PoolSample
+from pantheon.runtime.memory import MemSnapshot, MemWatch, PoolSample
 from pantheon.scheduler import GenRequest, make_backend
-from pantheon.sampler import SamplingParams
+from pantheon.runtime.sampler import SamplingParams
 from server_util import LLAMA, QWEN2, TINY, assert_error, sse_events, start_server
 
 GiB = 1024 ** 3

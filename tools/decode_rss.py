@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-native", action="store_true")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from pantheon import engine
-    from pantheon.decode_state import slot_insert
-    from pantheon.engine import Chunk, StepPlan
-    from pantheon.gen_types import GREEDY
+    from pantheon.runtime import engine
+    from pantheon.runtime.decode_state import slot_insert
+    from pantheon.runtime.engine import Chunk, StepPlan
+    from pantheon.types import GREEDY
 
     proc, peak, stop = psutil.Process(), [0], threading.Event()
 

@@ -34,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from pantheon import engine
-    from pantheon.decode_state import slot_insert
-    from pantheon.engine import Chunk, StepPlan
-    from pantheon.gen_types import GREEDY
+    from pantheon.runtime import engine
+    from pantheon.runtime.decode_state import slot_insert
+    from pantheon.runtime.engine import Chunk, StepPlan
+    from pantheon.types import GREEDY
 
     path = Path(args.gguf)
     if not path.exists():

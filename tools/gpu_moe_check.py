@@ -12,7 +12,7 @@ What it does, in order, each stage skipped (and said so) once the time budget ru
 3. Timing: pallas vs tiles vs ragged_dot (vs dense) at decode (8 tokens x top-k) and prefill
    (512 tokens) sizes, bf16 on GPU, for the mid-size model's layer shape and the 35B-A3B's.
 4. Engine: writes the mid-size random qwen35moe (tools/make_random_qwen35moe.py) into /tmp and
-   runs `pantheon.bench.bench_engine(path, [1, 8], prompt_len=128, gen=16, reps=2)` with
+   runs `pantheon.bench.engine.bench_engine(path, [1, 8], prompt_len=128, gen=16, reps=2)` with
    impl="auto" (Pallas on GPU) and, time permitting, with the MoE forced to `tiles`.
 
 Prints progress on stderr and ONE JSON summary as the last stdout line (also --out FILE).
@@ -53,7 +53,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pantheon.jax_models import moe_kernels as mk  # noqa: E402
+from pantheon.ops import moe_kernels as mk  # noqa: E402
 
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}  # max |impl - dense| / max |dense|
 
@@ -272,7 +272,7 @@ def stage_engine(cfg, summary, budget):
         summary["engine_failed"] = True
         return
     from make_random_qwen35moe import write_random_qwen35moe
-    from pantheon.bench import bench_engine
+    from pantheon.bench.engine import bench_engine
 
     path = Path(cfg["model_path"])
     t0 = time.perf_counter()

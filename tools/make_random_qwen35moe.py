@@ -7,7 +7,7 @@ published pattern (Gated DeltaNet, DeltaNet, DeltaNet, full attention, ...), eve
 experts plus a sigmoid-gated shared expert.
 
 Tokenizer: the fixture's `tokenizer.*` keys are copied verbatim (a 512-token byte-level BPE), so
-`pantheon.engine.load` builds a real tokenizer and chat template. A larger `vocab` appends unused
+`pantheon.runtime.engine.load` builds a real tokenizer and chat template. A larger `vocab` appends unused
 `<|extra_N|>` tokens; a smaller one is refused. Without the fixture (e.g. a bare GPU machine), a
 self-contained byte-level tokenizer (256 byte tokens, ChatML specials) is synthesised instead.
 

@@ -21,7 +21,7 @@ ffn_down_exps / ffn_down_shexp Q6_K, every other 2-D weight matrix Q4_K; norms, 
 Q4_K_M rule more closely (attn_v / ffn_down Q6_K only in its `use_more_bits` layers, Q4_K in the
 rest; attn_qkv Q5_K). `formats={...}` (CLI `--qtype-map`) overrides per role (`attn_v`,
 `ffn_up_exps`, `attn_q.bias`, ...), per full tensor name, or `*` for every weight matrix, in any
-format of pantheon.quant_formats. A matrix whose rows are not whole blocks falls back to Q8_0
+format of pantheon.ops.quant_formats. A matrix whose rows are not whole blocks falls back to Q8_0
 (or F16).
 
 Tensor order: per layer the projections that read the same input are adjacent (attn_q, attn_k,
@@ -71,10 +71,10 @@ from typing import Any, Iterator
 import numpy as np
 
 _HERE = Path(__file__).resolve().parent
-if str(_HERE.parent) not in sys.path:  # the repo root, for pantheon.quant_formats when run as a script
+if str(_HERE.parent) not in sys.path:  # the repo root, for pantheon.ops.quant_formats when run as a script
     sys.path.insert(0, str(_HERE.parent))
 
-from pantheon.quant_formats import FORMATS  # noqa: E402
+from pantheon.ops.quant_formats import FORMATS  # noqa: E402
 
 
 def _sibling(name: str):

@@ -70,8 +70,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from a checkout: use this checkout's pantheon
     sys.path.insert(0, str(REPO))
 
-from pantheon.bench_serve import percentile  # noqa: E402
-from pantheon.catalog import CATALOG, DEFAULT_MODEL, resolve_model  # noqa: E402
+from pantheon.bench.serve import percentile  # noqa: E402
+from pantheon.formats.catalog import CATALOG, DEFAULT_MODEL, resolve_model  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 CHAT = "/v1/chat/completions"

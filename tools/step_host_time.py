@@ -28,8 +28,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args()
     sys.path.insert(0, str(Path.cwd()))
-    from pantheon import compile_guard, engine
-    from pantheon.catalog import resolve_model
+    from pantheon.runtime import compile_guard, engine
+    from pantheon.formats.catalog import resolve_model
     from pantheon.config import load_settings
 
     compile_guard.enable_persistent_cache(load_settings().home)
@@ -38,7 +38,7 @@ def main() -> int:
     state = m.new_state()
     dispatch, wait = [], []
     if hasattr(m, "step_begin"):  # before: every step hands over tokens, positions, knobs and windows
-        from pantheon.sampler import SamplingParams
+        from pantheon.runtime.sampler import SamplingParams
         knobs = [SamplingParams(temperature=0.7, top_k=40, seed=i) for i in range(b)]
         for s in range(b):
             _, _, state = m.prefill(state, s, prompt)
@@ -56,9 +56,9 @@ def main() -> int:
             dispatch.append(t1 - t0)
             wait.append(t2 - t1)
     else:  # after: insert once, then steps name only the decoding slots
-        from pantheon.decode_state import slot_insert
-        from pantheon.engine import Chunk, StepPlan
-        from pantheon.gen_types import SamplingParams
+        from pantheon.runtime.decode_state import slot_insert
+        from pantheon.runtime.engine import Chunk, StepPlan
+        from pantheon.types import SamplingParams
         for s in range(b):
             state = m.insert(state, slot_insert(s, prompt, 0, SamplingParams(temperature=0.7, top_k=40, seed=s),
                                                 1 << 20, ()))

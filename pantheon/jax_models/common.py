@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..gguf_loader import ROPE_NORM
+from pantheon.formats.gguf_loader import ROPE_NORM
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -35,11 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .. import weights
-from ..gguf_loader import ModelConfig, TensorSource
-from ..weights import XLA, Kernels, QuantWeight
-from . import common
-from .interface import Capabilities
+from pantheon.ops import weights
+from pantheon.formats.gguf_loader import ModelConfig, TensorSource
+from pantheon.ops.weights import XLA, Kernels, QuantWeight
+from pantheon.jax_models import common
+from pantheon.jax_models.interface import Capabilities
 
 ARCHS = ("gemma3",)
 CAPABILITIES = Capabilities()

@@ -13,7 +13,7 @@ Shapes use the letters of `common`: B batch rows, T tokens per row in this step,
 
 Params and state are `flax.struct` dataclasses (per-architecture classes such as
 `llama.LlamaParams`, `common.KVCache`, `qwen35.HybridCache`): pytrees whose field names are the
-path components that `pantheon.sharding` reads, and whose unused optional fields are None (an
+path components that `pantheon.runtime.sharding` reads, and whose unused optional fields are None (an
 empty subtree, so they cost nothing and appear in no jit signature).
 """
 
@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import jax
 
-from ..gguf_loader import ModelConfig, TensorSource
-from ..weights import Kernels
+from pantheon.formats.gguf_loader import ModelConfig, TensorSource
+from pantheon.ops.weights import Kernels
 
 # A step row group: tokens [B, T], slots [B], start [B], n_new [B] (all int32).
 Group = tuple[jax.Array, jax.Array, jax.Array, jax.Array]

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .. import native, weights
-from ..gguf_loader import ModelConfig, TensorSource
-from ..weights import XLA, Kernels, QuantWeight
-from . import common, moe_kernels
-from .interface import Capabilities, Group
+from pantheon.ops import native, weights
+from pantheon.formats.gguf_loader import ModelConfig, TensorSource
+from pantheon.ops.weights import XLA, Kernels, QuantWeight
+from pantheon.jax_models import common
+from pantheon.ops import moe_kernels
+from pantheon.jax_models.interface import Capabilities, Group
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
 CAPABILITIES = Capabilities(mixed_steps=True, fused_projections=True)
@@ -135,7 +136,7 @@ def fuse_projections(params: LlamaParams) -> LlamaParams:
     Why: matrices that read the same input become one larger product per layer, which runs faster
     than two or three small ones (the input is read once, one kernel call). Only when every layer's
     parts share a format (a Q4_K_M file's Q6_K attn_v keeps q, k, v apart), and only for a single
-    die: the tensor-parallel rules in pantheon.sharding split q, k and v by their own heads.
+    die: the tensor-parallel rules in pantheon.runtime.sharding split q, k and v by their own heads.
     """
     lay = common.present(params.layers)
     qkv = _fused([lay["wq"], lay["wk"], lay["wv"]]) if all(k in lay for k in ("wq", "wk", "wv")) else None

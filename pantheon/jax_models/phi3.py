@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..errors import ModelLoadError
-from .. import weights
-from ..gguf_loader import ModelConfig, TensorSource
-from ..weights import XLA, Kernels, QuantWeight
-from . import common, llama
-from .interface import Capabilities, Group
+from pantheon.errors import ModelLoadError
+from pantheon.ops import weights
+from pantheon.formats.gguf_loader import ModelConfig, TensorSource
+from pantheon.ops.weights import XLA, Kernels, QuantWeight
+from pantheon.jax_models import common, llama
+from pantheon.jax_models.interface import Capabilities, Group
 
 ARCHS = ("phi3",)
 CAPABILITIES = Capabilities(mixed_steps=True, fused_projections=True)

@@ -30,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..errors import ModelLoadError
-from .. import weights
-from ..gguf_loader import ModelConfig, TensorSource
-from ..weights import XLA, Kernels, QuantWeight
-from . import common, moe_kernels
-from .interface import Capabilities
+from pantheon.errors import ModelLoadError
+from pantheon.ops import weights
+from pantheon.formats.gguf_loader import ModelConfig, TensorSource
+from pantheon.ops.weights import XLA, Kernels, QuantWeight
+from pantheon.jax_models import common
+from pantheon.ops import moe_kernels
+from pantheon.jax_models.interface import Capabilities
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 # No forward_groups: a mixed step would have to gather and scatter the recurrent state of two row

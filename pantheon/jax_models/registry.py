@@ -10,7 +10,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from .interface import Capabilities
+from pantheon.jax_models.interface import Capabilities
 
 _MODULES = {
     "llama": "llama",

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import Settings
-from ..gen_types import Backend, Finished, GenRequest, Handle, Sink, Started, Tokens
+from pantheon.config import Settings
+from pantheon.types import Backend, Finished, GenRequest, Handle, Sink, Started, Tokens
 
 __all__ = ["Backend", "Finished", "GenRequest", "Handle", "Sink", "Started", "Tokens", "make_backend"]
 
 
 def make_backend(model: Any, settings: Settings, watch: Any = None, dies: Any = None) -> Backend:
-    """The model's scheduler. Its memory-pressure callback reads `watch` (a pantheon.memory.MemWatch;
+    """The model's scheduler. Its memory-pressure callback reads `watch` (a pantheon.runtime.memory.MemWatch;
     default: the process-wide one) scoped to the model's dies (`dies`: the DieManager that maps its
     devices to die ids; without one, every pool counts). No running watch: never under pressure.
     """
-    from .. import memory
-    from .batch import BatchScheduler
+    from pantheon.runtime import memory
+    from pantheon.scheduler.batch import BatchScheduler
     w = watch if watch is not None else memory.memwatch()
     if w is None or not w.running:
         return BatchScheduler(model, settings)

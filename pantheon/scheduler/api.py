@@ -1,6 +1,6 @@
 """The seam between the web layer and whatever generates tokens for a model: the request-side types
-(`pantheon.gen_types`, JAX-free) re-exported where the schedulers and their tests expect them."""
+(`pantheon.types`, JAX-free) re-exported where the schedulers and their tests expect them."""
 
-from ..gen_types import Backend, Event, Finished, GenRequest, Handle, Sink, Started, TokenLogprob, Tokens
+from pantheon.types import Backend, Event, Finished, GenRequest, Handle, Sink, Started, TokenLogprob, Tokens
 
 __all__ = ["Backend", "Event", "Finished", "GenRequest", "Handle", "Sink", "Started", "TokenLogprob", "Tokens"]

@@ -52,12 +52,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import compile_guard, decode_state, osthread
-from ..config import Settings
-from ..engine import Chunk, Model, StepHandle, StepPlan
-from ..errors import BusyError, ModelFailed, RequestError
-from ..gen_types import Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
-from .embed import PRESSURE_CRITICAL, EmbedDriver
+from pantheon.runtime import compile_guard, decode_state
+from pantheon import osthread
+from pantheon.config import Settings
+from pantheon.runtime.engine import Chunk, Model, StepHandle, StepPlan
+from pantheon.errors import BusyError, ModelFailed, RequestError
+from pantheon.types import Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
+from pantheon.scheduler.embed import PRESSURE_CRITICAL, EmbedDriver
 
 # A slot of an n > 1 request is FORK once the prompt (but its last token) is in its cache, and
 # FORKWAIT while it waits for that copy (a sibling choice). Both are neither idle nor stepping.
@@ -351,7 +352,7 @@ class BatchScheduler(EmbedDriver):
             slot.scope = job.req.cache_scope
             slot.hist = slot.hist[:reuse]
             # n > 1: the prompt but its last token goes into one slot; the choices then fork from it,
-            # each decoding the last token first (pantheon.engine.Model.copy_slot)
+            # each decoding the last token first (pantheon.runtime.engine.Model.copy_slot)
             slot.pending = list(prompt[reuse:] if n == 1 else prompt[reuse:-1])
             slot.pos = reuse
             slot.generated = 0

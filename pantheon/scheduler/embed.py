@@ -17,7 +17,7 @@ driver runs embedding work between generation steps, in slots that generation is
    `Model.embed` call: inputs of one or several jobs are batched. An input keeps its slot for all its
    chunks (starts increase; the first is 0, which also restarts recurrent state) and gives it back
    (IDLE, empty history) when its last chunk is in; the pooled vector is finished on the host
-   (`pantheon.pooling.EmbedRun`). When every input of a job is done the job's sink gets `Embedded`.
+   (`pantheon.runtime.pooling.EmbedRun`). When every input of a job is done the job's sink gets `Embedded`.
 
 A device failure in an embed call fails like a step (`_step_failed`: every request fails, the state is
 rebuilt); a refusal before anything ran (a compile forbidden after warm-up, a bad shape) fails only the
@@ -38,13 +38,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CompileForbiddenError, RequestError
-from ..gen_types import EmbedRequest, EmbedSink, Embedded, Event, Finished
-from ..pooling import EmbedRun
+from pantheon.errors import CompileForbiddenError, RequestError
+from pantheon.types import EmbedRequest, EmbedSink, Embedded, Event, Finished
+from pantheon.runtime.pooling import EmbedRun
 
 IDLE = "IDLE"  # the value of batch.IDLE (batch imports this module, so it cannot be imported from there)
 EMBED = "EMBED"  # a slot an embeddings input is being fed into
-PRESSURE_CRITICAL = 3  # memory pressure level (pantheon.memory) at which no job is admitted
+PRESSURE_CRITICAL = 3  # memory pressure level (pantheon.runtime.memory) at which no job is admitted
 
 
 @dataclass(eq=False)

@@ -3,8 +3,8 @@
 `create_app` does no JAX work itself: under gunicorn it runs in the worker after the fork, and it only
 starts one OS thread that loads the configured models (PANTHEON_MODELS) into the registry. Until that
 thread is done, `/` answers 503 `{"status": "loading"}`; chat requests get 503 until a model is ready.
-That thread also builds the die manager (every JAX device with its memory budget, pantheon.dies) and
-starts the memory watch (pantheon.memory) that chat admission and the schedulers' pressure read.
+That thread also builds the die manager (every JAX device with its memory budget, pantheon.serving.dies) and
+starts the memory watch (pantheon.runtime.memory) that chat admission and the schedulers' pressure read.
 If a configured model cannot be loaded, the worker exits with gunicorn's boot-error code so the whole
 server stops with the error in its log instead of serving without the model.
 """
@@ -20,9 +20,9 @@ from typing import Any
 
 from flask import Flask
 
-from .. import osthread
-from ..config import Settings, load_settings
-from ..registry import Registry, parse_spec
+from pantheon import osthread
+from pantheon.config import Settings, load_settings
+from pantheon.serving.registry import Registry, parse_spec
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,10 @@ class ServerState:
     status: str = "loading"  # "loading" -> "ok" | "failed"; written once by the startup thread
     error: str | None = None
     startup: object | None = field(default=None, repr=False)  # the startup OSThread
-    metrics: object | None = field(default=None, repr=False)  # pantheon.metrics.Metrics
-    dies: Any = field(default=None, repr=False)  # pantheon.dies.DieManager, set by the startup thread
-    memwatch: Any = field(default=None, repr=False)  # pantheon.memory.MemWatch, set by the startup thread
-    # pantheon.registration.Registration when PANTHEON_REGISTRY_URL is set, else None (no router traffic)
+    metrics: object | None = field(default=None, repr=False)  # pantheon.serving.metrics.Metrics
+    dies: Any = field(default=None, repr=False)  # pantheon.serving.dies.DieManager, set by the startup thread
+    memwatch: Any = field(default=None, repr=False)  # pantheon.runtime.memory.MemWatch, set by the startup thread
+    # pantheon.serving.registration.Registration when PANTHEON_REGISTRY_URL is set, else None (no router traffic)
     registration: Any = field(default=None, repr=False)
     _throughput: Any = field(default=None, repr=False)  # pantheon.web.router_api's per-model token rates
 
@@ -64,7 +64,7 @@ def _forced_host_reader(level: int) -> Any:
     """A MemWatch host reader that reports the host at pressure `level` (test-only)."""
     import psutil
 
-    from ..memory import PoolSample
+    from pantheon.runtime.memory import PoolSample
     total = int(psutil.virtual_memory().total)
     used = int(total * _FORCED_HOST_FRACTION[level])
     return lambda: PoolSample("host", total, used, "given")
@@ -73,7 +73,7 @@ def _forced_host_reader(level: int) -> Any:
 def _start_memwatch(state: ServerState) -> None:
     """Build the die manager and start the memory watch (after the fork: this may import JAX)."""
     global _stop_registered
-    from .. import memory
+    from pantheon.runtime import memory
     state.dies = state.registry.die_manager()
     level = state.settings.test_pressure
     if level is None:
@@ -95,12 +95,12 @@ def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
     then flip `/` to ok."""
     settings = state.settings
     try:
-        from .. import distributed
+        from pantheon.serving import distributed
         cluster = distributed.spec_from_settings(settings)
         if cluster is not None:  # process 0 of a multi-host cluster: join before anything touches JAX
             distributed.start_leader(cluster)
         if settings.compile_cache:
-            from .. import compile_guard
+            from pantheon.runtime import compile_guard
             compile_guard.enable_persistent_cache(settings.home)
         _start_memwatch(state)
         for text in settings.models:
@@ -122,9 +122,9 @@ def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
 
 
 def served_models(registry: Registry) -> list[Any]:
-    """The ready model names as the router should see them (pantheon.registration.Served): a name's
+    """The ready model names as the router should see them (pantheon.serving.registration.Served): a name's
     replicas are one worker whose capacity is their slots together."""
-    from ..registration import Served
+    from pantheon.serving.registration import Served
     slots: dict[str, int] = {}
     ctx: dict[str, int] = {}
     for e in registry.ready_entries():
@@ -154,13 +154,13 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.json.sort_keys = False
     app.extensions["pantheon"] = state
 
-    from ..metrics import Metrics
+    from pantheon.serving.metrics import Metrics
     metrics = state.metrics = Metrics()
     metrics.set_backend_source(state.registry.load_infos)
     # dies() imports JAX on its first call: only once the startup thread has loaded the models
     metrics.set_die_source(lambda: state.registry.dies() if state.status == "ok" else [])
 
-    from . import admin, errors, openapi, router_api, routes, security, tokens
+    from pantheon.web import admin, errors, openapi, router_api, routes, security, tokens
     errors.init_app(app)
     security.init_app(app, settings)
     app.register_blueprint(routes.bp)
@@ -168,10 +168,10 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.register_blueprint(admin.bp)
     app.register_blueprint(tokens.bp)
     app.register_blueprint(openapi.bp)
-    from . import embeddings
+    from pantheon.web import embeddings
     app.register_blueprint(embeddings.bp)
     if settings.registry_url:  # otherwise nothing here ever contacts a router
-        from ..registration import Registration
+        from pantheon.serving.registration import Registration
         state.registration = Registration(settings, served=lambda: served_models(state.registry)).start()
 
     @app.after_request

@@ -12,13 +12,20 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
-from ..errors import CatalogError, RequestError
-from . import bridge
-from .body import shown
-from .fields import body_object
-from .routes import read_json, server
-from .schema import ADMIN_DIES_MAX, ADMIN_NAME_CHARS, LOAD_REQUEST, UNLOAD_REQUEST, UNLOAD_TIMEOUT_MAX_S, fields
-from .security import model_path_in_dir
+from pantheon.errors import CatalogError, RequestError
+from pantheon.web import bridge
+from pantheon.web.body import shown
+from pantheon.web.fields import body_object
+from pantheon.web.routes import read_json, server
+from pantheon.web.schema import (
+    ADMIN_DIES_MAX,
+    ADMIN_NAME_CHARS,
+    LOAD_REQUEST,
+    UNLOAD_REQUEST,
+    UNLOAD_TIMEOUT_MAX_S,
+    fields,
+)
+from pantheon.web.security import model_path_in_dir
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
 
@@ -36,7 +43,7 @@ def _opt_str(body: dict, key: str) -> str | None:
 
 def _resolver(body: dict) -> tuple[str, Any]:
     """(source, resolve) for a load body: catalog names pull from the catalog; paths stay in the model dir."""
-    from ..catalog import CATALOG, pull
+    from pantheon.formats.catalog import CATALOG, pull
 
     path, model = _opt_str(body, "path"), _opt_str(body, "model")
     if (path is None) == (model is None):

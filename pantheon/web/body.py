@@ -30,8 +30,8 @@ import socket
 import time
 from typing import Any
 
-from ..errors import RequestError
-from .connections import APP, BODY, set_phase
+from pantheon.errors import RequestError
+from pantheon.web.connections import APP, BODY, set_phase
 
 READ_STEP = 16384  # bytes asked of the socket per read; also the granularity of the rate check
 BODY_GRACE_S = 5.0  # the minimum rate applies only after this long (a slow start is not an attack)
@@ -146,7 +146,7 @@ class _Deadline:
         self.timeout_s = timeout_s
         self.min_rate = min_rate
         self.start = start
-        from .bridge import gevent_active
+        from pantheon.web.bridge import gevent_active
         self.gevent = gevent_active()
 
     def due(self, total_bytes: int) -> float:

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .. import osthread
+from pantheon import osthread
 
 
 def gevent_active() -> bool:

@@ -21,22 +21,29 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import memory
-from ..emitter import Delta, Emitter, merge_deltas
-from ..errors import PantheonError, RequestError
-from ..gen_types import GenRequest
-from . import bridge
-from .body import shown
-from .fields import MAX_ID_CHARS
-from .fields import bad as _bad
-from .fields import boolean as _boolean
-from .fields import body_object, choices_n, logit_bias, sampling_params, stream_flags, top_logprobs
-from .fields import integer as _integer
-from .fields import stop_strings as _stop
-from .fields import string as _string
-from .generation import ClientGone, GenerationCore, Piece, SSEStream, json_line, new_id
-from .logprobs import chat_logprobs
-from .schema import CHAT_MESSAGE, CHAT_REQUEST, fields
+from pantheon.runtime import memory
+from pantheon.text.emitter import Delta, Emitter, merge_deltas
+from pantheon.errors import PantheonError, RequestError
+from pantheon.types import GenRequest
+from pantheon.web import bridge
+from pantheon.web.body import shown
+from pantheon.web.fields import MAX_ID_CHARS
+from pantheon.web.fields import bad as _bad
+from pantheon.web.fields import boolean as _boolean
+from pantheon.web.fields import (
+    body_object,
+    choices_n,
+    logit_bias,
+    sampling_params,
+    stream_flags,
+    top_logprobs,
+)
+from pantheon.web.fields import integer as _integer
+from pantheon.web.fields import stop_strings as _stop
+from pantheon.web.fields import string as _string
+from pantheon.web.generation import ClientGone, GenerationCore, Piece, SSEStream, json_line, new_id
+from pantheon.web.logprobs import chat_logprobs
+from pantheon.web.schema import CHAT_MESSAGE, CHAT_REQUEST, fields
 
 __all__ = ["ClientGone", "Generation", "SSEStream", "ChatRequest", "parse_chat_request", "cache_scope",
            "admit_prompt", "new_completion_id"]
@@ -343,7 +350,7 @@ def _compat_fields(body: Mapping) -> bool | None:
 
 def _response_format(body: Mapping) -> dict | None:
     """`response_format`: None for plain text; any other is returned for the grammar built at start
-    (pantheon.structured owns its shape and answers a bad one with a 400 naming the field)."""
+    (pantheon.text.structured owns its shape and answers a bad one with a 400 naming the field)."""
     rf = body.get("response_format")
     if rf is None or rf == {"type": "text"}:
         return None
@@ -505,7 +512,7 @@ def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dic
 
     `render(messages)` is the chat template plus tokenizer. The prompt must fit the model's context
     window (QWEN35_MAX_SEQ, halved under HIGH memory pressure) and the memory free now
-    (pantheon.memory.admit against the memory watch; a model admission cannot size, or no running
+    (pantheon.runtime.memory.admit against the memory watch; a model admission cannot size, or no running
     watch: the window only), leaving `answer_reserve` tokens for the answer. If it does not, the
     oldest turns are dropped (then the system prompt's end), never the last user message:
     capped=True, and the caller marks the response `context_capped` and skips prefix reuse. If even
@@ -620,7 +627,7 @@ class Generation(GenerationCore):
         creq = self.creq
         if creq.response_format is None and not creq.forces_tool_call:
             return None
-        from .. import structured  # the grammar engine (llguidance) loads only when a request needs it
+        from pantheon.text import structured  # the grammar engine (llguidance) loads only when a request needs it
 
         if creq.response_format is not None:
             return structured.Grammar.from_response_format(creq.response_format, tok)
@@ -630,7 +637,7 @@ class Generation(GenerationCore):
         """The rendered chat template of `messages` (default: the request's) and its token ids (BOS
         added when the model wants one)."""
         kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
-        if kwargs["tools"]:  # words the generic tool format's instruction (pantheon.tool_format)
+        if kwargs["tools"]:  # words the generic tool format's instruction (pantheon.text.tool_format)
             kwargs["tool_choice"] = self.creq.tool_choice
         if self.creq.enable_thinking is not None:
             kwargs["enable_thinking"] = self.creq.enable_thinking

@@ -22,17 +22,29 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import memory
-from ..emitter import Emitter
-from ..errors import PantheonError, RequestError
-from ..gen_types import GenRequest, SamplingParams
-from . import bridge
-from .chat import BIG_PROMPT_CHARS, answer_reserve
-from .fields import (MAX_TOKENS_LIMIT, bad, body_object, boolean, choices_n, integer, logit_bias, sampling_params, stop_strings,
-                     stream_flags, string, top_logprobs)
-from .generation import GenerationCore, Piece, json_line
-from .logprobs import Positioned, legacy_logprobs
-from .schema import COMPLETION_REQUEST, fields
+from pantheon.runtime import memory
+from pantheon.text.emitter import Emitter
+from pantheon.errors import PantheonError, RequestError
+from pantheon.types import GenRequest, SamplingParams
+from pantheon.web import bridge
+from pantheon.web.chat import BIG_PROMPT_CHARS, answer_reserve
+from pantheon.web.fields import (
+    MAX_TOKENS_LIMIT,
+    bad,
+    body_object,
+    boolean,
+    choices_n,
+    integer,
+    logit_bias,
+    sampling_params,
+    stop_strings,
+    stream_flags,
+    string,
+    top_logprobs,
+)
+from pantheon.web.generation import GenerationCore, Piece, json_line
+from pantheon.web.logprobs import Positioned, legacy_logprobs
+from pantheon.web.schema import COMPLETION_REQUEST, fields
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
 

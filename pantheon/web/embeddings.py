@@ -28,16 +28,16 @@ from typing import Any
 import numpy as np
 from flask import Blueprint, Response, jsonify, request
 
-from ..errors import RequestError
-from ..gen_types import EMBED_POOLINGS, EmbedRequest, Embedded, Finished
-from . import bridge
-from .body import parse_json
-from .chat import BIG_PROMPT_CHARS
-from .fields import bad as _bad
-from .fields import body_object
-from .generation import CHECK_GAP_S, POLL_S, ClientGone
-from .routes import INSTANCE_HEADER, parse_for_root, read_raw, server
-from .schema import EMBED_INPUTS_MAX, EMBEDDING_REQUEST, fields
+from pantheon.errors import RequestError
+from pantheon.types import EMBED_POOLINGS, EmbedRequest, Embedded, Finished
+from pantheon.web import bridge
+from pantheon.web.body import parse_json
+from pantheon.web.chat import BIG_PROMPT_CHARS
+from pantheon.web.fields import bad as _bad
+from pantheon.web.fields import body_object
+from pantheon.web.generation import CHECK_GAP_S, POLL_S, ClientGone
+from pantheon.web.routes import INSTANCE_HEADER, parse_for_root, read_raw, server
+from pantheon.web.schema import EMBED_INPUTS_MAX, EMBEDDING_REQUEST, fields
 
 bp = Blueprint("embeddings", __name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 from flask import Flask, Response, json, request
 from werkzeug.exceptions import HTTPException
 
-from ..errors import BusyError, PantheonError
+from pantheon.errors import BusyError, PantheonError
 
 log = logging.getLogger(__name__)
 

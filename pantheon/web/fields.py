@@ -14,9 +14,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import RequestError
-from ..gen_types import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
-from .body import shown
+from pantheon.errors import RequestError
+from pantheon.types import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from pantheon.web.body import shown
 
 MAX_STOP = 4
 MAX_STOP_CHARS = 512

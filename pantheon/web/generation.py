@@ -37,13 +37,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..emitter import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, Delta, Emitter
-from ..errors import PantheonError
-from ..gen_types import Finished, GenRequest, Started, Tokens
-from . import bridge
-from .errors import from_exception
-from .fields import bad
-from .logprobs import Positioned
+from pantheon.text.emitter import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, Delta, Emitter
+from pantheon.errors import PantheonError
+from pantheon.types import Finished, GenRequest, Started, Tokens
+from pantheon.web import bridge
+from pantheon.web.errors import from_exception
+from pantheon.web.fields import bad
+from pantheon.web.logprobs import Positioned
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ class GenerationCore(abc.ABC):
 
     def __init__(self, registry: Any, entry: Any, environ: dict, metrics: Any = None, t0: float | None = None,
                  watch: Any = None):
-        self.metrics = metrics  # pantheon.metrics.Metrics, or None (unit tests)
-        self.watch = watch  # the server's pantheon.memory.MemWatch (None: the process-wide one)
+        self.metrics = metrics  # pantheon.serving.metrics.Metrics, or None (unit tests)
+        self.watch = watch  # the server's pantheon.runtime.memory.MemWatch (None: the process-wide one)
         self.t0 = time.perf_counter() if t0 is None else t0  # request arrival
         self._t_last: float | None = None  # when the previous Tokens event arrived
         self.registry = registry

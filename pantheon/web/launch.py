@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from ..errors import PantheonError
+from pantheon.errors import PantheonError
 
 
 def bind_address(host: str, port: int) -> str:
@@ -34,9 +34,9 @@ def gunicorn_argv(host: str, port: int, timeout: int) -> list[str]:
 def serve(args: argparse.Namespace) -> int:
     """Validate `--model` specs, pull catalog models (with progress, here rather than in the worker),
     then replace this process with gunicorn. Returns only on a bad argument."""
-    from ..catalog import DEFAULT_MODEL, resolve_model
-    from ..config import split_model_specs
-    from ..registry import parse_spec
+    from pantheon.formats.catalog import DEFAULT_MODEL, resolve_model
+    from pantheon.config import split_model_specs
+    from pantheon.serving.registry import parse_spec
 
     specs = [s for m in (args.model or []) for s in split_model_specs(m)]
     if not specs:
@@ -58,8 +58,8 @@ def serve(args: argparse.Namespace) -> int:
         value = getattr(args, flag, None)
         if value is not None:
             env[var] = str(value)
-    from ..config import load_settings
-    from ..distributed import run_follower, spec_from_settings
+    from pantheon.config import load_settings
+    from pantheon.serving.distributed import run_follower, spec_from_settings
     try:
         cluster = spec_from_settings(load_settings(env))
     except ValueError as exc:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..gen_types import TokenLogprob
+from pantheon.types import TokenLogprob
 
 LOGPROB_FLOOR = -9999.0
 

@@ -18,9 +18,9 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify
 
-from .. import __version__
-from ..config import Settings
-from .schema import COMPONENTS
+from pantheon import __version__
+from pantheon.config import Settings
+from pantheon.web.schema import COMPONENTS
 
 bp = Blueprint("openapi", __name__)
 
@@ -176,7 +176,7 @@ def _security_schemes(settings: Settings) -> dict[str, Any]:
 
 def document(settings: Settings) -> dict[str, Any]:
     """The OpenAPI 3.1 document for a server with these settings."""
-    from .errors import ERROR_TYPES
+    from pantheon.web.errors import ERROR_TYPES
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method] = _operation(op, settings)

@@ -24,9 +24,9 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
-from .. import osthread
-from ..errors import RequestError
-from .routes import handle_chat, handle_completion, server
+from pantheon import osthread
+from pantheon.errors import RequestError
+from pantheon.web.routes import handle_chat, handle_completion, server
 
 bp = Blueprint("router_api", __name__)
 

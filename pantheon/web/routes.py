@@ -17,14 +17,14 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from .. import distributed
-from ..errors import RequestError
-from .body import parse_json, read_body
-from . import bridge
-from .chat import Generation, cache_scope, parse_chat_request
-from .completions import CompletionGeneration, parse_completion_request
-from .generation import ClientGone, GenerationCore, SSEStream
-from .security import presented_key
+from pantheon.serving import distributed
+from pantheon.errors import RequestError
+from pantheon.web.body import parse_json, read_body
+from pantheon.web import bridge
+from pantheon.web.chat import Generation, cache_scope, parse_chat_request
+from pantheon.web.completions import CompletionGeneration, parse_completion_request
+from pantheon.web.generation import ClientGone, GenerationCore, SSEStream
+from pantheon.web.security import presented_key
 
 log = logging.getLogger(__name__)
 

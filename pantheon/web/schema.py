@@ -10,7 +10,7 @@ every value the property's schema refuses must be a 400 naming the field, the bo
 here is refused; a fuzz of every route from the published document finds no body the schema refuses
 taken. So a field cannot be added to a validator without being documented, nor documented without
 being checked. (The generation routes' numeric bounds are still literals in pantheon.web.fields,
-chat.py, embeddings.py and pantheon.structured; those tests are what holds them equal to these.)
+chat.py, embeddings.py and pantheon.text.structured; those tests are what holds them equal to these.)
 Bounds a model sets (n by its slots, token ids by its vocabulary, dimensions by its size) are checked
 when the request starts; the schema gives the field's own range.
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from flask import Flask, Response, request
 
-from ..config import Settings
-from ..errors import RequestError
-from .body import announced_length, shown
+from pantheon.config import Settings
+from pantheon.errors import RequestError
+from pantheon.web.body import announced_length, shown
 
 CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Session-Id, X-SMG-Routing-Key"
 CORS_METHODS = "GET, POST, OPTIONS"

@@ -14,13 +14,13 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
-from ..errors import RequestError
-from . import bridge
-from .body import shown
-from .chat import BIG_PROMPT_CHARS
-from .fields import body_object
-from .routes import read_json, server
-from .schema import DETOKENIZE_MAX, DETOKENIZE_REQUEST, ID_CHARS, TOKENIZE_REQUEST, fields
+from pantheon.errors import RequestError
+from pantheon.web import bridge
+from pantheon.web.body import shown
+from pantheon.web.chat import BIG_PROMPT_CHARS
+from pantheon.web.fields import body_object
+from pantheon.web.routes import read_json, server
+from pantheon.web.schema import DETOKENIZE_MAX, DETOKENIZE_REQUEST, ID_CHARS, TOKENIZE_REQUEST, fields
 
 bp = Blueprint("tokens", __name__)
 

@@ -16,7 +16,7 @@ worker it adds:
 * **Errors in the OpenAI JSON shape** for what gunicorn's parser refuses (malformed request line or
   headers, oversized headers), instead of its HTML page.
 * **Router deregistration after a graceful stop.** It notes where it listens (the address
-  pantheon.registration advertises unless PANTHEON_ADVERTISE_URL says otherwise); with
+  pantheon.serving.registration advertises unless PANTHEON_ADVERTISE_URL says otherwise); with
   PANTHEON_REGISTRY_URL set, a SIGTERM first drains in-flight requests (a few seconds less than
   gunicorn's graceful timeout, so the arbiter's SIGKILL cannot come first), then deletes this
   server's workers at the router.
@@ -41,9 +41,9 @@ from gunicorn import util
 from gunicorn.http import errors as http_errors
 from gunicorn.workers.ggevent import GeventWorker
 
-from ..config import load_settings
-from .connections import APP, CONNECTIONS, HEAD
-from .errors import error_body
+from pantheon.config import load_settings
+from pantheon.web.connections import APP, CONNECTIONS, HEAD
+from pantheon.web.errors import error_body
 
 POOL_HEADROOM = 64  # gunicorn's pool is this much larger than the cap, so the cap is ours to enforce
 PR_SET_PDEATHSIG = 1
@@ -99,7 +99,7 @@ class PantheonWorker(GeventWorker):
 
     def init_process(self) -> None:
         _die_with_parent()
-        from .. import registration
+        from pantheon.serving import registration
         for sock in self.sockets:  # where the router can reach us (unless PANTHEON_ADVERTISE_URL says)
             try:
                 addr = sock.getsockname()

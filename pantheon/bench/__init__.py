@@ -1,0 +1,1 @@
+"""Benchmarks: `pantheon bench engine` (in-process, `engine`) and `pantheon bench serve` (`serve`)."""

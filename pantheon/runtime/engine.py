@@ -1,0 +1,829 @@
+"""The engine seam: load a model onto JAX devices and run its verbs over a donated decode state.
+
+`load(path, opts)` / `load_on(path, opts, dies)` return a `Model`. A model owns its params and its
+compiled programs; it does not own sequences. A caller (the scheduler) owns a `DecodeState` from
+`new_state()` -- the architecture's cache plus a per-slot table (pantheon.runtime.decode_state) -- and drives
+it with three verbs, in the manner of JetStream's insert / generate:
+
+    insert(state, SlotInsert)   a request's data into its slot, once (knobs, seed, stop ids, budget)
+    step(state, StepPlan)       one forward + sample over a prompt chunk and the decoding slots;
+                                returns at once (JAX async dispatch) with a handle whose packed
+                                [rows, 2] (id, flag) output is already being copied to the host
+    release(state, slot)        take a slot back early (cancel)
+
+A step's host input is only which slot feeds which prompt chunk and which slots decode: decode rows
+read their token and position from the state, and the sampler, ring, budget and stop checks run
+inside the step. Only ids and flags come back.
+
+Shapes are bucketed so the number of compiled programs is small and known at load: decode rows in
+(1, 2, 4, 8), prompt chunks of 32 and quarters of prefill_chunk tokens, attention spans doubling
+from 128 up to max_seq (the top bucket also covers the chunk's padding slack). A chunk and decode
+rows share one "mixed" program (one per chunk bucket and span) when the architecture declares mixed
+steps. The cache has one extra "scratch" slot that padding and dead rows write to.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pantheon.runtime import compile_guard, decode_state, memory
+from pantheon.ops import native, weights
+from pantheon import osthread
+from pantheon.config import load_settings
+from pantheon.errors import ModelLoadError
+from pantheon.formats.gguf_loader import GGUFFile, ModelConfig, open_gguf
+from pantheon.runtime.decode_state import DecodeState
+from pantheon.types import GREEDY, MAX_TOP_LOGPROBS, ModelCard
+from pantheon.jax_models.common import last_valid
+from pantheon.jax_models.registry import capabilities_of
+from pantheon.ops.weights import XLA, Kernels
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load and place a model. `n_slots` rows share one cache; `max_seq` bounds a sequence."""
+
+    name: str | None = None
+    dtype: str = "auto"  # "auto": f32 on CPU (XLA:CPU is slow in bf16), bf16 on GPU
+    n_slots: int = 8
+    max_seq: int = 2048
+    prefill_chunk: int = 128
+    config_path: str | None = None  # HF config.json for a safetensors checkpoint
+    warmup: bool = False  # compile every bucket at load
+    native_matmul: bool | None = None  # on one CPU die, use pantheon.ops.native's kernels (None: PANTHEON_NATIVE_MATMUL)
+    kv_dtype: str | None = None  # KV cache dtype: float32 | float16 | bfloat16 | auto (None: PANTHEON_KV_DTYPE)
+    native_dir: str | None = None  # where the kernels' library is cached (default $PANTHEON_HOME/native)
+
+
+def _geometric_buckets(lo: int, hi: int, factor: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    out.append(hi)
+    return tuple(out)
+
+
+def _chunk_buckets(chunk: int) -> tuple[int, ...]:
+    """Prefill lengths: 32 and, from a 128-token chunk up, every quarter of it (128 -> 32, 64, 96, 128)."""
+    lengths = {min(32, chunk), chunk}
+    if chunk >= 128:
+        lengths |= {-(-chunk * i // 4) for i in range(1, 4)}
+    return tuple(sorted(lengths))
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A prompt chunk a step feeds into one slot: `tokens` at positions start.. (start is the host's own
+    count, used to pick the attention-span bucket; the device reads the slot's position itself)."""
+
+    slot: int
+    tokens: tuple[int, ...]
+    start: int
+    final: bool  # the prompt's last chunk: its row samples the request's first token
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's host input: which slot feeds which prompt chunk, and which slots decode.
+
+    No token, position or sampling parameter of a decode row crosses here: each is in the decode
+    state. `reach` bounds the positions the decode rows write (the highest position + 1), only to pick
+    the span bucket; a bound that is too high costs a wider span, never a wrong result.
+    """
+
+    chunk: Chunk | None = None
+    decode: tuple[int, ...] = ()
+    reach: int = 0
+
+
+@struct.dataclass
+class StepHandle:
+    """A dispatched step's output (a typed pytree): the packed [rows, 2] int32 (id, flag), already
+    being copied to the host asynchronously, the logprobs arrays (decode_state.Sampled) and the
+    logits when asked for."""
+
+    packed: jax.Array
+    logits: jax.Array | None
+    n_rows: int = struct.field(pytree_node=False)  # the plan's rows (the rest is padding)
+    logprobs: jax.Array | None = None  # f32[R, 1 + MAX_TOP_LOGPROBS]
+    top_ids: jax.Array | None = None  # i32[R, MAX_TOP_LOGPROBS]
+
+    def ready(self) -> bool:
+        return self.packed.is_ready()
+
+
+@dataclass
+class _Plan:
+    """One step's compiled forward, its arguments after (params, cache[, table]), and its bucket key."""
+
+    fn: Any
+    args: tuple
+    kwargs: dict[str, Any]
+    key: tuple  # the shape bucket, for compiled_shapes()
+    rows: int
+
+
+class Model:
+    """A loaded model: its device params and the compiled verbs (`insert`, `step`, `release`).
+
+    A model does not own sequences: callers own a `DecodeState` from `new_state()` and hand it to every
+    verb (it is donated: only the returned state may be used). The card (`self.card`) is the JAX-free
+    description the web layer reads: config, tokenizer, chat template and limits.
+    """
+
+    def __init__(self, path: Path, name: str, cfg: ModelConfig, arch: Any,
+                 params: Any, tokenizer: Any, template: Any, opts: LoadOptions, devices: list[Any],
+                 compute_dtype: Any, weight_bytes: int, kernels: Kernels = XLA, kv_dtype: Any = jnp.float32):
+        self.name = name
+        self.config = cfg
+        self.arch = arch
+        self.caps = capabilities_of(arch)
+        self.params = params
+        self.opts = opts
+        self.devices = devices
+        self.dtype = compute_dtype
+        self.weight_bytes = weight_bytes
+        self.kernels = kernels  # which kernels the steps use (static: part of every jit cache key)
+        self.native_matmul = kernels.matmul  # for health and metrics
+        self.kv_dtype = jnp.dtype(kv_dtype)  # the KV cache's element type (PANTHEON_KV_DTYPE)
+        self.n_slots = opts.n_slots
+        self.max_seq = min(opts.max_seq, cfg.context_length) if cfg.context_length else opts.max_seq
+        self.chunk = max(1, min(opts.prefill_chunk, self.max_seq))
+        self.capacity = self.max_seq + self.chunk  # a padded chunk never writes past the end
+        self.scratch_slot = self.n_slots
+        self.card = ModelCard(name=name, path=str(path), arch=cfg.arch, context_length=self.max_seq,
+                              n_slots=self.n_slots, tokenizer=tokenizer, template=template,
+                              native_kernels=bool(kernels.matmul), admit=self._admit)
+        # Few buckets = few programs to compile at load (each costs seconds on CPU). Rows double,
+        # prefill chunks step by a quarter of the full chunk (prefill is compute-bound, so a 70-token
+        # prompt padded to 128 would cost almost twice what it needs).
+        self.row_buckets = _geometric_buckets(1, max(1, self.n_slots), 2)
+        self.chunk_buckets = _chunk_buckets(self.chunk)
+        # Spans double from 128 to max_seq: batched decode time grows with the span it attends over
+        # (span 1024 costs ~4x span 256 at 8 rows), so a bucket is at most twice the filled part.
+        # The last one stretches to the capacity (the chunk's padding slack) instead of adding a
+        # bucket just above max_seq: one program fewer per (rows, tokens) bucket.
+        self.span_buckets = (*_geometric_buckets(min(128, self.max_seq), self.max_seq, 2)[:-1], self.capacity)
+        # Mixed steps: one prefill row of T tokens plus up to n_slots - 1 decode rows in one forward
+        # (the architecture's forward_groups), so a new request's prompt does not stall the decoders.
+        # The decode group is always padded to n_slots - 1 rows: one program per (T, span), not four.
+        self.mixed_rows = self.n_slots - 1
+        self.supports_mixed = self.caps.mixed_steps and self.mixed_rows >= 1
+        # Two programs per step: the forward (one per (kind, rows, tokens, span) bucket) and the
+        # sampler + slot update (one per rows bucket). Keeping the sampler out of the forward compiles
+        # it a handful of times, not once per forward bucket. Several dies: one mesh over them, params
+        # and state split tensor-parallel (pantheon.runtime.sharding); the step pins the state it returns to
+        # the layout it took, so one program serves every step.
+        self.shard_plan = None
+        raw, serve = self._forward_impl, self._serve_impl
+        if len(devices) > 1:
+            from pantheon.runtime.sharding import ShardPlan
+            self.shard_plan = ShardPlan(devices, cfg)
+            raw, serve = self.shard_plan.wrap_forward(raw), self.shard_plan.wrap_forward(serve)
+            self._sharded_init = self.shard_plan.state_initializer(
+                lambda: self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.kv_dtype))
+        self._forward = jax.jit(raw, static_argnames=("span", "all_logits", "kernels"), donate_argnums=(1,))
+        self._serve = jax.jit(serve, static_argnames=("span", "kernels", "kind"), donate_argnums=(1,))
+        max_seq, barrier = self.max_seq, self.shard_plan is None
+        self._advance = jax.jit(
+            lambda table, logits, rows, mask, masked: decode_state.sample_and_advance(
+                table, logits, rows, mask, masked, max_seq, barrier),
+            donate_argnums=(0,))
+        self._insert = jax.jit(decode_state.insert, donate_argnums=(0,))
+        self._release = jax.jit(decode_state.release, donate_argnums=(0,))
+        self._copy = jax.jit(decode_state.copy_slot, donate_argnums=(0,))
+        self._score = jax.jit(_score_rows, static_argnames=("k",))
+        self.mask_words = -(-cfg.vocab // 32)  # a grammar mask row: one bit per token of the logits
+        self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (all-ones mask, False) on the device
+        embed = self._embed_impl if self.shard_plan is None else self.shard_plan.wrap_forward(self._embed_impl)
+        self._embed = jax.jit(embed, static_argnames=("span", "kernels"), donate_argnums=(1,))
+        self._compiled_keys: set[tuple] = set()
+        self._keys_lock = osthread.Lock()  # guards _compiled_keys (steps may come from several threads)
+        # The leaves of every state this model handed out, held weakly, so free() can free the caches'
+        # device buffers even if a caller still holds a state. id(leaf) -> leaf; an entry goes by
+        # itself when its leaf dies (donated or dropped).
+        self._states: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self.released = False
+
+    @property
+    def tokenizer(self) -> Any:
+        """The card's tokenizer (host side: for tools and tests that tokenize beside the engine)."""
+        return self.card.tokenizer
+
+    # ---- state ---------------------------------------------------------------------------------
+    def new_state(self) -> DecodeState:
+        """Fresh state for n_slots sequences plus the scratch slot, on the model's device(s)."""
+        self._check_live()
+        table = decode_state.empty_table(self.n_slots + 1)
+        if self.shard_plan is not None:  # the cache straight into its shards, the table on every die
+            cache = self._sharded_init()
+            table = jax.device_put(table, self.shard_plan.replicated)
+        else:
+            with jax.default_device(self.devices[0]):
+                cache = self.arch.init_state(self.config, self.n_slots + 1, self.capacity, self.kv_dtype)
+            # Committed to the device like every step's output, so the first step and later ones share
+            # one compiled program (an uncommitted input is a different jit cache key).
+            cache = jax.device_put(cache, self.devices[0])
+            table = jax.device_put(table, self.devices[0])
+        return self._track(DecodeState(cache=cache, slots=table))
+
+    def _track(self, state: Any) -> Any:
+        """Remember `state`'s leaves weakly (for free); returns it unchanged."""
+        for leaf in jax.tree.leaves(state):
+            self._states[id(leaf)] = leaf
+        return state
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise RuntimeError(f"model {self.name!r} has been released (unloaded)")
+
+    # ---- free ------------------------------------------------------------------------------------
+    def free(self) -> None:
+        """Free what this model holds on its devices now, whoever still references the Model.
+
+        Why explicit: a loaded model's memory is its params, its slot caches and its compiled
+        programs, and Python frees them only when the last reference goes -- which an unload cannot
+        guarantee (a scheduler or a traceback still pointing at a state, reference cycles through the
+        jitted closures). So unload calls this: every param and every state leaf still alive is
+        deleted (device buffers go at once; a later use raises instead of reading freed memory), the
+        compiled programs of this model's own jitted functions are dropped (`clear_cache` is per
+        function: other loaded models keep theirs, unlike the global `jax.clear_caches()`), and the
+        references are cut so the closures can be collected. Idempotent; the model cannot step after.
+        Call it only once no thread is stepping the model (the registry closes the backend first).
+        """
+        if self.released:
+            return
+        self.released = True
+        _delete_arrays(list(self._states.values()))
+        self._states.clear()
+        params, self.params = self.params, None
+        _delete_arrays(params)
+        self._no_mask.clear()
+        for attr in ("_forward", "_serve", "_advance", "_insert", "_release", "_copy", "_score", "_embed"):
+            fn = getattr(self, attr, None)
+            clear = getattr(fn, "clear_cache", None)
+            if callable(clear):
+                clear()
+            if fn is not None:
+                setattr(self, attr, None)
+        self._sharded_init = None
+        self.shard_plan = None
+        with self._keys_lock:
+            self._compiled_keys.clear()
+
+    def _admit(self, n_tokens: int, reserve_tokens: int, watch: Any) -> memory.Admission:
+        """The card's memory admission: what `n_tokens` of prompt (+ the answer's reserve) costs here."""
+        return memory.admit(self, n_tokens, watch=watch, reserve_tokens=reserve_tokens)
+
+    def state_bytes_per_token(self) -> int:
+        """What one more token of context costs in this model's cache (at its KV dtype)."""
+        return kv_bytes(self.arch.state_bytes_per_token(self.config), self.kv_dtype)
+
+    # ---- the verbs -------------------------------------------------------------------------------
+    def insert(self, state: DecodeState, new: decode_state.SlotInsert) -> DecodeState:
+        """Give a slot to a request: its sampling knobs and seed, stop ids, budget, the prompt's tail
+        for penalties, and the position its reused prefix reaches. Written once; steps read it."""
+        self._check_live()
+        if not 0 <= int(new.slot) < self.n_slots:
+            raise ValueError(f"slot {int(new.slot)} is not one of the model's {self.n_slots}")
+        return state.replace(slots=self._track(self._insert(state.slots, new)))
+
+    def release(self, state: DecodeState, slot: int) -> DecodeState:
+        """Take a slot back before its request finished by itself (cancel): later rows for it, even
+        ones already planned, compute into the scratch slot and change nothing."""
+        self._check_live()
+        return state.replace(slots=self._track(self._release(state.slots, np.int32(slot))))
+
+    def step(self, state: DecodeState, plan: StepPlan, want_logits: bool = False,
+             mask: Callable[[], np.ndarray | None] | np.ndarray | None = None) -> tuple[StepHandle, DecodeState]:
+        """Dispatch one step (returns at once); read its result with `read(handle)`.
+
+        Rows: the plan's chunk first (if any), then one per decoding slot, in the plan's order. Each
+        row's packed output is (token id, flag) (decode_state's RUNNING / STOP / LENGTH / IDLE).
+
+        `mask`: called after the forward is dispatched and before the sampler is, so the host builds
+        a grammar's token mask while the device runs the forward; it returns i32[rows, mask_words]
+        (bit t of a row allows token t; an unconstrained row is all ones) or None for no mask. (An
+        array instead of a callable is used as it is: how a cluster's followers get the mask.)
+        """
+        self._check_live()
+        p = self._serve_plan(plan)
+        self._note_shape(p.key)
+        logits, rows, cache = p.fn(self.params, state.cache, state.slots, *p.args, **p.kwargs)
+        n = (plan.chunk is not None) + len(plan.decode)
+        words = mask() if callable(mask) else mask
+        if words is None:
+            m, masked = self._unmasked(p.rows)
+        else:
+            m = np.full((p.rows, self.mask_words), -1, np.int32)
+            m[:n] = words
+            m, masked = self._on_device(m), self._on_device(np.bool_(True))
+        out, table = self._advance(state.slots, logits, rows, m, masked)
+        for x in (out.packed, out.logprobs, out.top_ids):
+            if x.is_fully_addressable:  # (over several processes each reads its own replicated copy)
+                x.copy_to_host_async()  # the host reads it after dispatching the next step
+        state = self._track(DecodeState(cache=cache, slots=table))
+        return StepHandle(packed=out.packed, logits=logits if want_logits else None, n_rows=n,
+                          logprobs=out.logprobs, top_ids=out.top_ids), state
+
+    def _on_device(self, x: Any) -> Any:
+        """A host input placed like the state (replicated over a mesh), so the program is reused."""
+        return jax.device_put(x, self.shard_plan.replicated if self.shard_plan is not None else self.devices[0])
+
+    def _unmasked(self, rows: int) -> tuple[jax.Array, jax.Array]:
+        """The all-ones mask of a step of `rows` rows and the False switch, kept on the device (no
+        transfer on a step without a grammar)."""
+        if rows not in self._no_mask:
+            self._no_mask[rows] = (self._on_device(np.full((rows, self.mask_words), -1, np.int32)),
+                                   self._on_device(np.bool_(False)))
+        return self._no_mask[rows]
+
+    def copy_slot(self, state: DecodeState, src: int, dst: int) -> DecodeState:
+        """Make slot `dst`'s cache a copy of slot `src`'s (all positions; recurrent state too): the
+        choices of an n > 1 request start from one prefilled prompt. Insert `dst` afterwards."""
+        self._check_live()
+        for s in (src, dst):
+            if not 0 <= s < self.n_slots:
+                raise ValueError(f"slot {s} is not one of the model's {self.n_slots}")
+        return self._track(state.replace(cache=self._copy(state.cache, np.int32(src), np.int32(dst))))
+
+    def prompt_logprobs(self, state: DecodeState, tokens: Sequence[int], k: int
+                        ) -> tuple[list[tuple[float, list[tuple[int, float]]] | None], DecodeState]:
+        """Teacher-forced log probabilities of a prompt's own tokens, on the scratch slot.
+
+        Entry i (i >= 1) is (logprob of tokens[i] given tokens[:i], the k most likely tokens there);
+        entry 0 is None (nothing predicts the first token). Chunks of `chunk` tokens run the raw
+        forward with every position's logits, reduced on the device: only [T, 1 + 2k] values come
+        back. Costs one extra prefill of the prompt (legacy completions' echo + logprobs).
+        """
+        self._check_live()
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"k must be in 0..{MAX_TOP_LOGPROBS}")
+        toks = list(tokens)
+        out: list[tuple[float, list[tuple[int, float]]] | None] = [None]
+        for start in range(0, max(len(toks) - 1, 0), self.chunk):
+            part = toks[start:start + self.chunk]
+            follow = toks[start + 1:start + 1 + len(part)]  # the token each position predicts
+            plan = self._plan([part], [self.scratch_slot], [start], True)
+            self._note_shape(plan.key)
+            _, every, cache = plan.fn(self.params, state.cache, *plan.args, **plan.kwargs)
+            state = self._track(state.replace(cache=cache))
+            nxt = np.zeros((1, every.shape[1]), np.int32)  # padded to the chunk bucket
+            nxt[0, :len(follow)] = follow
+            lps, ids = self._score(every[:1], self._on_device(nxt), k=MAX_TOP_LOGPROBS)
+            lps, ids = _to_host(lps)[0], _to_host(ids)[0]
+            for j in range(len(follow)):
+                out.append((float(lps[j, 0]), [(int(ids[j, i]), float(lps[j, 1 + i])) for i in range(k)]))
+        return out, state
+
+    @staticmethod
+    def read(handle: StepHandle) -> np.ndarray:
+        """The step's packed [rows, 2] (id, flag), waiting for the device if needed."""
+        return _to_host(handle.packed)[: handle.n_rows]
+
+    @staticmethod
+    def read_logprobs(handle: StepHandle) -> tuple[np.ndarray, np.ndarray]:
+        """The step's (f32[rows, 1 + MAX_TOP_LOGPROBS], i32[rows, MAX_TOP_LOGPROBS]): each row's
+        sampled-token logprob, then the top logprobs and their ids (zeros for rows that asked none)."""
+        assert handle.logprobs is not None and handle.top_ids is not None
+        return _to_host(handle.logprobs)[: handle.n_rows], _to_host(handle.top_ids)[: handle.n_rows]
+
+    @staticmethod
+    def poll(handle: StepHandle) -> np.ndarray | None:
+        """`read` if the step has finished, else None (never blocks)."""
+        return Model.read(handle) if handle.ready() else None
+
+    # ---- the jitted parts --------------------------------------------------------------------------
+    def _forward_impl(self, params, cache, tokens, slots, start, n_new, *, span: int, all_logits: bool,
+                      kernels: Kernels):
+        logits, cache = self.arch.forward(params, cache, tokens, slots, start, n_new, cfg=self.config,
+                                          span=span, all_logits=all_logits, kernels=kernels)
+        last = last_valid(logits, n_new) if all_logits else logits
+        return last, (logits if all_logits else None), cache
+
+    def _serve_impl(self, params, cache, table, chunk_tok, chunk_meta, dec_slots, *, span: int, kernels: Kernels,
+                    kind: str):
+        """The forward of a serving step: decode rows take their token and position from `table`.
+
+        chunk_tok i32[1, T], chunk_meta i32[3] = (slot, real tokens, final), dec_slots i32[D] (padding:
+        the scratch slot). A decode row whose slot is inactive (finished or released while this step
+        was being planned) is sent to the scratch slot, so it changes no cache and no recurrent state.
+        Returns (logits [R, V] of each row's last token, StepRows, cache).
+        """
+        scratch = self.scratch_slot
+        groups, slot, emit, pos, live = [], [], [], [], []
+        if kind in ("prefill", "mixed"):
+            c_slot, c_n, c_final = chunk_meta[0:1], chunk_meta[1:2], chunk_meta[2:3]
+            c_start = table.pos[c_slot]
+            groups.append((chunk_tok, c_slot, c_start, c_n))
+            slot.append(c_slot)
+            emit.append(c_final > 0)
+            pos.append(c_start + c_n)
+            live.append(jnp.ones((1,), bool))
+        if kind in ("decode", "mixed"):
+            on = table.active[dec_slots] & (dec_slots != scratch)
+            d_slot = jnp.where(on, dec_slots, scratch)
+            d_start = jnp.where(on, table.pos[dec_slots], 0)
+            d_tok = jnp.where(on, table.last[dec_slots], 0)[:, None]
+            groups.append((d_tok, d_slot, d_start, jnp.ones_like(d_start)))
+            slot.append(d_slot)
+            emit.append(on)
+            pos.append(d_start + 1)
+            live.append(on)
+        if kind == "mixed":
+            logits, cache = self.arch.forward_groups(params, cache, tuple(groups), cfg=self.config, span=span,
+                                                     kernels=kernels)
+        else:
+            logits, cache = self.arch.forward(params, cache, *groups[0], cfg=self.config, span=span,
+                                              all_logits=False, kernels=kernels)
+        rows = decode_state.StepRows(slot=jnp.concatenate(slot), emit=jnp.concatenate(emit),
+                                     pos=jnp.concatenate(pos), live=jnp.concatenate(live))
+        return logits, rows, cache
+
+    def _serve_plan(self, plan: StepPlan) -> _Plan:
+        """Which compiled forward a serving step runs and its padded host inputs."""
+        c, dec = plan.chunk, list(plan.decode)
+        if c is None and not dec:
+            raise ValueError("a step needs a prompt chunk or a decoding slot")
+        if c is not None and not c.tokens:
+            raise ValueError("a prompt chunk needs at least one token")
+        if c is not None and dec and not self.supports_mixed:
+            raise ValueError(f"{self.config.arch} cannot mix a prompt chunk with decode rows in one step")
+        if len(dec) > (self.mixed_rows if c is not None else self.n_slots):
+            raise ValueError(f"{len(dec)} decode rows do not fit the step")
+        reach = max(plan.reach, 1) if dec else 0
+        T, ctok, cmeta = 0, np.zeros((1, 1), np.int32), np.zeros(3, np.int32)
+        if c is not None:
+            # A one-token chunk (a prompt whose prefix is all cached) runs unpadded: padding it to the
+            # smallest chunk bucket would cost ~30x its compute, right on the time to first token.
+            T = 1 if len(c.tokens) == 1 else _bucket(len(c.tokens), self.chunk_buckets)
+            ctok = np.zeros((1, T), np.int32)
+            ctok[0, : len(c.tokens)] = c.tokens
+            cmeta = np.array([c.slot, len(c.tokens), int(c.final)], np.int32)
+            reach = max(reach, c.start + T)
+        span = self._span_for(reach)
+        if c is not None and dec:
+            kind, D = "mixed", self.mixed_rows
+        elif c is not None:
+            kind, D = "prefill", 0
+        else:
+            kind, D = "decode", _bucket(len(dec), self.row_buckets)
+        ds = np.full((max(D, 1),), self.scratch_slot, np.int32)
+        ds[: len(dec)] = dec
+        return _Plan(self._serve, (ctok, cmeta, ds), dict(span=span, kernels=self.kernels, kind=kind),
+                     (kind, D, T, span), (1 if c is not None else 0) + D)
+
+    # ---- teacher-forced rows (numerics: logits, tests, tools) ------------------------------------
+    def forward_rows(self, state: DecodeState, tokens: Sequence[Sequence[int]], slots: Sequence[int],
+                     starts: Sequence[int], all_logits: bool = False) -> tuple[np.ndarray, DecodeState]:
+        """Feed rows of given tokens straight into the cache, no sampling, no slot table.
+
+        Row b feeds tokens[b] at positions starts[b].. into slot slots[b]. Returns the logits of each
+        row's last token [rows, V] (all_logits: every position, [rows, T, V]) and the new state.
+        """
+        self._check_live()
+        plan = self._plan(tokens, slots, starts, all_logits)
+        self._note_shape(plan.key)
+        last, every, cache = plan.fn(self.params, state.cache, *plan.args, **plan.kwargs)
+        state = self._track(state.replace(cache=cache))
+        out = _to_host(every if all_logits else last)[: len(tokens)]
+        return out, state
+
+    def _plan(self, tokens: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
+              all_logits: bool) -> _Plan:
+        """The raw forward's bucket and padded host inputs (rows, tokens, span buckets)."""
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("step needs at least one row")
+        lens = [len(t) for t in tokens]
+        if min(lens) < 1:
+            raise ValueError("every row needs at least one token")
+        B = _bucket(n, self.row_buckets)
+        T = 1 if max(lens) == 1 else _bucket(max(lens), self.chunk_buckets)
+        span = self._span_for(max(s + T for s in starts))
+        tok = np.zeros((B, T), np.int32)
+        sl = np.full((B,), self.scratch_slot, np.int32)
+        st = np.zeros((B,), np.int32)
+        nn = np.ones((B,), np.int32)
+        for b in range(n):
+            tok[b, : lens[b]] = tokens[b]
+            sl[b] = slots[b]
+            st[b] = starts[b]
+            nn[b] = lens[b]
+        return _Plan(self._forward, (tok, sl, st, nn), dict(span=span, all_logits=all_logits, kernels=self.kernels),
+                     ("raw", B, T, span, all_logits), B)
+
+    # ---- embeddings ------------------------------------------------------------------------------
+    def embed(self, state: DecodeState, rows: Sequence[Sequence[int]], slots: Sequence[int],
+              starts: Sequence[int], pooling: str | Sequence[str] = "mean") -> tuple[np.ndarray, DecodeState]:
+        """Feed rows of tokens into slots' caches as a prompt chunk would, and pool each row's final
+        hidden states on the device: only [rows, D] comes back, never [rows, T, D] or logits.
+
+        Row b feeds rows[b] (at most `chunk` tokens) at positions starts[b].. into slot slots[b]
+        (distinct serving slots; the caller gives the slot up to this: its cache rows from starts[b]
+        on are overwritten, and a row at start 0 restarts any recurrent state). `pooling` (one for
+        all rows, or one per row): "mean" returns the *sum* of the row's hidden states, "last" the
+        hidden state of its last token -- so a long input fed in several calls with increasing starts
+        is pooled on the host (sums added, then divided by the length; the last call's "last").
+        Returns f32 [rows, D] on the host and the new state. Compiled per (rows, tokens, span)
+        bucket, as `forward_rows`; both poolings come out of one program.
+        """
+        self._check_live()
+        n = len(rows)
+        kinds = [pooling] * n if isinstance(pooling, str) else list(pooling)
+        if len(kinds) != n or any(k not in ("mean", "last") for k in kinds):
+            raise ValueError(f"pooling must be \"mean\" or \"last\" (one, or one per row), got {pooling!r}")
+        if len(slots) != n or len(starts) != n:
+            raise ValueError("embed needs one slot and one start per row")
+        if len(set(slots)) != n or not all(0 <= int(s) < self.n_slots for s in slots):
+            raise ValueError(f"embed rows need distinct serving slots (0..{self.n_slots - 1}), got {list(slots)}")
+        if any(len(r) > self.chunk for r in rows):
+            raise ValueError(f"an embedding row feeds at most {self.chunk} tokens per call")
+        plan = self._plan(rows, slots, starts, False)
+        key = ("embed", *plan.key[1:4])
+        self._note_shape(key)
+        pooled, _, cache = self._embed(self.params, state.cache, *plan.args, span=plan.kwargs["span"],
+                                       kernels=self.kernels)
+        state = self._track(state.replace(cache=cache))
+        both = _to_host(pooled)[:, :n]  # [2, rows, D]: sums, last
+        return np.stack([both[0 if k == "mean" else 1, b] for b, k in enumerate(kinds)]).astype(np.float32), state
+
+    def _embed_impl(self, params, cache, tokens, slots, start, n_new, *, span: int, kernels: Kernels):
+        """The hidden-state forward and both poolings: [2, B, D] (sum over each row's real tokens,
+        the last real token's), f32. Padding positions are masked with `where`, not multiplied: the
+        native kernels leave a padded chunk's rows unwritten, and 0 * NaN is NaN."""
+        h, cache = self.arch.hidden_states(params, cache, tokens, slots, start, n_new, cfg=self.config, span=span,
+                                           kernels=kernels)
+        h = h.astype(jnp.float32)
+        real = (jnp.arange(h.shape[1], dtype=jnp.int32)[None, :] < n_new[:, None])[..., None]
+        sums = jnp.sum(jnp.where(real, h, 0.0), axis=1)
+        return jnp.stack([sums, last_valid(h, n_new)]), None, cache
+
+    def _span_for(self, need: int) -> int:
+        if need > self.capacity:
+            raise ValueError(f"sequence position {need} exceeds the cache capacity {self.capacity}")
+        return _bucket(need, self.span_buckets)
+
+    def _note_shape(self, key: tuple) -> None:
+        with self._keys_lock:
+            self._compiled_keys.add(key)
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def warmup_plans(self, decode: bool = True, prefill: bool = True, mixed: bool = True) -> list[StepPlan]:
+        """Every serving step shape the scheduler can ask for, as plans on the scratch slot."""
+        plans: list[StepPlan] = []
+        s = self.scratch_slot
+        if decode:
+            plans += [StepPlan(decode=(s,) * b, reach=sp) for b in self.row_buckets for sp in self.span_buckets]
+        chunks = [(t, sp) for t in (1, *self.chunk_buckets) for sp in self.span_buckets if sp >= t]
+        for t, sp in chunks:
+            start = max(0, min(sp - t, self.capacity - t)) if sp != self.span_buckets[0] else 0
+            if prefill:
+                plans.append(StepPlan(chunk=Chunk(s, (0,) * t, start, False)))
+            if mixed and self.supports_mixed:
+                plans.append(StepPlan(chunk=Chunk(s, (0,) * t, start, False), decode=(s,), reach=start + t))
+        return plans
+
+    def warmup(self, state: DecodeState, decode: bool = True, prefill: bool = True,
+               mixed: bool = True) -> DecodeState:
+        """Compile every step shape the scheduler can ask for; returns the state.
+
+        XLA compiles with the GIL released: the forwards are compiled ahead of time on every core,
+        then each shape runs once on the scratch slot (which also compiles the few sampler programs).
+        """
+        step_plans = self.warmup_plans(decode, prefill, mixed)
+        plans = [self._serve_plan(p) for p in step_plans]
+        osthread.map_threads(
+            lambda pl: pl.fn.lower(self.params, state.cache, state.slots, *pl.args, **pl.kwargs).compile(),
+            plans, os.cpu_count() or 1, name=f"compile-{self.name}")
+        for plan in step_plans:
+            h, state = self.step(state, plan)
+            self.read(h)
+        state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert
+        state = self.copy_slot(state, 0, 0)  # ... the n > 1 fork
+        return self.release(state, 0)  # ... and release, leaving slot 0 idle
+
+    def compiled_shapes(self) -> set[tuple]:
+        with self._keys_lock:
+            return set(self._compiled_keys)
+
+
+def _score_rows(logits: jax.Array, nxt: jax.Array, *, k: int) -> tuple[jax.Array, jax.Array]:
+    """Per position of [B, T, V] logits: the logprob of the next prompt token `nxt` [B, T] and the
+    top k (sampler.token_logprobs over the flattened positions)."""
+    from pantheon.runtime.sampler import token_logprobs
+    b, t, v = logits.shape
+    lps, ids = token_logprobs(logits.reshape(b * t, v), nxt.reshape(b * t), k)
+    return lps.reshape(b, t, 1 + k), ids.reshape(b, t, k)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A step output's host copy. Outputs are replicated; over a mesh spanning processes only this
+    process's copy is readable (pantheon.serving.distributed), and it is the whole value."""
+    if not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
+
+
+def _delete_arrays(tree: Any) -> None:
+    """Delete every JAX array in `tree` (its device buffers are freed now, not at the next gc); other
+    leaves (host numpy copies, None) are left to Python."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            try:
+                leaf.delete()
+            except Exception:  # already donated or freed by its backend: nothing left to give back
+                pass
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def _arch_module(cfg: ModelConfig, path: Path):
+    from pantheon.jax_models import registry
+    mod = registry.module_for(cfg.arch)
+    if mod is None:
+        raise ModelLoadError(path, f"architecture {cfg.arch!r} is recognised but not implemented yet")
+    return mod
+
+
+def _resolve_dtype(opt: str, device: Any):
+    if opt == "auto":
+        return jnp.float32 if device.platform == "cpu" else jnp.bfloat16
+    try:
+        return jnp.dtype(opt).type
+    except TypeError as exc:
+        raise ValueError(f"unknown dtype {opt!r}") from exc
+
+
+def native_wanted(opts: LoadOptions) -> bool:
+    """Whether a single-die CPU f32 load asks for pantheon.ops.native's kernels."""
+    return load_settings().native_matmul if opts.native_matmul is None else bool(opts.native_matmul)
+
+
+def choose_kernels(opts: LoadOptions, devices: Sequence[Any], dtype: Any) -> Kernels:
+    """The one decision of which kernels a model's steps use (made once, at load).
+
+    The native CPU kernels need the whole model on one CPU die computing in f32, the library
+    built, and the option (PANTHEON_NATIVE_MATMUL / LoadOptions.native_matmul) on; everything else
+    runs XLA's forms, which expand the weights' blocks inside the step in `dtype`.
+    """
+    compute = jnp.dtype(dtype).name
+    if len(devices) != 1 or devices[0].platform != "cpu" or dtype != jnp.float32 or not native_wanted(opts):
+        return Kernels(compute=compute)
+    built = native.enable(Path(opts.native_dir) if opts.native_dir else load_settings().home / "native")
+    return Kernels(matmul=built, attention=built, compute=compute)
+
+
+def resolve_kv_dtype(opts: LoadOptions, device: Any) -> Any:  # device: a jax device or a platform name
+    """The KV cache's dtype: LoadOptions.kv_dtype, else PANTHEON_KV_DTYPE; "auto" is float16 on CPU
+    (what llama.cpp keeps: half the bytes, the native attention widens it with F16C) and bfloat16
+    elsewhere."""
+    name = getattr(opts, "kv_dtype", None) or load_settings().kv_dtype
+    if name == "auto":
+        platform = device if isinstance(device, str) else device.platform
+        name = "float16" if platform == "cpu" else "bfloat16"
+    if name not in KV_DTYPES:
+        raise ValueError(f"KV dtype {name!r} is not one of {', '.join(KV_DTYPES)}")
+    return jnp.dtype(name)
+
+
+KV_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def kv_bytes(f32_bytes: int, kv_dtype: Any) -> int:
+    """Bytes of a cache sized `f32_bytes` at 4 bytes an element, kept in `kv_dtype` instead."""
+    return int(f32_bytes) * jnp.dtype(kv_dtype).itemsize // 4
+
+
+class _MatrixSource:
+    """A tensor source that can hand out matrices as weights: GGUF's TensorSource does (views of the
+    file); an HF checkpoint's safetensors source gives float arrays, wrapped as dense weights."""
+
+    def __init__(self, src: Any):
+        self._src = src
+
+    @classmethod
+    def of(cls, src: Any) -> Any:
+        return src if hasattr(src, "matrix") else cls(src)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._src, name)
+
+    def matrix(self, name: str, shape: tuple[int, ...] | None = None) -> weights.QuantWeight:
+        return weights.dense(self._src.get(name, shape))
+
+
+def load(path: str | Path, opts: LoadOptions | None = None) -> Model:
+    return load_on(path, opts, None)
+
+
+def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[int] | None = None) -> Model:
+    """Load a GGUF (or HF safetensors dir) onto the given JAX devices (default: the first device).
+
+    Any failure raises ModelLoadError naming the file; nothing stays allocated on the device. This
+    is the one place every exception of the file-reading and building stage (gguf's reader, the
+    metadata, the tokenizer, the chat template, the arch's parameter builder, the upload) is turned
+    into one: a damaged or lying file is the file's problem (500 `model_load_error`), never an
+    `internal_error`, whatever library happened to trip over it. The checks that know what is wrong
+    (gguf_meta, gguf_loader, tokenizer) raise ModelLoadError themselves with a specific message.
+    """
+    opts = opts or LoadOptions()
+    compile_guard.install()
+    all_devices = jax.devices()
+    if dies:
+        bad = [d for d in dies if d < 0 or d >= len(all_devices)]
+        if bad:
+            raise ModelLoadError(path, f"no such die(s) {bad}; this host has {len(all_devices)}")
+        devices = [all_devices[d] for d in dies]
+    else:
+        devices = [all_devices[0]]
+    p = Path(path).expanduser()
+    stage = ["reading the file"]  # what _load_files is doing, for the message of an unexpected failure
+    try:
+        return _load_files(p, opts, devices, stage)
+    except Exception as exc:
+        # The frames of a failed build hold host copies of the weights (and maybe device arrays):
+        # clear them so the exception, logged and kept by a caller for a while, holds no memory.
+        memory.clear_exception_frames(exc)
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(p, f"{stage[0]} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]) -> Model:
+    """load_on's body: read and check the file, build and upload the weights, then the tokenizer and
+    template (a failure there deletes the uploaded weights at once). `stage[0]` says which step runs."""
+    from pantheon.formats import hf_loader
+    f: GGUFFile | hf_loader.HFCheckpoint
+    if hf_loader.is_hf_checkpoint(p, opts.config_path):  # safetensors directory / file + config.json
+        f = hf_loader.open_hf(p, opts.config_path)
+    else:
+        f = open_gguf(p)
+    cfg = f.config
+    arch = _arch_module(cfg, p)
+    dtype = _resolve_dtype(opts.dtype, devices[0])
+    kernels = choose_kernels(opts, devices, dtype)
+    stage[0] = "building parameters"
+    try:  # matrices stay views of the mapped file: nothing is widened here
+        host_params = arch.load_params(_MatrixSource.of(f.tensors), cfg)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(p, f"failed to build parameters: {type(exc).__name__}: {exc}") from exc
+    if len(devices) == 1 and capabilities_of(arch).fused_projections:  # sharding splits q/k/v by their own heads
+        host_params = arch.fuse_projections(host_params)
+    host_params = weights.stamp(host_params, kernels)
+    weight_bytes = weights.tree_bytes(host_params)
+    stage[0] = "placing the weights on the device"
+    if len(devices) > 1:  # tensor-parallel over the dies: each leaf goes straight into its shards
+        from pantheon.runtime.sharding import ShardPlan
+        params = ShardPlan(devices, cfg).put_params(host_params)
+    else:
+        params = weights.place(host_params, lambda _path, _leaf: devices[0])
+    del host_params
+    name = opts.name or p.stem
+    try:
+        stage[0] = "building the tokenizer and chat template"
+        tokenizer, template = _tokenizer_and_template(p, f.meta)
+        if "hf.config" not in f.meta and tokenizer.vocab_size > cfg.vocab:
+            raise ModelLoadError(p, f"the tokenizer has {tokenizer.vocab_size} tokens but token_embd.weight has "
+                                    f"{cfg.vocab} rows: ids past the embedding would read nothing")
+        stage[0] = "building the model"
+        return Model(p, name, cfg, arch, params, tokenizer, template, opts, devices, dtype, weight_bytes,
+                     kernels=kernels, kv_dtype=resolve_kv_dtype(opts, devices[0]))
+    except BaseException:
+        _delete_arrays(params)  # nothing may stay on the device when the load fails
+        raise
+
+
+def _tokenizer_and_template(path: Path, meta: dict[str, Any]):
+    from pantheon.text.chat_template import ChatTemplate
+    from pantheon.text.tokenizer import Tokenizer
+    if "hf.config" in meta:  # an HF checkpoint: tokenizer.json + tokenizer_config.json
+        from pantheon.formats.hf_loader import tokenizer_and_template
+        return tokenizer_and_template(path, meta)
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens missing)")
+    tok = Tokenizer.from_gguf_metadata(meta, str(path))
+    source = meta.get("tokenizer.chat_template")
+    if source is not None and not isinstance(source, str):
+        raise ModelLoadError(path, f"tokenizer.chat_template is {type(source).__name__}, not a string")
+    tmpl = ChatTemplate(source, tok.bos_token, tok.eos_token)
+    return tok, tmpl

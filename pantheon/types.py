@@ -1,0 +1,313 @@
+"""The request-side types: what a request asks for and what comes back, with no JAX anywhere.
+
+The web layer builds these and the schedulers consume them; neither the web package nor this module
+imports JAX (a test enforces it), so request validation, templating and streaming never wait on, or
+pull in, the device runtime.
+
+Events a backend hands a request's sink, in order:
+
+    Started()                       the request has a slot and is prefilling (absent if refused)
+    Tokens(ids, choice, logprobs)   one or more sampled ids of one choice, in order
+    Finished(reason, error, ...)    once per choice, last for it: "stop" (a stop id), "length"
+                                    (budget), "cancelled" (Handle.cancel), or "error" with `error` set
+
+An n > 1 request gets one Started, then each choice's Tokens interleaved, and n Finished events
+(a refused request gets a single Finished("error")).
+
+A request that cannot start (queue timeout, shutdown, admission denied) gets only
+`Finished("error", error=BusyError(...))`, so the web layer can still answer with a status code.
+`sink` must not block: it hands the event to the request greenlet through a thread-safe wake-up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any, Protocol
+
+import numpy as np
+
+PENALTY_WINDOW = 64  # the most recent tokens a slot keeps on the device for penalties (decode_state's ring)
+MAX_TOP_LOGPROBS = 20  # top_logprobs a row may ask for (OpenAI's limit); the step returns this many per row
+MAX_LOGIT_BIAS = 300  # logit_bias entries a request may carry (OpenAI's limit); the slot table holds this many
+LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100]
+DEFAULT_PENALTY_WINDOW = PENALTY_WINDOW  # a request looks at all of them unless it asks for fewer
+_U64 = (1 << 64) - 1
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return out
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling knobs, validated on construction so a bad request fails before it is queued.
+
+    Out-of-range values raise ``ValueError`` naming the field (the web layer turns it into a 400).  Neutral
+    values (the defaults, except ``temperature``) switch a stage off, so ``SamplingParams(temperature=0)``
+    is plain greedy decoding.
+    """
+
+    temperature: float = 1.0  # 0 => greedy
+    top_k: int = 0  # 0 (or >= vocabulary size) => off; 1 => greedy
+    top_p: float = 1.0  # in (0, 1]; 1 => off
+    min_p: float = 0.0  # in [0, 1]; 0 => off
+    repetition_penalty: float = 1.0  # > 0; 1 => off
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    seed: int | None = None  # None => a fresh random seed each time one is resolved
+    penalty_window: int = DEFAULT_PENALTY_WINDOW  # how many recent tokens the penalties look at; 0 => none
+
+    def __post_init__(self) -> None:
+        set_ = partial(object.__setattr__, self)
+        t = _real("temperature", self.temperature)
+        if t < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        set_("temperature", t)
+        k = _integer("top_k", self.top_k)
+        if k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        set_("top_k", k)
+        p = _real("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        set_("top_p", p)
+        m = _real("min_p", self.min_p)
+        if not 0.0 <= m <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        set_("min_p", m)
+        r = _real("repetition_penalty", self.repetition_penalty)
+        if r <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        set_("repetition_penalty", r)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _real(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+            set_(name, v)
+        if self.seed is not None:
+            set_("seed", _integer("seed", self.seed))
+        w = _integer("penalty_window", self.penalty_window)
+        if w < 0:
+            raise ValueError(f"penalty_window must be >= 0, got {self.penalty_window!r}")
+        set_("penalty_window", w)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the result is the argmax of the penalised logits and no random number is used."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def resolved_seed(self) -> int:
+        """The 64-bit seed to sample with: ``seed mod 2**64`` (so -1 is a valid, fixed seed), or, when no seed
+        was given, a fresh one from ``os.urandom`` -- a new one on *every* call, so resolve once per request
+        (see :meth:`resolved`) if its draws should form one stream."""
+        if self.seed is None:
+            return int.from_bytes(os.urandom(8), "little")
+        return self.seed & _U64
+
+    def resolved(self) -> "SamplingParams":
+        """A copy whose seed is fixed, for the scheduler to keep for the lifetime of a request."""
+        return self if self.seed is not None else replace(self, seed=self.resolved_seed())
+
+
+GREEDY = SamplingParams(temperature=0.0, penalty_window=0, seed=0)
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of an n > 1 request whose (resolved) seed is `seed`: choice 0 keeps
+    it (so n=1 and the first of n choices sample alike), the others get distinct 64-bit seeds derived
+    from it by a fixed mix (splitmix64), so a seeded n > 1 request is reproducible and its choices differ."""
+    if choice == 0:
+        return seed & _U64
+    z = (seed + choice * 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+@dataclass
+class GenRequest:
+    """One generation as the schedulers see it: token ids in, a budget, stop ids and sampling knobs.
+
+    The seed is resolved here, once per request: every later reader (the decode state's slot, a
+    replay) sees the same one.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    session_id: str | None = None
+    # Prefix reuse happens only between requests of one scope (the web layer's tenant key: API key,
+    # user, session, cache_salt), so a prompt's cached length never tells one client about another's.
+    cache_scope: str = ""
+    request_id: str = field(default_factory=lambda: secrets.token_hex(12))
+    # n > 1: choices that share the prompt (prefilled once); choice i samples with choice_seed(seed, i)
+    n: int = 1
+    # None: no log probabilities; k in 0..MAX_TOP_LOGPROBS: each sampled token's logprob and the k most
+    # likely tokens' (Tokens.logprobs), computed inside the step
+    logprobs: int | None = None
+    # (token id, bias) pairs added to the logits before everything else in the sampler (ids checked < vocab
+    # by the web layer; at most MAX_LOGIT_BIAS)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # A host-side grammar (pantheon.text.structured.Grammar) every choice's tokens must follow, or None. The
+    # scheduler gives each choice a matcher; the step masks the logits with its bitmask.
+    constraint: Any = None
+    # (legacy completions' echo + logprobs) the prompt's own token logprobs with the top k, delivered in
+    # Started.prompt_logprobs; None: not computed
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        p = self.params.resolved()
+        if p.penalty_window > PENALTY_WINDOW:
+            p = replace(p, penalty_window=PENALTY_WINDOW)
+        self.params = p
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}")
+
+    def choice_params(self, choice: int) -> SamplingParams:
+        """The sampling knobs of choice `choice` (its own derived seed)."""
+        return self.params if choice == 0 else replace(self.params, seed=choice_seed(self.params.seed, choice))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log probability and, when asked for, the k most likely tokens at its position
+    (most likely first), all from the same distribution: the logits after logit_bias, the penalties
+    and the grammar mask, before temperature and the top-k / top-p / min-p filters."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Started:
+    reused_tokens: int = 0  # prompt tokens served from a prefix already in the slot
+    # GenRequest.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Tokens:
+    ids: tuple[int, ...]
+    choice: int = 0  # which of the request's n choices
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per id when the request asked for logprobs
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of one choice (an n > 1 request gets one per choice; an "error" one may end them all:
+    the web layer treats any error as the request's)."""
+
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    error: Exception | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # of this choice
+    reused_tokens: int = 0
+    choice: int = 0
+
+
+Event = Started | Tokens | Finished
+Sink = Callable[[Event], None]
+
+
+class Handle(Protocol):
+    def cancel(self, choice: int | None = None) -> None:
+        """Stop generating (client gone, stop string hit): the slot is freed within one step.
+        `choice`: stop only that choice of an n > 1 request (its own stop string), the others go on."""
+
+
+class Backend(Protocol):
+    def submit(self, req: GenRequest, sink: Sink) -> Handle:
+        """Start or queue a request; raises BusyError (429/503) when it cannot even be queued."""
+
+    def load_info(self) -> dict:
+        """Counters for /metrics and bench: running, queued, slots, prefix hits..."""
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new work, cancel what runs, join the thread(s)."""
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the web layer knows of a loaded model: no device arrays, no compiled programs.
+
+    The tokenizer and chat template are host objects (tokenizers + Jinja2); `context_length` is the
+    longest sequence a slot holds (prompt + completion), `n_slots` the concurrent sequences. `admit`
+    (prompt tokens, tokens reserved for the answer, memory watch or None) -> pantheon.runtime.memory.Admission
+    is the model's memory admission, bound at load; None for a model that cannot size one.
+    """
+
+    name: str
+    path: str
+    arch: str
+    context_length: int
+    n_slots: int
+    tokenizer: Any
+    template: Any
+    native_kernels: bool = False
+    admit: Callable[[int, int, Any], Any] | None = field(default=None, repr=False, compare=False)
+
+
+# ---- embeddings ------------------------------------------------------------------------------------
+EMBED_POOLINGS = ("mean", "last")
+
+
+@dataclass
+class EmbedRequest:
+    """One embeddings request as the schedulers see it: token ids of each input, and how to pool them.
+
+    Every input is run through the model like a prompt (in chunks into one slot) and its final hidden
+    states pooled: "mean" over its tokens, or "last" (the last token's); then L2-normalised. The inputs
+    of a request, and of concurrent requests, share the model's forward calls (batched).
+    """
+
+    inputs: list[list[int]]
+    pooling: str = "mean"
+    request_id: str = field(default_factory=lambda: secrets.token_hex(12))
+
+    def __post_init__(self) -> None:
+        if self.pooling not in EMBED_POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(EMBED_POOLINGS)}, got {self.pooling!r}")
+        if not self.inputs:
+            raise ValueError("an embeddings request needs at least one input")
+        if any(len(ids) == 0 for ids in self.inputs):
+            raise ValueError("every embeddings input needs at least one token")
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.inputs)
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """An embeddings request's result, its only event on success: float32 unit vectors [inputs, D]
+    (numpy), in the request's input order. A failed or refused request gets Finished("error") instead,
+    a cancelled one Finished("cancelled")."""
+
+    vectors: Any
+    prompt_tokens: int = 0
+
+
+EmbedEvent = Embedded | Finished
+EmbedSink = Callable[[EmbedEvent], None]

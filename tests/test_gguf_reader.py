@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY
-from pantheon.formats import gguf_reader as gguf_meta
+from pantheon.formats import gguf_reader as gguf_reader
 from pantheon.errors import ModelLoadError
 from pantheon.formats.gguf_reader import MappedGGUF, open_reader, read_metadata
 
@@ -93,7 +93,7 @@ def test_opening_qwen_reads_its_whole_vocabulary_once(real_model_path, capsys):
     """The reason for the reader: gguf's took ~20 s for this file's 152k-token vocabulary (ours ~0.3 s,
     printed here; speed is measured in benchmarks, not asserted)."""
     path = real_model_path("qwen-0.5b")
-    gguf_meta._open_cached.cache_clear()
+    gguf_reader._open_cached.cache_clear()
     t0 = time.perf_counter()
     reader = open_reader(path)
     meta = read_metadata(reader, path)
@@ -262,7 +262,7 @@ def test_bad_utf8_in_a_key_or_tensor_name_fails_the_open(tmp_path, what):
 
 # ---- damaged headers ---------------------------------------------------------------------------------
 def _expect_refused(p: Path, *words: str) -> ModelLoadError:
-    gguf_meta._open_cached.cache_clear()
+    gguf_reader._open_cached.cache_clear()
     with pytest.raises(ModelLoadError) as exc:
         open_reader(p)
     msg = str(exc.value)

@@ -85,7 +85,7 @@ def test_rss_is_flat_over_load_unload_cycles_of_the_default_model(real_model_pat
     r = run_cycles(path, {"PANTHEON_WARMUP": "1", "QWEN35_BATCH_SLOTS": "8", "QWEN35_MAX_SEQ": "512",
                           "QWEN35_BS_PREFILL_CHUNK": "32"})
     figures = {k: [round(x / 2 ** 30, 3) for x in v] for k, v in r.items()}  # GiB, shown on failure
-    # The first cycle leaves what a reload reuses (the file's parsed header, gguf_meta's reader
+    # The first cycle leaves what a reload reuses (the file's parsed header, gguf_reader's reader
     # cache: ~70 MB with the vocabulary's strings); from the second on, RSS must stay flat.
     first, second, last = r["loaded"][0], r["loaded"][1], r["loaded"][-1]
     assert last <= first * 1.15 and last <= second * 1.05, figures

@@ -1,6 +1,6 @@
 """GGUF → (ModelConfig, tensors as the file stores them).
 
-The loader reads a memory-mapped GGUF with `gguf_meta.open_reader` (a header parser of our own:
+The loader reads a memory-mapped GGUF with `gguf_reader.open_reader` (a header parser of our own:
 gguf's reader takes 20-45 s over a 150k-token vocabulary), turns its metadata into a frozen
 `ModelConfig`, and hands architecture files a `TensorSource`: matrices come out as views of the
 mapped file in their own format (`matrix`, a pantheon.ops.weights.QuantWeight), small vectors as f32
@@ -93,7 +93,7 @@ class ModelConfig:
 class TensorSource:
     """Named tensors of an open GGUF with shape checks: matrices as stored, vectors as float32."""
 
-    def __init__(self, path: Path, reader: Any):  # gguf_meta.MappedGGUF (or a gguf.GGUFReader)
+    def __init__(self, path: Path, reader: Any):  # gguf_reader.MappedGGUF (or a gguf.GGUFReader)
         self.path = path
         self._tensors = {t.name: t for t in reader.tensors}
 
@@ -102,6 +102,14 @@ class TensorSource:
 
     def names(self) -> list[str]:
         return list(self._tensors)
+
+    def gguf_dims(self) -> dict[str, tuple[int, ...]]:
+        """Tensor name -> dims in GGUF order (ne0 first), from the header: what a size estimate reads."""
+        return {name: tuple(int(d) for d in t.shape) for name, t in self._tensors.items()}
+
+    def type_ids(self) -> dict[str, int]:
+        """Tensor name -> ggml type id, from the header."""
+        return {name: int(t.tensor_type) for name, t in self._tensors.items()}
 
     def qtype(self, name: str) -> str:
         return self._tensors[name].tensor_type.name
@@ -362,7 +370,7 @@ class GGUFFile:
 
 def open_gguf(path: str | Path) -> GGUFFile:
     p = Path(path).expanduser()
-    reader = open_reader(p)  # also checks the tensor table against the file (gguf_meta.check_tensor_layout)
+    reader = open_reader(p)  # also checks the tensor table against the file (gguf_reader.check_tensor_layout)
     meta = read_metadata(reader, p)
     tensors = TensorSource(p, reader)
     cfg = config_from_metadata(p, meta, tensors)

@@ -1,19 +1,19 @@
-"""GGUF metadata as plain Python values, and the checks every reader of a GGUF's layout shares.
+"""The one GGUF header parser: metadata as plain Python values, tensors as views of one mapping.
 
 Kept apart from the tensor loader so the tokenizer and chat-template code can read a file's
-vocabulary without touching its weights. `check_tensor_layout` lives here because two readers walk
-a file's tensor table -- this module's `MappedGGUF` on the load path and pantheon.serving.dies' header scan
-for the load estimate -- and a damaged table must be refused by both the same way (a ModelLoadError
-naming the tensor), never turned into an absurd estimate, a huge allocation or a raw exception.
+vocabulary without touching its weights. Every reader of a GGUF's layout goes through here: the
+load path (pantheon.formats.gguf_loader.open_gguf) and the load estimate an admin load is admitted
+by (pantheon.serving.dies, through open_gguf too), so a damaged table is refused the same way
+everywhere (`check_tensor_layout`: a ModelLoadError naming the tensor), never turned into an absurd
+estimate, a huge allocation or a raw exception.
 
 Why a reader of our own rather than `gguf.GGUFReader`: gguf's reader builds a numpy view of the
 mapped file for every item of every array (two per vocabulary string), which takes 20-45 s for a
 150k-260k token vocabulary -- most of a model's start-to-ready time. `MappedGGUF` parses the same
 header with struct/bytes loops (strings decoded straight into Python lists, numeric arrays through
 np.frombuffer) in well under a second, and gives tensors exactly as gguf's reader does (same names,
-types, shapes, offsets and views of one read-only np.memmap of the file). pantheon.serving.dies'
-`scan_gguf_header` still has its own, bounded, file-object scanner (it skips large arrays); the two
-could share this parser later.
+types, shapes, offsets and views of one read-only np.memmap of the file). Parses are cached per
+(path, size, mtime), so an estimate followed by the load parses the header once.
 """
 
 from __future__ import annotations

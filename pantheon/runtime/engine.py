@@ -65,6 +65,24 @@ class LoadOptions:
     native_dir: str | None = None  # where the kernels' library is cached (default $PANTHEON_HOME/native)
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """How long a sequence may grow and how the cache is sized for it: one rule, read by the engine
+    (its cache, buckets and limits) and by the load estimate (pantheon.serving.dies), so the bytes a
+    load is admitted for are the bytes the engine then allocates."""
+
+    max_seq: int  # the longest sequence: LoadOptions.max_seq, capped by the model's context length
+    chunk: int  # prefill chunk: at most max_seq
+    capacity: int  # cache positions per slot: max_seq + chunk, so a padded chunk never writes past the end
+
+
+def geometry(cfg: ModelConfig, opts: LoadOptions) -> Geometry:
+    """The sequence geometry of a model of config `cfg` loaded with `opts`."""
+    max_seq = min(opts.max_seq, cfg.context_length) if cfg.context_length else opts.max_seq
+    chunk = max(1, min(opts.prefill_chunk, max_seq))
+    return Geometry(max_seq=max_seq, chunk=chunk, capacity=max_seq + chunk)
+
+
 def _geometric_buckets(lo: int, hi: int, factor: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
@@ -165,9 +183,8 @@ class Model:
         self.native_matmul = kernels.matmul  # for health and metrics
         self.kv_dtype = jnp.dtype(kv_dtype)  # the KV cache's element type (PANTHEON_KV_DTYPE)
         self.n_slots = opts.n_slots
-        self.max_seq = min(opts.max_seq, cfg.context_length) if cfg.context_length else opts.max_seq
-        self.chunk = max(1, min(opts.prefill_chunk, self.max_seq))
-        self.capacity = self.max_seq + self.chunk  # a padded chunk never writes past the end
+        geo = geometry(cfg, opts)
+        self.max_seq, self.chunk, self.capacity = geo.max_seq, geo.chunk, geo.capacity
         self.scratch_slot = self.n_slots
         self.card = ModelCard(name=name, path=str(path), arch=cfg.arch, context_length=self.max_seq,
                               n_slots=self.n_slots, tokenizer=tokenizer, template=template,
@@ -742,7 +759,7 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     metadata, the tokenizer, the chat template, the arch's parameter builder, the upload) is turned
     into one: a damaged or lying file is the file's problem (500 `model_load_error`), never an
     `internal_error`, whatever library happened to trip over it. The checks that know what is wrong
-    (gguf_meta, gguf_loader, tokenizer) raise ModelLoadError themselves with a specific message.
+    (gguf_reader, gguf_loader, tokenizer) raise ModelLoadError themselves with a specific message.
     """
     opts = opts or LoadOptions()
     compile_guard.install()
@@ -821,7 +838,7 @@ def _tokenizer_and_template(path: Path, meta: dict[str, Any]):
         return tokenizer_and_template(path, meta)
     if "tokenizer.ggml.tokens" not in meta:
         raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens missing)")
-    tok = Tokenizer.from_gguf_metadata(meta, str(path))
+    tok = Tokenizer.from_gguf_readerdata(meta, str(path))
     source = meta.get("tokenizer.chat_template")
     if source is not None and not isinstance(source, str):
         raise ModelLoadError(path, f"tokenizer.chat_template is {type(source).__name__}, not a string")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,131 +90,6 @@ def _as_estimate(estimate: LoadEstimate | int) -> LoadEstimate:
     if isinstance(estimate, LoadEstimate):
         return estimate
     return LoadEstimate(weights_bytes=int(estimate), replicated_weight_bytes=int(estimate))
-
-
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-_MAX_ARRAY_DECODE = 4096  # per-layer arrays are decoded; vocabularies (150k strings) are skipped
-
-
-def scan_gguf_header(path: str | Path, types: dict[str, int] | None = None
-                     ) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
-    """(metadata, tensor name -> dims in GGUF order) read from the header alone; `types`, when given,
-    receives each tensor's ggml type id.
-
-    Why not gguf.GGUFReader / open_gguf: it decodes every metadata value (a 150k-token vocabulary
-    takes ~25 s), while an admission answer must come in milliseconds. Large arrays (the vocabulary,
-    merges, scores) are skipped by their sizes and left out of the metadata.
-
-    A damaged header raises ValueError saying what is wrong, never a huge read: every length and
-    count is bounded by the bytes left in the file before anything is read or allocated, and the
-    tensor table goes through the loader's own layout check (gguf_meta.check_tensor_layout).
-    """
-    from pantheon.formats.gguf_reader import DEFAULT_ALIGNMENT, GGML_MAX_DIMS, check_tensor_layout
-    p = Path(path).expanduser()
-    meta: dict[str, Any] = {}
-    tensors: dict[str, tuple[int, ...]] = {}
-    infos: list[tuple[str, tuple[int, ...], int, int]] = []
-    with open(p, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
-
-        def need(n: int, what: str) -> None:
-            """Refuse before reading or skipping `n` bytes the file does not have."""
-            if n < 0 or n > size - f.tell():
-                raise ValueError(f"truncated GGUF header: {what} needs {n} bytes, {size - f.tell()} left")
-
-        def read(fmt: str) -> tuple:
-            n = struct.calcsize(fmt)
-            need(n, "a field")
-            return struct.unpack(fmt, f.read(n))
-
-        def read_string() -> str:
-            (n,) = read("<Q")
-            need(n, "a string")
-            return f.read(n).decode("utf-8", errors="replace")
-
-        def skip_string() -> None:
-            (n,) = read("<Q")
-            need(n, "a string")
-            f.seek(n, 1)
-
-        def value(vtype: int, keep: bool) -> Any:
-            if vtype in _GGUF_SCALARS:
-                if keep:
-                    return read(_GGUF_SCALARS[vtype])[0]
-                n = struct.calcsize(_GGUF_SCALARS[vtype])
-                need(n, "a value")
-                f.seek(n, 1)
-                return None
-            if vtype == _GGUF_STRING:
-                if keep:
-                    return read_string()
-                skip_string()
-                return None
-            if vtype == _GGUF_ARRAY:
-                itype, count = read("<IQ")
-                if itype in _GGUF_SCALARS:
-                    n = struct.calcsize(_GGUF_SCALARS[itype]) * count
-                    need(n, f"an array of {count} values")
-                    if not keep or count > _MAX_ARRAY_DECODE:
-                        f.seek(n, 1)
-                        return None
-                    return [value(itype, True) for _ in range(count)]
-                if itype not in (_GGUF_STRING, _GGUF_ARRAY):
-                    raise ValueError(f"unknown GGUF array item type {itype}")
-                need(8 * count, f"an array of {count} strings")  # each item is at least its u64 length
-                for _ in range(count):  # strings / nested arrays: skipped one by one
-                    value(itype, False)
-                return None
-            raise ValueError(f"unknown GGUF value type {vtype}")
-
-        magic, version = read("<4sI")
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"not a GGUF v2/v3 file (magic {magic!r}, version {version})")
-        n_tensors, n_kv = read("<QQ")
-        need(n_kv * 12, f"{n_kv} metadata entries")  # each at least a key length and a type
-        for _ in range(n_kv):
-            key = read_string()
-            (vtype,) = read("<I")
-            v = value(vtype, keep=True)
-            if v is not None:
-                meta[key] = v
-        need(n_tensors * 24, f"{n_tensors} tensor infos")  # each at least name length, n_dims, type, offset
-        for _ in range(n_tensors):
-            name = read_string()
-            (n_dims,) = read("<I")
-            if not 1 <= n_dims <= GGML_MAX_DIMS:
-                raise ValueError(f"tensor {name!r} has {n_dims} dimensions (1 to {GGML_MAX_DIMS} allowed)")
-            dims = tuple(int(d) for d in read(f"<{n_dims}Q"))
-            ggml_type, offset = read("<IQ")
-            if name in tensors:
-                raise ValueError(f"tensor {name!r} is listed twice")
-            tensors[name] = dims
-            infos.append((name, dims, int(ggml_type), int(offset)))
-            if types is not None:
-                types[name] = int(ggml_type)
-        align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
-            raise ValueError(f"general.alignment = {align!r} is not a power of two")
-        data_start = -(-f.tell() // align) * align
-    check_tensor_layout(p, size, data_start, align, infos)  # ModelLoadError naming the tensor
-    return meta, tensors
-
-
-class _HeaderTensors:
-    """Just enough of TensorSource (has / _tensors[name].shape) for gguf_loader.config_from_metadata."""
-
-    class _T:
-        def __init__(self, shape: tuple[int, ...]):
-            self.shape = shape
-
-    def __init__(self, path: Path, dims: dict[str, tuple[int, ...]]):
-        self.path = path
-        self._tensors = {k: self._T(v) for k, v in dims.items()}
-
-    def has(self, name: str) -> bool:
-        return name in self._tensors
 
 
 _ATTN_PARTS = ("attn_q.", "attn_k.", "attn_v.", "attn_output.")
@@ -319,7 +193,7 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
 
 
 def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
-    from pantheon.runtime.engine import LoadOptions, kv_bytes, resolve_kv_dtype
+    from pantheon.runtime.engine import LoadOptions, geometry, kv_bytes, resolve_kv_dtype
     from pantheon.jax_models import registry as arch_registry
 
     if _is_model(source):
@@ -350,27 +224,20 @@ def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
                 renamed[k2] = v
             total, rep, attn, ffn = _weight_groups(renamed, lambda _name, shape: math.prod(shape) * per)
         else:
-            from pantheon.formats.gguf_loader import config_from_metadata
-            types: dict[str, int] = {}
-            try:
-                meta, dims = scan_gguf_header(p, types)
-            except (OSError, ValueError, MemoryError, OverflowError) as exc:
-                raise ModelLoadError(p, f"cannot read the GGUF header: {exc}") from exc
-            cfg = config_from_metadata(p, meta, _HeaderTensors(p, dims))  # type: ignore[arg-type]
+            from pantheon.formats.gguf_loader import open_gguf
+            f = open_gguf(p)  # the loader's own header parse and config (ModelLoadError naming the file)
+            dims, types = f.tensors.gguf_dims(), f.tensors.type_ids()
+            cfg = f.config
             total, rep, attn, ffn = _weight_groups(dims, _gguf_tensor_bytes(types, compute))
     arch = arch_registry.module_for(cfg.arch)
     bpt = int(arch.state_bytes_per_token(cfg)) if arch is not None else int(cfg.kv_bytes_per_token)
     bpt = kv_bytes(bpt, resolve_kv_dtype(opts, platform))
     per_seq = int(arch.state_bytes_per_sequence(cfg)) if arch is not None else 0
-    n_slots = max(1, int(getattr(opts, "n_slots", 8)))
-    max_seq = int(getattr(opts, "max_seq", 2048))
-    if cfg.context_length:
-        max_seq = min(max_seq, cfg.context_length)
-    chunk = max(1, min(int(getattr(opts, "prefill_chunk", 128)), max_seq))
-    capacity = max_seq + chunk
-    kv = (n_slots + 1) * capacity * bpt
+    n_slots = max(1, int(opts.n_slots))
+    geo = geometry(cfg, opts)  # the engine's own max_seq / chunk / capacity
+    kv = (n_slots + 1) * geo.capacity * bpt
     rec = (n_slots + 1) * per_seq
-    logits = 2 * max(chunk, n_slots) * int(cfg.vocab) * 4
+    logits = 2 * max(geo.chunk, n_slots) * int(cfg.vocab) * 4
     scratch = SCRATCH_MIN_BYTES + int(SCRATCH_FRACTION * (total + kv + rec)) + logits
     return LoadEstimate(weights_bytes=int(total), replicated_weight_bytes=int(rep), attn_weight_bytes=int(attn),
                         ffn_weight_bytes=int(ffn), kv_bytes=int(kv), recurrent_bytes=int(rec),

@@ -30,10 +30,10 @@ LLAMA = str(TINY / "llama.gguf")
 QWEN2 = str(TINY / "qwen2.gguf")
 
 # Light defaults for every test server: CPU, small caches, no stray keys from the caller's shell.
-BASE_ENV = {"JAX_PLATFORMS": "cpu", "QWEN35_MAX_SEQ": "128", "QWEN35_BS_PREFILL_CHUNK": "32"}
+BASE_ENV = {"JAX_PLATFORMS": "cpu", "PANTHEON_MAX_SEQ": "128", "PANTHEON_PREFILL_CHUNK": "32"}
 _CLEARED = ("PANTHEON_API_KEY", "PANTHEON_ADMIN_KEY", "PANTHEON_MODEL_DIR", "PANTHEON_CORS_ORIGINS",
-            "PANTHEON_DIE_BUDGET_MB", "PANTHEON_MAX_BODY_BYTES", "QWEN35_BATCH_SLOTS", "PANTHEON_MODELS",
-            "XLA_FLAGS")
+            "PANTHEON_DIE_BUDGET_MB", "PANTHEON_MAX_BODY_BYTES", "PANTHEON_BATCH_SLOTS", "QWEN35_BATCH_SLOTS",
+            "PANTHEON_MODELS", "XLA_FLAGS")
 
 
 def die_with_parent() -> None:

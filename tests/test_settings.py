@@ -267,3 +267,12 @@ def test_config_imports_nothing_of_pantheons():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {m for m in imported if m.split(".")[0] == "pantheon"}
+
+
+def test_a_test_servers_own_setting_replaces_the_base_one_under_any_name():
+    """server_util's BASE_ENV sets PANTHEON_MAX_SEQ; a test asking for QWEN35_MAX_SEQ must still get it."""
+    from server_util import Server
+    asked, base = Server(["tiny"], env={"QWEN35_MAX_SEQ": "512"}), Server(["tiny"])
+    for srv in (asked, base):
+        srv.log_path.unlink()  # never started: only its environment is looked at
+    assert (load_settings(asked.env).max_seq, load_settings(base.env).max_seq) == (512, 128)

@@ -1,30 +1,128 @@
-"""Every environment variable Pantheon reads, parsed in one place into a frozen dataclass.
+"""Every environment variable Pantheon reads: one declared table, parsed once into a frozen dataclass.
 
-The README's table documents each one; nothing else in the code calls os.environ for configuration.
+`SETTINGS` is the table. Each row names a variable (always `PANTHEON_*`), the design's older names
+it still answers to (the seed's `QWEN35_*` / `BS_*`, which its operators already use), how its text
+is parsed, its default and what it means. `load_settings()` turns an environment into `Settings` by
+walking the rows; docs/settings.md is generated from the same rows (`settings_table_markdown`), and
+tests/test_settings.py keeps the page, the dataclass and every name used in the code in step with it.
+Nothing else in pantheon reads os.environ for configuration: callers keep a `Settings` (or call
+`load_settings()` when they have none), so a variable's meaning lives in exactly one place.
+
+Two rules hold for every row, because an operator should not have to learn them per variable:
+
+* a variable that is unset or set to the empty string counts as unset, so its default applies;
+* when a variable and one of its aliases are both set, the `PANTHEON_*` name wins (the first set name
+  in `(name, *aliases)` is used), so a new-style deployment overrides an inherited old-style one.
+
+Not in the table, because they are not Pantheon's: `JAX_PLATFORMS`, `XLA_FLAGS` and the rest of JAX's
+and XLA's own variables, read by JAX itself (the tests set them for child processes). And one read
+outside this module: tools/make_random_qwen35moe.py looks at `PANTHEON_FIXTURES` itself, because it
+is meant to run as a stand-alone script where pantheon need not be importable.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 
-def _flag(env: dict[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
+@dataclass(frozen=True)
+class Settings:
+    """The parsed environment. Fields are documented on their rows in `SETTINGS`; tests build this
+    directly with keywords, so every field but `home` keeps a plain default equal to its row's."""
+
+    home: Path
+    models: tuple[str, ...] = ()
+    api_key: str | None = None
+    admin_key: str | None = None
+    model_dir: Path | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 1024 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    body_min_rate: float = 1024.0
+    max_connections: int = 1000
+    dtype: str = "auto"
+    max_seq: int = 2048
+    forbid_compile: bool = False
+    compile_cache: bool = True
+    batch_slots: int = 8
+    prefill_chunk: int = 128
+    queue_depth: int = 32
+    queue_wait_s: float = 30.0
+    bs_stats: bool = False
+    bs_mixed: bool = True
+    die_budget_mb: int = 0
+    warmup: bool = True
+    native_matmul: bool = True
+    kv_dtype: str = "auto"
+    registry_url: str | None = None
+    registry_key: str | None = None
+    node_id: str = "node0"
+    registry_transport: str = "local"
+    advertise_url: str | None = None
+    registry_interval_s: float = 5.0
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    cluster_timeout_s: float = 120.0
+    test_pressure: int | None = None
+    fixtures: Path | None = None
+
+
+# ---- parsers: the text of a set (non-empty) variable -> its value; None means "as if unset" --------------
+# A parser raises ValueError with the complaint only; load_settings prefixes the variable and its text.
+
+def _text(raw: str) -> str:
+    return raw
+
+
+def _stripped(raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _flag(raw: str) -> bool:
     return raw.strip().lower() not in ("0", "false", "no", "off")
 
 
-def _int(env: dict[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from exc
+def _integer(low: int | None = None) -> Callable[[str], int | None]:
+    """An integer parser clamped to `low`: out-of-range values are pulled in, not refused, as before."""
+    def parse(raw: str) -> int | None:
+        if not raw.strip():
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError("is not an integer") from None
+        return value if low is None else max(low, value)
+    return parse
+
+
+def _number(low: float | None = None) -> Callable[[str], float | None]:
+    def parse(raw: str) -> float | None:
+        if not raw.strip():
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError("is not a number") from None
+        return value if low is None else max(low, value)
+    return parse
+
+
+def _home(raw: str) -> Path:
+    return Path(raw).expanduser()
+
+
+def _default_home() -> Path:
+    return Path.home() / ".cache" / "pantheon"
+
+
+def _model_dir(raw: str) -> Path:
+    return Path(raw).expanduser().resolve()
 
 
 def split_model_specs(raw: str) -> tuple[str, ...]:
@@ -47,141 +145,246 @@ def split_model_specs(raw: str) -> tuple[str, ...]:
     return tuple(specs)
 
 
-def _float(env: dict[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
+def _origins(raw: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in raw.split(",") if o.strip())
 
+
+def _url(raw: str) -> str | None:
+    """An http(s) base URL without a trailing slash (the router and the advertised address are joined
+    with paths), or None when blank."""
+    url = raw.strip().rstrip("/")
+    if not url:
+        return None
+    if not url.startswith(("http://", "https://")):
+        raise ValueError("must be an http:// or https:// URL")
+    return url
+
+
+_KV_DTYPES = {"auto": "auto", "f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",
+              "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def _kv_dtype(raw: str) -> str:
+    name = _KV_DTYPES.get(raw.strip().lower())
+    if name is None:
+        raise ValueError("must be auto, float32, float16 or bfloat16")
+    return name
+
+
+def _batch_slots(raw: str) -> int | None:
+    """The seed switched batching on with QWEN35_BATCH_SLOTS=1 (its slot count was fixed at 8), so 1
+    keeps that meaning under either name: 8 slots. 0 is the single-user setting."""
+    slots = _integer(low=0)(raw)
+    return 8 if slots == 1 else slots
+
+
+def _pressure(raw: str) -> int | None:
+    level = _integer()(raw)
+    if level is not None and not 0 <= level <= 3:
+        raise ValueError("must be 0..3")
+    return level
+
+
+def _fixtures(raw: str) -> Path:
+    return Path(raw)
+
+
+# ---- the table ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Settings:
-    home: Path
-    models: tuple[str, ...] = ()
-    api_key: str | None = None
-    admin_key: str | None = None
-    model_dir: Path | None = None
-    cors_origins: tuple[str, ...] = ()
-    max_body_bytes: int = 4 * 1024 * 1024
-    # Slow clients (pantheon.web.body, pantheon.web.worker): the request line and headers (and a
-    # kept-alive connection's wait for its next request) must arrive within header_timeout_s; the
-    # body within body_timeout_s and at body_min_rate bytes/s or faster after a short grace.
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    body_min_rate: float = 1024.0
-    max_connections: int = 1000  # open connections per worker; past it the oldest idle or slow one is dropped
-    dtype: str = "auto"
-    max_seq: int = 2048
-    forbid_compile: bool = False
-    compile_cache: bool = True
-    batch_slots: int = 8
-    prefill_chunk: int = 128
-    queue_depth: int = 32
-    queue_wait_s: float = 30.0
-    bs_stats: bool = False
-    bs_mixed: bool = True
-    die_budget_mb: int = 0
-    warmup: bool = True
-    native_matmul: bool = True
-    kv_dtype: str = "auto"  # KV cache dtype: auto (float16 on CPU, bfloat16 on GPU) | float32 | float16 | bfloat16
-    # Test-only (PANTHEON_TEST_PRESSURE=0..3): the memory watch reports the host at this pressure level
-    # (OK, ELEVATED, HIGH, CRITICAL) instead of measuring it, so tests can force admission denials.
-    test_pressure: int | None = None
-    # Router registration (pantheon.serving.registration): all off unless registry_url is set.
-    registry_url: str | None = None  # the router's base URL (SMG), e.g. http://10.0.0.1:30000
-    registry_key: str | None = None  # bearer token for the router's control plane
-    node_id: str = "node0"
-    registry_transport: str = "local"
-    advertise_url: str | None = None  # how the router reaches this server; default: the bound address
-    registry_interval_s: float = 5.0  # keep-alive: how often the router's view is checked
-    # One model over several hosts (pantheon.serving.distributed): process 0 of num_processes serves HTTP, the
-    # others mirror its steps. coordinator is HOST:PORT of process 0's jax.distributed service.
-    coordinator: str | None = None
-    num_processes: int = 1
-    process_id: int = 0
-    cluster_timeout_s: float = 120.0  # start-up wait for every process to join (and their loads' acks)
-    extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+class Setting:
+    """One environment variable: the `Settings` field it fills and everything its documentation says."""
+
+    name: str  # the PANTHEON_* variable
+    field: str  # the Settings attribute
+    parse: Callable[[str], Any]  # text of a set variable -> value (None: as if unset)
+    doc: str  # what it means (markdown; one line in the generated table)
+    aliases: tuple[str, ...] = ()  # older names still read, after `name`
+    shown_default: str | None = None  # the docs' default column, where the value does not say it plainly
+    for_tests: bool = False  # only the test suite sets it
+    default_factory: Callable[[], Any] | None = None  # a default computed at load time (home)
+
+    def default(self) -> Any:
+        if self.default_factory is not None:
+            return self.default_factory()
+        return _FIELD_DEFAULTS[self.field]
+
+    def shown(self) -> str:
+        """The default as the docs show it: flags as 0/1, unset for None, code for text."""
+        if self.shown_default is not None:
+            return self.shown_default
+        value = self.default()
+        if value is None or value == ():
+            return "unset"
+        if isinstance(value, bool):
+            return str(int(value))
+        if isinstance(value, float) and value.is_integer():
+            return str(int(value))
+        if isinstance(value, str):
+            return f"`{value}`"
+        return str(value)
 
 
-def load_settings(env: dict[str, str] | None = None) -> Settings:
-    """Read the environment once; callers keep the returned object."""
+SETTINGS: tuple[Setting, ...] = (
+    # -- where things live, what is served
+    Setting("PANTHEON_HOME", "home", _home, default_factory=_default_home, shown_default="`~/.cache/pantheon`",
+            doc="model downloads (`models/`), JAX's persistent compilation cache (`xla-cache/`) and the built "
+                "CPU kernels (`native/`)"),
+    Setting("PANTHEON_MODELS", "models", split_model_specs,
+            doc="models loaded at start: `[NAME=]MODEL[@DIE,DIE]` items separated by `;` (what "
+                "`pantheon serve --model` sets)"),
+    # -- access
+    Setting("PANTHEON_API_KEY", "api_key", _text,
+            doc="when set, every route but the health probes (`/`, `/health`, `/m/<model>/health`) and "
+                "`/openapi.json` needs `Authorization: Bearer KEY` or `X-Api-Key: KEY`"),
+    Setting("PANTHEON_ADMIN_KEY", "admin_key", _text,
+            doc="admin routes need it; when unset they answer 403"),
+    Setting("PANTHEON_MODEL_DIR", "model_dir", _model_dir,
+            doc="admin loads may only open files under this directory (or catalog names)"),
+    Setting("PANTHEON_CORS_ORIGINS", "cors_origins", _origins, shown_default="unset (CORS off)",
+            doc="comma-separated allowed origins, or `*`"),
+    # -- slow and large clients (pantheon.web.body, pantheon.web.worker)
+    Setting("PANTHEON_MAX_BODY_BYTES", "max_body_bytes", _integer(),
+            doc="larger request bodies get 413 (announced or chunked)"),
+    Setting("PANTHEON_HEADER_TIMEOUT_S", "header_timeout_s", _number(low=0.1),
+            doc="the request line and headers (and a kept-alive connection's idle wait) must arrive within "
+                "this, else the connection is closed (at least 0.1)"),
+    Setting("PANTHEON_BODY_TIMEOUT_S", "body_timeout_s", _number(low=0.1),
+            doc="the whole body must arrive within this, else 408 (at least 0.1)"),
+    Setting("PANTHEON_BODY_MIN_RATE", "body_min_rate", _number(low=0.0),
+            doc="bytes/s a body must keep up after its first 5 s, else 408 (0: no minimum)"),
+    Setting("PANTHEON_MAX_CONNECTIONS", "max_connections", _integer(low=8),
+            doc="open connections per worker (at least 8); past it the connection that has waited longest "
+                "on its client is evicted (requests being served never are), so `GET /` stays answerable"),
+    # -- the engine
+    Setting("PANTHEON_DTYPE", "dtype", _text,
+            doc="compute dtype: `auto` (f32 on CPU, bf16 on GPU), `float32`, `bfloat16`"),
+    Setting("PANTHEON_MAX_SEQ", "max_seq", _integer(), aliases=("QWEN35_MAX_SEQ",),
+            doc="longest sequence (prompt + completion) per slot, clamped to the model's context length"),
+    Setting("PANTHEON_KV_DTYPE", "kv_dtype", _kv_dtype,
+            doc="KV cache element type: `auto` (float16 on CPU, bfloat16 on GPU), `float32`, `float16`, "
+                "`bfloat16` (or `f32`, `f16`, `bf16`); the admission and `/admin/dies` figures count its real "
+                "bytes"),
+    Setting("PANTHEON_NATIVE_MATMUL", "native_matmul", _flag,
+            doc="on a single CPU die (x86 with AVX2+FMA+F16C, f32 compute), the steps use the C++ kernels of "
+                "`pantheon/ops/native/` (products straight from every GGUF format for decode rows and prefill "
+                "chunks, in-place decode attention), built with `g++` on first use; 0 expands the blocks "
+                "inside the step with XLA instead"),
+    Setting("PANTHEON_FORBID_COMPILE", "forbid_compile", _flag,
+            doc="1: a JAX compile in a serving driver after warm-up is an error"),
+    Setting("PANTHEON_COMPILE_CACHE", "compile_cache", _flag,
+            doc="0 disables the persistent compilation cache"),
+    Setting("PANTHEON_WARMUP", "warmup", _flag,
+            doc="0: the scheduler compiles bucket shapes on first use instead of at load (dev/tests)"),
+    Setting("PANTHEON_DIE_BUDGET_MB", "die_budget_mb", _integer(),
+            doc="memory budget per device when the backend reports none (CPU); else host RAM"),
+    # -- the batch scheduler
+    Setting("PANTHEON_BATCH_SLOTS", "batch_slots", _batch_slots, aliases=("QWEN35_BATCH_SLOTS",),
+            doc="slots per model; `0`: the single-user setting (the same scheduler with one slot; a second "
+                "concurrent request gets 429 at once); `1` means the default 8, as the seed's on switch did"),
+    Setting("PANTHEON_PREFILL_CHUNK", "prefill_chunk", _integer(low=1), aliases=("QWEN35_BS_PREFILL_CHUNK",),
+            doc="prefill chunk size (tokens): a prompt is fed in chunks of this many, decode steps of the "
+                "other slots in between"),
+    Setting("PANTHEON_QUEUE_DEPTH", "queue_depth", _integer(low=0), aliases=("BS_QUEUE_DEPTH",),
+            doc="waiting requests beyond the free slots before 429 `Retry-After: 5`"),
+    Setting("PANTHEON_QUEUE_WAIT_S", "queue_wait_s", _number(),
+            doc="how long a queued request waits for a slot before 429"),
+    Setting("PANTHEON_STEP_STATS", "bs_stats", _flag, aliases=("QWEN35_BS_STATS",),
+            doc="1 logs every step (kind, width, tokens, device ms from dispatch to read, host ms of "
+                "planning/dispatch/emit, start in s since load) to stderr"),
+    Setting("PANTHEON_BS_MIXED", "bs_mixed", _flag,
+            doc="a prefill chunk and the decode rows of the other slots share one forward (llama-family "
+                "models); 0 alternates chunk and decode steps instead"),
+    # -- router registration (pantheon.serving.registration): all off unless PANTHEON_REGISTRY_URL is set
+    Setting("PANTHEON_REGISTRY_URL", "registry_url", _url,
+            doc="the router (SMG) to register every loaded model with, e.g. `http://10.0.0.1:30000`; unset: "
+                "registration is off and no router traffic is sent"),
+    Setting("PANTHEON_REGISTRY_KEY", "registry_key", _text,
+            doc="bearer token for the router's control plane (`pantheon router` requires it from registrants "
+                "when set); unset: `PANTHEON_API_KEY` is sent, if set"),
+    Setting("PANTHEON_NODE_ID", "node_id", _stripped,
+            doc="the `node_id` label of this server's workers at the router"),
+    Setting("PANTHEON_REGISTRY_TRANSPORT", "registry_transport", _stripped,
+            doc="the `transport` label of this server's workers at the router"),
+    Setting("PANTHEON_ADVERTISE_URL", "advertise_url", _url, shown_default="the bound address",
+            doc="the base URL the router reaches this server at (set it when binding `0.0.0.0` behind NAT or "
+                "a proxy)"),
+    Setting("PANTHEON_REGISTRY_INTERVAL_S", "registry_interval_s", _number(low=0.2),
+            doc="how often the keep-alive checks that the router still holds this server's workers (and "
+                "registers them again after a router restart); at least 0.2"),
+    # -- one model over several hosts (pantheon.serving.distributed)
+    Setting("PANTHEON_COORDINATOR", "coordinator", _stripped,
+            doc="one model over several hosts: `HOST:PORT` of process 0's `jax.distributed` coordination "
+                "service (what `pantheon serve --coordinator` sets); unset: one process"),
+    Setting("PANTHEON_NUM_PROCESSES", "num_processes", _integer(low=1),
+            doc="processes in the cluster (`--num-processes`)"),
+    Setting("PANTHEON_PROCESS_ID", "process_id", _integer(),
+            doc="this process's rank (`--process-id`): 0 serves HTTP, the others only mirror its steps"),
+    Setting("PANTHEON_CLUSTER_TIMEOUT_S", "cluster_timeout_s", _number(low=1.0),
+            doc="how long start-up waits for every process to join (and each process's model load to be "
+                "acknowledged, at least 600 s)"),
+    # -- set by the test suite only
+    Setting("PANTHEON_TEST_PRESSURE", "test_pressure", _pressure, for_tests=True,
+            doc="pin the memory-pressure level (0 OK, 1 ELEVATED, 2 HIGH, 3 CRITICAL) instead of measuring "
+                "it, so tests can force admission denials"),
+    Setting("PANTHEON_FIXTURES", "fixtures", _fixtures, for_tests=True,
+            shown_default="`../shared/fixtures` beside the checkout, else `/work/shared/fixtures`",
+            doc="the oracle fixtures directory (`tiny/`, `real/`) the tests and tools/make_random_qwen35moe.py "
+                "read"),
+)
+
+_FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
+
+
+def _lookup(env: Mapping[str, str], row: Setting) -> tuple[str, str] | None:
+    """The first of the row's names that is set to a non-empty value, and that value."""
+    for name in (row.name, *row.aliases):
+        raw = env.get(name)
+        if raw:
+            return name, raw
+    return None
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Parse the environment (os.environ unless given) once, row by row; callers keep the result.
+
+    A malformed value raises ValueError naming the variable as it was set (alias or not)."""
     env = dict(os.environ if env is None else env)
-    home = Path(env.get("PANTHEON_HOME") or Path.home() / ".cache" / "pantheon").expanduser()
-    models = split_model_specs(env.get("PANTHEON_MODELS") or "")
-    origins = tuple(o.strip() for o in (env.get("PANTHEON_CORS_ORIGINS") or "").split(",") if o.strip())
-    model_dir = env.get("PANTHEON_MODEL_DIR")
-    raw_slots = env.get("QWEN35_BATCH_SLOTS")
-    batch_slots = 8 if raw_slots in (None, "") else _int(env, "QWEN35_BATCH_SLOTS", 8)
-    if batch_slots == 1 and raw_slots is not None:
-        # The seed used QWEN35_BATCH_SLOTS=1 to mean "batching on"; keep that meaning.
-        batch_slots = 8
-    return Settings(
-        home=home,
-        models=models,
-        api_key=env.get("PANTHEON_API_KEY") or None,
-        admin_key=env.get("PANTHEON_ADMIN_KEY") or None,
-        model_dir=Path(model_dir).expanduser().resolve() if model_dir else None,
-        cors_origins=origins,
-        max_body_bytes=_int(env, "PANTHEON_MAX_BODY_BYTES", 4 * 1024 * 1024),
-        header_timeout_s=max(0.1, _float(env, "PANTHEON_HEADER_TIMEOUT_S", 10.0)),
-        body_timeout_s=max(0.1, _float(env, "PANTHEON_BODY_TIMEOUT_S", 30.0)),
-        body_min_rate=max(0.0, _float(env, "PANTHEON_BODY_MIN_RATE", 1024.0)),
-        max_connections=max(8, _int(env, "PANTHEON_MAX_CONNECTIONS", 1000)),
-        dtype=env.get("PANTHEON_DTYPE", "auto"),
-        max_seq=_int(env, "QWEN35_MAX_SEQ", 2048),
-        forbid_compile=_flag(env, "PANTHEON_FORBID_COMPILE", False),
-        compile_cache=_flag(env, "PANTHEON_COMPILE_CACHE", True),
-        batch_slots=max(0, batch_slots),
-        prefill_chunk=max(1, _int(env, "QWEN35_BS_PREFILL_CHUNK", 128)),
-        queue_depth=max(0, _int(env, "BS_QUEUE_DEPTH", 32)),
-        queue_wait_s=_float(env, "PANTHEON_QUEUE_WAIT_S", 30.0),
-        bs_stats=_flag(env, "QWEN35_BS_STATS", False),
-        bs_mixed=_flag(env, "PANTHEON_BS_MIXED", True),
-        die_budget_mb=_int(env, "PANTHEON_DIE_BUDGET_MB", 0),
-        warmup=_flag(env, "PANTHEON_WARMUP", True),
-        native_matmul=_flag(env, "PANTHEON_NATIVE_MATMUL", True),
-        kv_dtype=_kv_dtype(env),
-        test_pressure=_test_pressure(env),
-        registry_url=_url(env, "PANTHEON_REGISTRY_URL"),
-        registry_key=env.get("PANTHEON_REGISTRY_KEY") or None,
-        node_id=(env.get("PANTHEON_NODE_ID") or "node0").strip() or "node0",
-        registry_transport=(env.get("PANTHEON_REGISTRY_TRANSPORT") or "local").strip() or "local",
-        advertise_url=_url(env, "PANTHEON_ADVERTISE_URL"),
-        registry_interval_s=max(0.2, _float(env, "PANTHEON_REGISTRY_INTERVAL_S", 5.0)),
-        coordinator=(env.get("PANTHEON_COORDINATOR") or "").strip() or None,
-        num_processes=max(1, _int(env, "PANTHEON_NUM_PROCESSES", 1)),
-        process_id=_int(env, "PANTHEON_PROCESS_ID", 0),
-        cluster_timeout_s=max(1.0, _float(env, "PANTHEON_CLUSTER_TIMEOUT_S", 120.0)),
-    )
+    values: dict[str, Any] = {}
+    for row in SETTINGS:
+        found = _lookup(env, row)
+        value = None
+        if found is not None:
+            name, raw = found
+            try:
+                value = row.parse(raw)
+            except ValueError as exc:
+                raise ValueError(f"environment variable {name}={raw!r} {exc}") from None
+        values[row.field] = row.default() if value is None else value
+    return Settings(**values)
 
 
-def _url(env: dict[str, str], name: str) -> str | None:
-    """An http(s) base URL without a trailing slash, or None when unset or empty."""
-    raw = (env.get(name) or "").strip().rstrip("/")
-    if not raw:
-        return None
-    if not raw.startswith(("http://", "https://")):
-        raise ValueError(f"environment variable {name}={raw!r} must be an http:// or https:// URL")
-    return raw
+def setting(name: str) -> Setting:
+    """The row that reads `name`, whether it is the PANTHEON_* name or an alias."""
+    for row in SETTINGS:
+        if name == row.name or name in row.aliases:
+            return row
+    raise KeyError(name)
 
 
-def _kv_dtype(env: dict[str, str]) -> str:
-    raw = (env.get("PANTHEON_KV_DTYPE") or "auto").strip().lower()
-    names = {"auto": "auto", "f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",
-             "bf16": "bfloat16", "bfloat16": "bfloat16"}
-    if raw not in names:
-        raise ValueError(f"environment variable PANTHEON_KV_DTYPE={raw!r} must be auto, float32, float16 or bfloat16")
-    return names[raw]
+# docs/settings.md holds the generated table between these two lines (tools/settings_doc.py rewrites it).
+TABLE_BEGIN = "<!-- settings table: generated from pantheon.config.SETTINGS by tools/settings_doc.py -->"
+TABLE_END = "<!-- end of settings table -->"
 
 
-def _test_pressure(env: dict[str, str]) -> int | None:
-    raw = env.get("PANTHEON_TEST_PRESSURE")
-    if raw is None or raw.strip() == "":
-        return None
-    level = _int(env, "PANTHEON_TEST_PRESSURE", 0)
-    if not 0 <= level <= 3:
-        raise ValueError(f"environment variable PANTHEON_TEST_PRESSURE={raw!r} must be 0..3")
-    return level
+def settings_table_markdown() -> str:
+    """The settings table of docs/settings.md, generated so the page cannot drift from `SETTINGS`."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| variable | aliases | default | meaning |", "|---|---|---|---|"]
+    for row in SETTINGS:
+        aliases = ", ".join(f"`{a}`" for a in row.aliases)
+        meaning = ("*tests only:* " if row.for_tests else "") + row.doc
+        lines.append(f"| `{row.name}` | {aliases} | {cell(row.shown())} | {cell(meaning)} |")
+    return "\n".join(lines) + "\n"

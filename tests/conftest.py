@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +10,10 @@ import pytest
 
 def _find_fixtures() -> Path:
     """$PANTHEON_FIXTURES, else ../shared/fixtures beside the checkout (where CI puts it), else /work/shared."""
-    if os.environ.get("PANTHEON_FIXTURES"):
-        return Path(os.environ["PANTHEON_FIXTURES"])
+    from pantheon.config import load_settings
+    configured = load_settings().fixtures
+    if configured is not None:
+        return configured
     for cand in (Path(__file__).resolve().parents[2] / "shared" / "fixtures", Path("/work/shared/fixtures")):
         if cand.is_dir():
             return cand

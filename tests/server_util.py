@@ -23,6 +23,7 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 from conftest import FIXTURES  # noqa: E402  (one place decides where the oracle fixtures live)
 
+from pantheon.config import setting  # noqa: E402
 from pantheon.web.launch import gunicorn_argv  # noqa: E402  (the same command line `pantheon serve` runs)
 
 TINY = FIXTURES / "tiny"
@@ -30,10 +31,19 @@ LLAMA = str(TINY / "llama.gguf")
 QWEN2 = str(TINY / "qwen2.gguf")
 
 # Light defaults for every test server: CPU, small caches, no stray keys from the caller's shell.
-BASE_ENV = {"JAX_PLATFORMS": "cpu", "QWEN35_MAX_SEQ": "128", "QWEN35_BS_PREFILL_CHUNK": "32"}
+BASE_ENV = {"JAX_PLATFORMS": "cpu", "PANTHEON_MAX_SEQ": "128", "PANTHEON_PREFILL_CHUNK": "32"}
 _CLEARED = ("PANTHEON_API_KEY", "PANTHEON_ADMIN_KEY", "PANTHEON_MODEL_DIR", "PANTHEON_CORS_ORIGINS",
-            "PANTHEON_DIE_BUDGET_MB", "PANTHEON_MAX_BODY_BYTES", "QWEN35_BATCH_SLOTS", "PANTHEON_MODELS",
-            "XLA_FLAGS")
+            "PANTHEON_DIE_BUDGET_MB", "PANTHEON_MAX_BODY_BYTES", "PANTHEON_BATCH_SLOTS", "QWEN35_BATCH_SLOTS",
+            "PANTHEON_MODELS", "XLA_FLAGS")
+
+
+def _names_of(name: str) -> tuple[str, ...]:
+    """Every name the setting `name` goes by (just `name` when it is not Pantheon's, e.g. JAX_PLATFORMS)."""
+    try:
+        row = setting(name)
+    except KeyError:
+        return (name,)
+    return (row.name, *row.aliases)
 
 
 def die_with_parent() -> None:
@@ -58,6 +68,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items() if k not in _CLEARED}
         self.env.update(BASE_ENV)
+        for name in env or {}:  # a test's setting replaces the base one under any of its names (aliases)
+            for other in _names_of(name):
+                self.env.pop(other, None)
         self.env.update(env or {})
         self.via_cli = via_cli
         self.proc: subprocess.Popen | None = None

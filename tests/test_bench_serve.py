@@ -299,7 +299,7 @@ def test_against_real_pantheon(capsys):
     """4 short requests on the tiny llama through gunicorn; /metrics deltas agree when the route exists."""
     from server_util import LLAMA, start_server
 
-    srv = start_server([f"tiny={LLAMA}"], env={"QWEN35_BATCH_SLOTS": "2"})
+    srv = start_server([f"tiny={LLAMA}"], env={"PANTHEON_BATCH_SLOTS": "2"})
     try:
         rc, out = run_json(capsys, "--url", srv.url, "--model", "tiny", "--concurrency", "2", "--requests", "4",
                            "--prompt-len", "16", "--gen", "4", "--shared-prefix", "8")

@@ -579,7 +579,7 @@ def test_embeddings_do_not_disturb_a_concurrent_generation(smol, smol_sched):
 def test_openai_client_against_a_live_server():
     import openai
     from server_util import start_server
-    srv = start_server(["smol=smollm2-135m"], timeout=400, env={"QWEN35_MAX_SEQ": "512", "PANTHEON_API_KEY": "k"})
+    srv = start_server(["smol=smollm2-135m"], timeout=400, env={"PANTHEON_MAX_SEQ": "512", "PANTHEON_API_KEY": "k"})
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0, timeout=300)
         out = client.embeddings.create(model="smol", input=TEXTS[:3])  # the client asks for base64 by default

@@ -26,7 +26,7 @@ BASE = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_
 @pytest.fixture(scope="module")
 def srv():
     with tempfile.TemporaryDirectory() as empty:
-        s = start_server([f"llama={LLAMA}"], env={"QWEN35_BATCH_SLOTS": "0", "PANTHEON_ADMIN_KEY": ADMIN,
+        s = start_server([f"llama={LLAMA}"], env={"PANTHEON_BATCH_SLOTS": "0", "PANTHEON_ADMIN_KEY": ADMIN,
                                                   "PANTHEON_MODEL_DIR": empty, "PANTHEON_MAX_BODY_BYTES": "200000"})
         yield s
         s.stop()

@@ -247,8 +247,8 @@ VARIANTS: dict[str, Callable[[Path], None]] = {
 
 
 def _settings(tmp_path: Path):
-    env = {"PANTHEON_HOME": str(tmp_path / "home"), "PANTHEON_WARMUP": "0", "QWEN35_BATCH_SLOTS": "2",
-           "QWEN35_MAX_SEQ": "64", "QWEN35_BS_PREFILL_CHUNK": "16", "PANTHEON_NATIVE_MATMUL": "0"}
+    env = {"PANTHEON_HOME": str(tmp_path / "home"), "PANTHEON_WARMUP": "0", "PANTHEON_BATCH_SLOTS": "2",
+           "PANTHEON_MAX_SEQ": "64", "PANTHEON_PREFILL_CHUNK": "16", "PANTHEON_NATIVE_MATMUL": "0"}
     return load_settings(env)
 
 

@@ -35,12 +35,12 @@ TOL = 1e-3  # the oracle parity tolerance (tests/test_oracle_parity.py)
 JOB = Path(__file__).resolve().parent / "multihost_job.py"
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
 # The servers: small caches, no warm-up (programs compile on first use, in both processes), 2 slots.
-SERVER_ENV = {**TWO_DEVICES, "PANTHEON_WARMUP": "0", "QWEN35_BATCH_SLOTS": "2", "PANTHEON_KV_DTYPE": "float32",
+SERVER_ENV = {**TWO_DEVICES, "PANTHEON_WARMUP": "0", "PANTHEON_BATCH_SLOTS": "2", "PANTHEON_KV_DTYPE": "float32",
               "PANTHEON_CLUSTER_TIMEOUT_S": "120"}
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("PANTHEON_", "QWEN35_", "XLA_"))}
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("PANTHEON_", "QWEN35_", "BS_", "XLA_"))}
     full.update(env)
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT,

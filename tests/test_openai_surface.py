@@ -35,7 +35,8 @@ TIME = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def srv():
-    s = start_server([f"{MODEL}=smollm2-135m"], timeout=400, env={"QWEN35_MAX_SEQ": "1024", "QWEN35_BATCH_SLOTS": "8"})
+    s = start_server([f"{MODEL}=smollm2-135m"], timeout=400,
+                     env={"PANTHEON_MAX_SEQ": "1024", "PANTHEON_BATCH_SLOTS": "8"})
     yield s
     s.stop()
 

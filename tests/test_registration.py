@@ -258,7 +258,7 @@ def test_sigterm_drains_then_deregisters(router):
     import requests
 
     srv = Server([f"tiny={LLAMA}"], {"PANTHEON_REGISTRY_URL": router.url, "PANTHEON_WARMUP": "0",
-                                     "QWEN35_BATCH_SLOTS": "2", "PANTHEON_REGISTRY_INTERVAL_S": "1"})
+                                     "PANTHEON_BATCH_SLOTS": "2", "PANTHEON_REGISTRY_INTERVAL_S": "1"})
     try:
         srv.start().wait_ready(240)
         url = srv.url + "/m/tiny"

@@ -37,7 +37,7 @@ from server_util import LLAMA, QWEN2, ROOT, Server, die_with_parent, free_port, 
 KEY = "router-control-key"
 API_KEY = "instance-api-key"  # the instances want it; the router presents it (registered with each worker)
 SLOTS = 2
-ENV = {"PANTHEON_WARMUP": "0", "QWEN35_BATCH_SLOTS": str(SLOTS), "PANTHEON_REGISTRY_INTERVAL_S": "1",
+ENV = {"PANTHEON_WARMUP": "0", "PANTHEON_BATCH_SLOTS": str(SLOTS), "PANTHEON_REGISTRY_INTERVAL_S": "1",
        "PANTHEON_REGISTRY_KEY": KEY, "PANTHEON_API_KEY": API_KEY}
 DIRECT = {"Authorization": f"Bearer {API_KEY}"}  # for requests that bypass the router
 CHAT = "/v1/chat/completions"

@@ -272,7 +272,7 @@ def smol():
     """One server with SmolLM2 (its template has no tools branch), started once for this module."""
     from server_util import start_server
 
-    s = start_server(["smol=smollm2-135m"], timeout=400, env={"QWEN35_BATCH_SLOTS": "0", "QWEN35_MAX_SEQ": "1024"})
+    s = start_server(["smol=smollm2-135m"], timeout=400, env={"PANTHEON_BATCH_SLOTS": "0", "PANTHEON_MAX_SEQ": "1024"})
     yield s
     s.stop()
 

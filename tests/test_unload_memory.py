@@ -82,8 +82,8 @@ def test_rss_is_flat_over_load_unload_cycles_of_the_default_model(real_model_pat
     # 8 slots and the warm-up as served (the warm-up's compiles are what fragmented the heap: without
     # it the growth hides in the noise), over 512 positions and 32-token chunks so that each cycle
     # compiles 18 programs, not 60 (about 20 s a cycle instead of 80 on 2 cores).
-    r = run_cycles(path, {"PANTHEON_WARMUP": "1", "QWEN35_BATCH_SLOTS": "8", "QWEN35_MAX_SEQ": "512",
-                          "QWEN35_BS_PREFILL_CHUNK": "32"})
+    r = run_cycles(path, {"PANTHEON_WARMUP": "1", "PANTHEON_BATCH_SLOTS": "8", "PANTHEON_MAX_SEQ": "512",
+                          "PANTHEON_PREFILL_CHUNK": "32"})
     figures = {k: [round(x / 2 ** 30, 3) for x in v] for k, v in r.items()}  # GiB, shown on failure
     # The first cycle leaves what a reload reuses (the file's parsed header, gguf_reader's reader
     # cache: ~70 MB with the vocabulary's strings); from the second on, RSS must stay flat.
@@ -98,8 +98,8 @@ def test_unload_frees_the_models_buffers_and_programs_even_while_referenced(tmp_
     """Whoever still holds the Model or one of its states (a traceback, a test, a lingering thread),
     unload frees the device buffers and drops the compiled programs of this model's jitted steps."""
     path, _, _ = tiny_fixture("llama")
-    settings = load_settings({"PANTHEON_HOME": str(tmp_path), "PANTHEON_WARMUP": "0", "QWEN35_BATCH_SLOTS": "2",
-                              "QWEN35_MAX_SEQ": "64", "QWEN35_BS_PREFILL_CHUNK": "16",
+    settings = load_settings({"PANTHEON_HOME": str(tmp_path), "PANTHEON_WARMUP": "0", "PANTHEON_BATCH_SLOTS": "2",
+                              "PANTHEON_MAX_SEQ": "64", "PANTHEON_PREFILL_CHUNK": "16",
                               "PANTHEON_NATIVE_MATMUL": "0"})
     reg = Registry(settings, devices=lambda s: [{"die": 0, "budget_bytes": 8 * 2 ** 30}])
     reg.load(str(path), name="m", resolve=Path)

@@ -18,8 +18,8 @@ from server_util import LLAMA, QWEN2, TINY, assert_error, start_server
 ADMIN = "adm-key"
 HELLO = [{"role": "user", "content": "Hi"}]
 LLAMA_WEIGHTS, QWEN2_WEIGHTS = 854272, 725248  # f32 weights of the tiny fixtures
-# What a load reserves: the estimate for the server's options (1 slot with QWEN35_BATCH_SLOTS=0, QWEN35_MAX_SEQ
-# and QWEN35_BS_PREFILL_CHUNK from server_util.BASE_ENV), about 65 MiB each (64 MiB of it scratch).
+# What a load reserves: the estimate for the server's options (1 slot with PANTHEON_BATCH_SLOTS=0, PANTHEON_MAX_SEQ
+# and PANTHEON_PREFILL_CHUNK from server_util.BASE_ENV), about 65 MiB each (64 MiB of it scratch).
 OPTS = LoadOptions(n_slots=1, max_seq=128, prefill_chunk=32)
 LLAMA_BYTES = estimate_load_bytes(LLAMA, OPTS).total_bytes
 QWEN2_BYTES = estimate_load_bytes(QWEN2, OPTS).total_bytes
@@ -28,7 +28,7 @@ QWEN2_BYTES = estimate_load_bytes(QWEN2, OPTS).total_bytes
 @pytest.fixture(scope="module")
 def srv():
     s = start_server([f"base={LLAMA}"], via_cli=True,
-                     env={"QWEN35_BATCH_SLOTS": "0", "PANTHEON_ADMIN_KEY": ADMIN, "PANTHEON_MODEL_DIR": str(TINY),
+                     env={"PANTHEON_BATCH_SLOTS": "0", "PANTHEON_ADMIN_KEY": ADMIN, "PANTHEON_MODEL_DIR": str(TINY),
                           "PANTHEON_DIE_BUDGET_MB": "220"})
     yield s
     s.stop()

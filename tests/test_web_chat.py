@@ -1,6 +1,6 @@
 """End-to-end chat completions against a real gunicorn+gevent server with two tiny random-weight models.
 
-The server runs the single-user path (QWEN35_BATCH_SLOTS=0), so it also covers 429 + Retry-After and
+The server runs the single-user path (PANTHEON_BATCH_SLOTS=0), so it also covers 429 + Retry-After and
 that a client disconnect frees the model's lock at once. An API key is set (401 checks); the admin API
 is left off (403). Bodies are capped at 64 KiB (413).
 """
@@ -26,7 +26,7 @@ HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 @pytest.fixture(scope="module")
 def srv():
     s = start_server([f"llama={LLAMA}", f"qwen2={QWEN2}"],
-                     env={"QWEN35_BATCH_SLOTS": "0", "PANTHEON_API_KEY": KEY,
+                     env={"PANTHEON_BATCH_SLOTS": "0", "PANTHEON_API_KEY": KEY,
                           "PANTHEON_MAX_BODY_BYTES": str(MAX_BODY), "PANTHEON_CORS_ORIGINS": "http://ok.example"})
     yield s
     s.stop()

@@ -28,7 +28,7 @@ def counts(usage: dict) -> tuple[int, int, int]:
 
 @pytest.fixture(scope="module")
 def srv():
-    s = start_server([f"tiny={LLAMA}"], env={"QWEN35_BATCH_SLOTS": "8"})
+    s = start_server([f"tiny={LLAMA}"], env={"PANTHEON_BATCH_SLOTS": "8"})
     yield s
     s.stop()
 

@@ -184,7 +184,7 @@ def test_make_backend_pressure_turns_queue_full_into_503(tmp_path):
 
 
 # ---- a server with four dies -------------------------------------------------------------------------
-SLOTS = 2  # QWEN35_BATCH_SLOTS: two rows per model keep the compiled programs (and the test's time) few
+SLOTS = 2  # PANTHEON_BATCH_SLOTS: two rows per model keep the compiled programs (and the test's time) few
 OPTS = LoadOptions(n_slots=SLOTS, max_seq=128, prefill_chunk=32)  # the server's (see server_util.BASE_ENV)
 EST_LLAMA = estimate_load_bytes(LLAMA, OPTS)
 EST_QWEN2 = estimate_load_bytes(QWEN2, OPTS)
@@ -195,7 +195,7 @@ BUDGET = 150 * MiB  # two tiny models (about 66 MiB each, mostly scratch) fit a 
 def srv():
     s = start_server([f"base={LLAMA}@0"],
                      env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PANTHEON_DIE_BUDGET_MB": "150",
-                          "QWEN35_BATCH_SLOTS": str(SLOTS),
+                          "PANTHEON_BATCH_SLOTS": str(SLOTS),
                           "PANTHEON_WARMUP": "0", "PANTHEON_ADMIN_KEY": ADMIN, "PANTHEON_MODEL_DIR": str(TINY)})
     yield s
     s.stop()

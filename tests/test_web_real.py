@@ -36,7 +36,7 @@ def counts(usage: dict) -> tuple[int, int, int]:
 @pytest.fixture(scope="module")
 def srv():
     s = start_server(["smol=smollm2-135m"], timeout=400,
-                     env={"QWEN35_BATCH_SLOTS": "0", "QWEN35_MAX_SEQ": "512", "PANTHEON_ADMIN_KEY": ADMIN,
+                     env={"PANTHEON_BATCH_SLOTS": "0", "PANTHEON_MAX_SEQ": "512", "PANTHEON_ADMIN_KEY": ADMIN,
                           # smol (~0.2 GB) and one qwen-0.5b (~0.65 GB: its blocks + f16 caches) fit, two do not
                           "PANTHEON_DIE_BUDGET_MB": "1300"})
     yield s

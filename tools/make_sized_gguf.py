@@ -58,7 +58,6 @@ import importlib.util
 import io
 import math
 import mmap
-import os
 import re
 import struct
 import sys
@@ -74,6 +73,7 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:  # the repo root, for pantheon.ops.quant_formats when run as a script
     sys.path.insert(0, str(_HERE.parent))
 
+from pantheon.config import load_settings  # noqa: E402
 from pantheon.ops.quant_formats import FORMATS  # noqa: E402
 
 
@@ -439,8 +439,7 @@ def tensor_chunks(t: TensorSpec, rng: np.random.Generator, std: float,
 
 # ---- tokenizer ------------------------------------------------------------------------------------
 def default_tokenizer_gguf() -> Path:
-    home = Path(os.environ.get("PANTHEON_HOME") or Path.home() / ".cache" / "pantheon").expanduser()
-    return home / "models" / "qwen-0.5b.gguf"
+    return load_settings().home / "models" / "qwen-0.5b.gguf"
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}

@@ -71,6 +71,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout: use this check
     sys.path.insert(0, str(REPO))
 
 from pantheon.bench.serve import percentile  # noqa: E402
+from pantheon.config import load_settings  # noqa: E402
 from pantheon.formats.catalog import CATALOG, DEFAULT_MODEL, resolve_model  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
@@ -1866,9 +1867,10 @@ def prepare(cfg: Config) -> tuple[ServerProcess, Bench, float]:
     raise_fd_limit(cfg.slow_conns + 256)
     name = cfg.model if catalog else path.stem
     reload_body = {"model": cfg.model, "name": name} if catalog else {"path": str(path), "name": name}
+    served = load_settings(env)  # what the server will read from the same environment
     b = Bench(cfg=cfg, server=server, port=port, admin_key=admin_key, name=name, reload_body=reload_body,
-              model_dir=path.parent, slots=8, queue_depth=int(env.get("BS_QUEUE_DEPTH", 32)),
-              queue_wait_s=float(env.get("PANTHEON_QUEUE_WAIT_S", 30)), rng=random.Random(cfg.seed))
+              model_dir=path.parent, slots=8, queue_depth=served.queue_depth,
+              queue_wait_s=served.queue_wait_s, rng=random.Random(cfg.seed))
     models = b.request("GET", "/v1/models").json() or {}
     ids = [m.get("id") for m in models.get("data") or []]
     if ids and name not in ids:

@@ -487,7 +487,7 @@ def admit(model: Any, n_tokens: int, snapshot: MemSnapshot | None = None, *, wat
     there). A model without a config is charged `state_bytes_per_token` per token instead (the old
     conservative bound).
 
-    Window: the model's max_seq (QWEN35_MAX_SEQ clamped to the file's context length), halved under
+    Window: the model's max_seq (PANTHEON_MAX_SEQ clamped to the file's context length), halved under
     HIGH pressure (the ladder). A charged pool at CRITICAL admits nothing (DENIED, 503), whatever
     the request would add.
 

@@ -1,6 +1,6 @@
 """Per-model generation backends: the continuous-batching scheduler, one per loaded model.
 
-The single-user setting (QWEN35_BATCH_SLOTS=0) is the same scheduler with one slot that refuses a
+The single-user setting (PANTHEON_BATCH_SLOTS=0) is the same scheduler with one slot that refuses a
 second concurrent request at once (429) instead of queueing it: one generation loop, not two.
 """
 

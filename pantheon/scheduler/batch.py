@@ -4,7 +4,7 @@ Lifecycle of a request:
 
 1. `submit` (request greenlet, never blocks) appends it to the FIFO admission queue, or refuses it:
    queue full -> 429 Retry-After 5 (503 under CRITICAL memory pressure); shutting down or failed ->
-   503. With `immediate=True` (the single-user setting, QWEN35_BATCH_SLOTS=0: one slot, no queue) a
+   503. With `immediate=True` (the single-user setting, PANTHEON_BATCH_SLOTS=0: one slot, no queue) a
    request that finds no free slot is refused at once with 429 Retry-After 1.
 2. The driver admits queued requests into IDLE slots, preferring the slot that holds the request's
    session, else the idle slot whose committed history shares the longest prefix with the prompt (its
@@ -150,7 +150,7 @@ class SchedulerStats:
 
 
 class BatchScheduler(EmbedDriver):
-    """One per loaded model: the driver of its slots (QWEN35_BATCH_SLOTS=0 -> one slot, immediate 429)."""
+    """One per loaded model: the driver of its slots (PANTHEON_BATCH_SLOTS=0 -> one slot, immediate 429)."""
 
     def __init__(self, model: Model, settings: Settings, pressure: Callable[[], int] | None = None,
                  warmup: bool | None = None):

@@ -35,12 +35,16 @@ def serve(args: argparse.Namespace) -> int:
     """Validate `--model` specs, pull catalog models (with progress, here rather than in the worker),
     then replace this process with gunicorn. Returns only on a bad argument."""
     from pantheon.formats.catalog import DEFAULT_MODEL, resolve_model
-    from pantheon.config import split_model_specs
+    from pantheon.config import load_settings, split_model_specs
     from pantheon.serving.registry import parse_spec
 
     specs = [s for m in (args.model or []) for s in split_model_specs(m)]
     if not specs:
-        specs = list(split_model_specs(os.environ.get("PANTHEON_MODELS", ""))) or [DEFAULT_MODEL]
+        try:
+            specs = list(load_settings().models) or [DEFAULT_MODEL]
+        except ValueError as exc:
+            print(f"pantheon: {exc}", file=sys.stderr)
+            return 2
     for text in specs:
         try:
             spec = parse_spec(text)
@@ -58,7 +62,6 @@ def serve(args: argparse.Namespace) -> int:
         value = getattr(args, flag, None)
         if value is not None:
             env[var] = str(value)
-    from pantheon.config import load_settings
     from pantheon.serving.distributed import run_follower, spec_from_settings
     try:
         cluster = spec_from_settings(load_settings(env))

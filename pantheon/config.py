@@ -92,7 +92,13 @@ class Settings:
     test_pressure: int | None = None
     # Router registration (pantheon.serving.registration): all off unless registry_url is set.
     registry_url: str | None = None  # the router's base URL (SMG), e.g. http://10.0.0.1:30000
-    registry_key: str | None = None  # bearer token for the router's control plane
+    registry_key: str | None = None  # bearer token for the router's control plane (never the API key)
+    # The key the router presents to this server (registered as each worker's api_key; accepted on the
+    # /m/<model>/ roots only). Never defaulted to api_key: handing the server's own key to another
+    # program is the operator's explicit choice, not a side effect of turning registration on.
+    registry_worker_key: str | None = None
+    registry_timeout_s: float = 5.0  # one call to the router, start to last byte of its reply
+    registry_max_reply_bytes: int = 4 * 1024 * 1024  # a router reply past this is refused, unread
     node_id: str = "node0"
     registry_transport: str = "local"
     advertise_url: str | None = None  # how the router reaches this server; default: the bound address
@@ -147,6 +153,9 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         test_pressure=_test_pressure(env),
         registry_url=_url(env, "PANTHEON_REGISTRY_URL"),
         registry_key=env.get("PANTHEON_REGISTRY_KEY") or None,
+        registry_worker_key=env.get("PANTHEON_REGISTRY_WORKER_KEY") or None,
+        registry_timeout_s=max(0.1, _float(env, "PANTHEON_REGISTRY_TIMEOUT_S", 5.0)),
+        registry_max_reply_bytes=max(64 * 1024, _int(env, "PANTHEON_REGISTRY_MAX_REPLY_BYTES", 4 * 1024 * 1024)),
         node_id=(env.get("PANTHEON_NODE_ID") or "node0").strip() or "node0",
         registry_transport=(env.get("PANTHEON_REGISTRY_TRANSPORT") or "local").strip() or "local",
         advertise_url=_url(env, "PANTHEON_ADVERTISE_URL"),

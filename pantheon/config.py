@@ -61,6 +61,9 @@ class Settings:
     kv_dtype: str = "auto"
     registry_url: str | None = None
     registry_key: str | None = None
+    registry_worker_key: str | None = None
+    registry_timeout_s: float = 5.0
+    registry_max_reply_bytes: int = 4 * 1024 * 1024
     node_id: str = "node0"
     registry_transport: str = "local"
     advertise_url: str | None = None
@@ -301,7 +304,18 @@ SETTINGS: tuple[Setting, ...] = (
                 "registration is off and no router traffic is sent"),
     Setting("PANTHEON_REGISTRY_KEY", "registry_key", _text,
             doc="bearer token for the router's control plane (`pantheon router` requires it from registrants "
-                "when set); unset: `PANTHEON_API_KEY` is sent, if set"),
+                "when set); unset: no token is sent (never `PANTHEON_API_KEY`)"),
+    Setting("PANTHEON_REGISTRY_WORKER_KEY", "registry_worker_key", _text,
+            doc="the key the router presents to this server: registered as each worker's `api_key`, and "
+                "accepted besides `PANTHEON_API_KEY` on the model roots `/m/<model>/...` only. Needed when "
+                "`PANTHEON_API_KEY` is set (the router is refused otherwise); unset: the router is given no key"),
+    Setting("PANTHEON_REGISTRY_TIMEOUT_S", "registry_timeout_s", _number(low=0.1),
+            doc="one call to the router, from connecting to the reply's last byte (a router that trickles its "
+                "reply is cut off there); also the longest an admin load / unload waits for the router's "
+                "table to follow it; at least 0.1"),
+    Setting("PANTHEON_REGISTRY_MAX_REPLY_BYTES", "registry_max_reply_bytes", _integer(low=64 * 1024),
+            doc="the largest reply taken from the router (its `GET /workers` lists every worker of the fleet: "
+                "raise it for a very large one); a larger one is refused unread and the call fails; at least 65536"),
     Setting("PANTHEON_NODE_ID", "node_id", _stripped,
             doc="the `node_id` label of this server's workers at the router"),
     Setting("PANTHEON_REGISTRY_TRANSPORT", "registry_transport", _stripped,

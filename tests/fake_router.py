@@ -3,6 +3,10 @@
 It keeps a worker table (`POST /workers` adds, refusing a second worker at one URL with 409 as SMG
 does; `PATCH /workers/{id}` merges labels; `DELETE /workers/{id}` removes; `GET /workers` lists) and records every request it receives,
 with its headers, so a test can assert on the bodies, the bearer token, or that nothing arrived.
+
+It can also misbehave on cue (`script`): a reply that trickles one byte at a time (`trickling`) or one
+far larger than any worker table (`huge_workers`). Such a reply keeps sending until the client hangs
+up (`hung_up` is then set) or the test calls `release()`; `stalled` is set once a trickle has begun.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -20,6 +25,11 @@ class FakeRouter:
         self.workers: dict[str, dict] = {}  # id -> registration body
         self.requests: list[tuple[str, str, dict, object]] = []  # (method, path, headers, json body)
         self.connections = 0
+        self.scripts: list[list] = []  # [method, path, reply(handler), replies left or None: every time]
+        self.released = threading.Event()  # ends every scripted reply still sending
+        self.stalled = threading.Event()  # a trickling reply has sent its headers
+        self.hung_up = threading.Event()  # a client closed its connection in the middle of a scripted reply
+        self.sent = 0  # bytes of scripted reply bodies written
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -43,6 +53,9 @@ class FakeRouter:
                     owner.requests.append((self.command, self.path, dict(self.headers), body))
                 if owner.key is not None and self.headers.get("Authorization") != f"Bearer {owner.key}":
                     return self._reply(401, {"error": "unauthorized"})
+                scripted = owner._scripted(self.command, self.path)
+                if scripted is not None:
+                    return scripted(self)
                 with owner.lock:
                     if self.command == "GET" and self.path == "/workers":
                         ws = [{"id": i, "url": b["url"], "model_id": b.get("model_id"), "labels": b.get("labels")}
@@ -79,6 +92,77 @@ class FakeRouter:
         self.thread = threading.Thread(target=self.server.serve_forever, name="fake-router", daemon=True)
         self.thread.start()
 
+    # ---- misbehaving on cue ------------------------------------------------------------------------
+    def script(self, method: str, path: str, reply: Callable, times: int | None = None) -> None:
+        """Answer the next `times` (None: every) `method path` requests with `reply(handler)`."""
+        with self.lock:
+            self.scripts.append([method, path, reply, times])
+
+    def _scripted(self, method: str, path: str) -> Callable | None:
+        with self.lock:
+            for entry in self.scripts:
+                if entry[0] == method and entry[1] == path and entry[3] != 0:
+                    if entry[3] is not None:
+                        entry[3] -= 1
+                    return entry[2]
+        return None
+
+    def release(self) -> None:
+        """Behave again: every scripted reply still sending ends, and none is scripted any more."""
+        with self.lock:
+            self.scripts.clear()
+        self.released.set()
+
+    def _pump(self, handler: BaseHTTPRequestHandler, pieces: Iterable[bytes], pause: float = 0.0) -> None:
+        for piece in pieces:
+            if self.released.is_set():
+                return
+            try:
+                handler.wfile.write(piece)
+                handler.wfile.flush()
+            except OSError:
+                self.hung_up.set()
+                return
+            with self.lock:
+                self.sent += len(piece)
+            if pause:
+                self.released.wait(pause)
+
+    def trickling(self, every: float = 0.1, announce: int = 1 << 20) -> Callable:
+        """A 200 whose headers announce `announce` bytes of JSON, which then come one blank (JSON's
+        leading whitespace) every `every` seconds: each read gets a byte, so no read ever times out."""
+        def reply(h: BaseHTTPRequestHandler) -> None:
+            h.send_response(200)
+            h.send_header("Content-Type", "application/json")
+            h.send_header("Content-Length", str(announce))
+            h.end_headers()
+            h.wfile.flush()
+            self.stalled.set()
+            self._pump(h, iter(lambda: b" ", None), pause=every)
+        return reply
+
+    def huge_workers(self, total: int, entry_bytes: int = 4096) -> Callable:
+        """A valid `GET /workers` reply of about `total` bytes (other servers' workers, each padded to
+        `entry_bytes`), with no Content-Length: it ends when the connection closes (HTTP/1.0)."""
+        def pieces() -> Iterator[bytes]:
+            yield b'{"workers": ['
+            pad = "x" * entry_bytes
+            batch: list[bytes] = []
+            for i in range(max(1, total // entry_bytes)):
+                batch.append(json.dumps({"id": f"w{i}", "url": f"http://elsewhere:1/m/w{i}",
+                                         "labels": {"pad": pad}}).encode() + b",")
+                if len(batch) == 256:
+                    yield b"".join(batch)
+                    batch = []
+            yield b"".join(batch) + b'{"id": "last", "url": "http://elsewhere:1/m/last"}]}'
+
+        def reply(h: BaseHTTPRequestHandler) -> None:
+            h.send_response(200)
+            h.send_header("Content-Type", "application/json")
+            h.end_headers()
+            self._pump(h, pieces())
+        return reply
+
     def urls(self) -> dict[str, dict]:
         """url -> registration body of every worker held."""
         with self.lock:
@@ -94,5 +178,6 @@ class FakeRouter:
             return sum(1 for m, p, _, _ in self.requests if m == method and p.startswith(path_prefix))
 
     def close(self) -> None:
+        self.release()
         self.server.shutdown()
         self.server.server_close()

@@ -5,6 +5,12 @@ Specification:
 * every ready model name is registered once, at `ADVERTISE/m/<name>`, with its labels
   (`instance_id` = host:port:model, node, transport, capacity = slots) and the control-plane key as
   a bearer token; replicas of a name stay one worker;
+* the server's own API key never reaches the router, as a token or in a body; the router gets a key
+  for this server only when PANTHEON_REGISTRY_WORKER_KEY gives one, and that key opens the model roots
+  only;
+* a call to the router ends by its deadline however slowly the router sends, a reply past the byte
+  cap is refused without being read to its end, and a stuck router holds up neither an admin load's
+  reply nor the deregistration at shutdown;
 * the keep-alive registers again after the router forgot its workers (a router restart), and keeps
   retrying while the router is away; admin load registers, admin unload and close() deregister;
 * `/health`, `/m/<model>/health` answer without the API key; `/v1/loads` has SMG's shape;
@@ -13,6 +19,8 @@ Specification:
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +30,7 @@ from fake_router import FakeRouter
 from test_web_app import ADMIN, HELLO, FakeModel, ScriptBackend, admin
 
 from pantheon.config import Settings, load_settings
-from pantheon.serving.registration import RouterClient, Registration, Served
+from pantheon.serving.registration import RouterClient, RouterError, Registration, Served
 from pantheon.serving.registry import Registry
 from pantheon.web import create_app
 
@@ -37,6 +45,24 @@ def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def guarded(fn, guard: float = 60.0, what: str = "the call"):
+    """fn() in a thread; its result, or the exception it raised. Fails the test (instead of hanging it)
+    if fn is still running after `guard` seconds, a bound far above what a passing run takes."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(guard)
+    assert not t.is_alive(), f"{what} still running after {guard} s"
+    return out.get("error", out.get("value"))
 
 
 def make_app(tmp_path: Path, router: FakeRouter | None, models=("m",), **extra):
@@ -78,11 +104,16 @@ def close_app(app) -> None:
 def test_settings_parse_registration_variables():
     s = load_settings({"PANTHEON_REGISTRY_URL": "http://10.0.0.1:30000/", "PANTHEON_REGISTRY_KEY": "k",
                        "PANTHEON_NODE_ID": "n7", "PANTHEON_REGISTRY_TRANSPORT": "rdma",
-                       "PANTHEON_ADVERTISE_URL": "http://10.0.0.2:8000", "PANTHEON_REGISTRY_INTERVAL_S": "2"})
+                       "PANTHEON_ADVERTISE_URL": "http://10.0.0.2:8000", "PANTHEON_REGISTRY_INTERVAL_S": "2",
+                       "PANTHEON_REGISTRY_WORKER_KEY": "wk", "PANTHEON_REGISTRY_TIMEOUT_S": "3",
+                       "PANTHEON_REGISTRY_MAX_REPLY_BYTES": "1000000", "PANTHEON_API_KEY": "api"})
     assert (s.registry_url, s.registry_key, s.node_id, s.registry_transport, s.advertise_url,
             s.registry_interval_s) == ("http://10.0.0.1:30000", "k", "n7", "rdma", "http://10.0.0.2:8000", 2.0)
-    d = load_settings({})
+    assert (s.registry_worker_key, s.registry_timeout_s, s.registry_max_reply_bytes) == ("wk", 3.0, 1000000)
+    d = load_settings({"PANTHEON_API_KEY": "api"})
     assert (d.registry_url, d.node_id, d.registry_transport) == (None, "node0", "local")
+    assert (d.registry_key, d.registry_worker_key) == (None, None)  # neither falls back to the API key
+    assert (d.registry_timeout_s, d.registry_max_reply_bytes) == (5.0, 4 << 20)
     with pytest.raises(ValueError):
         load_settings({"PANTHEON_REGISTRY_URL": "10.0.0.1:30000"})
 
@@ -97,25 +128,125 @@ def test_unset_registry_url_builds_no_client(tmp_path):
 def test_each_model_registers_once_with_labels_and_key(tmp_path, router):
     router.key = "cp-secret"
     app, reg = make_app(tmp_path, router, models=("m", "m", "other"), registry_key="cp-secret",
-                        node_id="node3", registry_transport="tcp", api_key="api-k")
+                        node_id="node3", registry_transport="tcp", api_key="api-k",
+                        registry_worker_key="router-k")
     try:
         urls = wait_for(lambda: len(router.urls()) == 2 and router.urls(), what="two registrations")
         assert set(urls) == {ADVERTISE + "/m/m", ADVERTISE + "/m/other"}
         body = urls[ADVERTISE + "/m/m"]
         assert body["model_id"] == "m" and body["context_length"] == FakeModel.max_seq
-        assert body["api_key"] == "api-k"  # the router presents it to this worker
+        assert body["api_key"] == "router-k"  # the router presents it to this worker
         assert body["labels"] == {"instance_id": "127.0.0.1:18555:m", "node_id": "node3", "transport": "tcp",
                                   "capacity": "8", "max_running_requests": "8",  # two replicas of 4 slots
                                   "context_length": str(FakeModel.max_seq)}
         assert all(h.get("Authorization") == "Bearer cp-secret" for _, _, h, _ in router.requests)
-        assert Registration(Settings(home=tmp_path, registry_url=router.url, api_key="only-api"),
-                            served=lambda: []).client._key == "only-api"  # no registry key: the API key
         n_posts = router.count("POST")
         wait_for(lambda: app.extensions["pantheon"].registration.reconciles >= 4, what="keep-alive ticks")
         assert router.count("POST") == n_posts  # registered stays registered: no re-POST while present
     finally:
         close_app(app)
     assert router.urls() == {}  # close() deregistered both
+
+
+def test_the_servers_api_key_never_reaches_the_router(tmp_path, router):
+    """PANTHEON_API_KEY set, no registry key, no worker key: the router gets no token and no key."""
+    app, _ = make_app(tmp_path, router, api_key="api-secret")
+    try:
+        body = wait_for(lambda: router.urls().get(ADVERTISE + "/m/m"), what="registration")
+        assert "api_key" not in body
+        with router.lock:
+            seen = list(router.requests)
+        assert seen and all("Authorization" not in h for _, _, h, _ in seen)
+        assert not any("api-secret" in json.dumps([h, b]) for _, _, h, b in seen)
+    finally:
+        close_app(app)
+
+
+def test_the_router_key_opens_the_model_roots_only(tmp_path, router):
+    """The key registered for the router is a second key on /m/<model>/..., not a copy of the API key."""
+    app, _ = make_app(tmp_path, router, api_key="api-secret", registry_worker_key="router-k")
+    c = app.test_client()
+    try:
+        body = wait_for(lambda: router.urls().get(ADVERTISE + "/m/m"), what="registration")
+        assert body["api_key"] == "router-k"
+        router_key = {"Authorization": "Bearer router-k"}
+        assert c.get("/m/m/v1/loads", headers=router_key).status_code == 200
+        assert c.post("/m/m/v1/chat/completions", json={"messages": HELLO}, headers=router_key).status_code == 200
+        assert c.get("/v1/loads", headers=router_key).status_code == 401
+        assert c.post("/v1/chat/completions", json={"messages": HELLO}, headers=router_key).status_code == 401
+        assert c.post("/admin/models/unload", json={"name": "m"}, headers=router_key).status_code == 401
+        assert c.get("/m/m/v1/loads", headers={"Authorization": "Bearer api-secret"}).status_code == 200
+    finally:
+        close_app(app)
+
+
+def test_a_router_reply_past_the_cap_is_refused_before_its_end(tmp_path, router):
+    """A 64 MB worker table (valid JSON, no Content-Length) against a 256 KiB cap: the reconcile fails
+    with RouterError and the server hangs up instead of reading (and holding) the rest; a reply that
+    announces more than the cap is refused on its headers."""
+    total = 64 << 20
+    settings = Settings(home=tmp_path, registry_url=router.url, advertise_url=ADVERTISE,
+                        registry_max_reply_bytes=256 << 10)
+    registration = Registration(settings, served=lambda: [Served("m", 2, 64)])
+    router.script("GET", "/workers", router.huge_workers(total), times=1)
+    err = guarded(registration.reconcile, what="the reconcile against a huge reply")
+    assert isinstance(err, RouterError) and "cap" in str(err), err
+    assert router.hung_up.wait(60) and router.sent < total
+
+    router.hung_up.clear()
+    router.script("GET", "/workers", router.trickling(announce=200 << 20), times=1)
+    err = guarded(registration.reconcile, what="the reconcile against an announced 200 MB reply")
+    assert isinstance(err, RouterError) and "announces" in str(err), err
+    assert router.hung_up.wait(60)
+    assert router.count("POST") == 0  # nothing was registered on the strength of a refused table
+
+
+def test_a_trickling_router_reply_ends_at_the_calls_deadline(tmp_path, router):
+    """A router that keeps every read fed (a byte every 0.1 s) still cannot hold a call past
+    PANTHEON_REGISTRY_TIMEOUT_S: the reconcile raises TimeoutError and hangs up."""
+    settings = Settings(home=tmp_path, registry_url=router.url, advertise_url=ADVERTISE, registry_timeout_s=1.0)
+    registration = Registration(settings, served=lambda: [Served("m", 2, 64)])
+    router.script("GET", "/workers", router.trickling(every=0.1))
+    err = guarded(registration.reconcile, what="the reconcile against a trickling router")
+    assert isinstance(err, TimeoutError), err
+    assert router.hung_up.wait(60)
+
+
+def test_admin_load_answers_while_the_router_is_stuck(tmp_path, router):
+    """Every `GET /workers` trickles forever: the admin load still answers (the registration is the
+    keep-alive's to finish), and once the router recovers the new model is registered."""
+    app, _ = make_app(tmp_path, router, registry_timeout_s=1.0)
+    client = app.test_client()
+    try:
+        wait_for(lambda: ADVERTISE + "/m/m" in router.urls(), what="startup registration")
+        router.script("GET", "/workers", router.trickling(every=0.1))
+        assert router.stalled.wait(60)  # the keep-alive is inside a stuck call
+        r = guarded(lambda: admin(client, "/models/load", {"path": "ok.gguf", "name": "second"}),
+                    what="the admin load")  # the router is released only after this answer
+        assert r.status_code == 200, r
+        router.release()
+        wait_for(lambda: ADVERTISE + "/m/second" in router.urls(), 30, "registration once the router recovers")
+    finally:
+        router.release()
+        close_app(app)
+
+
+def test_close_deregisters_while_a_keepalive_call_is_stuck(tmp_path, router):
+    """close() ends the keep-alive's stuck call at once, so the deregistration happens within close's
+    own timeout although that call's deadline (60 s) lies far beyond it."""
+    settings = Settings(home=tmp_path, registry_url=router.url, advertise_url=ADVERTISE,
+                        registry_interval_s=0.2, registry_timeout_s=60.0)
+    registration = Registration(settings, served=lambda: [Served("m", 2, 64)]).start()
+    try:
+        wait_for(lambda: ADVERTISE + "/m/m" in router.urls(), what="registration")
+        router.script("GET", "/workers", router.trickling(every=0.1), times=1)
+        assert router.stalled.wait(60)  # the keep-alive is inside the stuck call
+        guarded(lambda: registration.close(timeout=20), what="close()")
+        assert router.urls() == {}
+        assert router.hung_up.wait(60)  # the stuck call was ended by this side
+    finally:
+        router.release()
+        registration.close(deregister=False)
 
 
 def test_keepalive_reregisters_after_router_restart(tmp_path, router):

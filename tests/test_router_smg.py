@@ -7,7 +7,9 @@ cost); the tests that kill something run last and leave the fleet whole again.
 
 Specification:
 * every model of every instance is a worker at the router with Pantheon's labels; the instances
-  want an API key, which the router presents for them (clients of the router send none);
+  want an API key, and the router presents its own key instead (PANTHEON_REGISTRY_WORKER_KEY,
+  registered with each worker: the instances' API key never goes to the router); clients of the
+  router send none;
 * requests are routed by `model` (only C gets `qwen2`; an unknown model is the router's 404);
 * a session (`X-SMG-Routing-Key`) stays on one instance for three turns, and that instance's
   `/metrics` counts the prefix-cache hits of turns two and three;
@@ -35,10 +37,11 @@ import requests
 from server_util import LLAMA, QWEN2, ROOT, Server, die_with_parent, free_port, sse_events
 
 KEY = "router-control-key"
-API_KEY = "instance-api-key"  # the instances want it; the router presents it (registered with each worker)
+API_KEY = "instance-api-key"  # the instances want it (or the router's key) on every call
+ROUTER_KEY = "key-for-the-router"  # what the router presents to the instances (registered with each worker)
 SLOTS = 2
 ENV = {"PANTHEON_WARMUP": "0", "PANTHEON_BATCH_SLOTS": str(SLOTS), "PANTHEON_REGISTRY_INTERVAL_S": "1",
-       "PANTHEON_REGISTRY_KEY": KEY, "PANTHEON_API_KEY": API_KEY}
+       "PANTHEON_REGISTRY_KEY": KEY, "PANTHEON_API_KEY": API_KEY, "PANTHEON_REGISTRY_WORKER_KEY": ROUTER_KEY}
 DIRECT = {"Authorization": f"Bearer {API_KEY}"}  # for requests that bypass the router
 CHAT = "/v1/chat/completions"
 ROUTED_HEADER = "x-smg-routed-worker-id"  # SMG names the worker (its URL) that served a response

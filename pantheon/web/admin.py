@@ -70,7 +70,9 @@ def _resolver(body: dict) -> tuple[str, Any]:
 
 def _then_register(registration: Any, fn: Any, *args: Any) -> Any:
     """Run a load or unload (in its OS thread), then bring the router's table in line with it: a
-    loaded name is registered, a name with no replica left is deleted (when registration is on)."""
+    loaded name is registered, a name with no replica left is deleted (when registration is on).
+    The registration's keep-alive thread talks to the router; this waits for it at most
+    PANTHEON_REGISTRY_TIMEOUT_S, so a stuck router cannot hold the admin reply longer than that."""
     try:
         return fn(*args)
     finally:

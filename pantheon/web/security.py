@@ -3,6 +3,9 @@
 * `PANTHEON_API_KEY` set: every route but the health probes (`GET /`, `/health`, `/m/<model>/health`),
   the API's description (`GET /openapi.json`) and CORS preflights needs it, as
   `Authorization: Bearer KEY` or `X-Api-Key: KEY` (compared in constant time).
+* `PANTHEON_REGISTRY_WORKER_KEY` set: it is accepted besides the API key on the model roots
+  (`/m/<model>/...`), which are all a router calls; it is the key registered with the router for it to
+  present (pantheon.serving.registration), so the router never needs the server's own key.
 * `/admin/*` needs `PANTHEON_ADMIN_KEY` the same way (the API key does not open it); with no admin key
   configured the admin API is off (403), so a default install cannot be told to read files.
 * CORS is off unless `PANTHEON_CORS_ORIGINS` lists origins (or `*`).
@@ -64,9 +67,16 @@ def check_access(settings: Settings) -> None:
             raise RequestError("a valid admin key is required (Authorization: Bearer KEY or X-Api-Key)",
                                status=401, code="invalid_api_key")
         return
-    if settings.api_key and not _matches(key, settings.api_key):
+    if settings.api_key and not _matches(key, settings.api_key) and not _router_on_model_root(settings, key):
         raise RequestError("a valid API key is required (Authorization: Bearer KEY or X-Api-Key)", status=401,
                            code="invalid_api_key")
+
+
+def _router_on_model_root(settings: Settings, key: str | None) -> bool:
+    """The router's own key (PANTHEON_REGISTRY_WORKER_KEY) on a model root: it opens those only, so
+    a router's key cannot reach the admin API or this server's other routes."""
+    worker_key = settings.registry_worker_key
+    return bool(worker_key) and request.path.startswith("/m/") and _matches(key, worker_key)
 
 
 def allowed_origin(settings: Settings, origin: str | None) -> str | None:

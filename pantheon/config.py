@@ -103,6 +103,12 @@ class Settings:
     num_processes: int = 1
     process_id: int = 0
     cluster_timeout_s: float = 120.0  # start-up wait for every process to join (and their loads' acks)
+    # The secret every process of a cluster shares (PANTHEON_CLUSTER_SECRET or _FILE): the control channel
+    # authenticates with it before it reads anything. Never printed (repr=False).
+    cluster_secret: bytes | None = field(default=None, repr=False)
+    # PANTHEON_CLUSTER_TRUSTED_NETWORK=1: the operator states that only the cluster can reach its ports, so a
+    # cluster may start without a secret (the channel then authenticates nothing).
+    cluster_trusted_network: bool = False
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -155,7 +161,36 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         num_processes=max(1, _int(env, "PANTHEON_NUM_PROCESSES", 1)),
         process_id=_int(env, "PANTHEON_PROCESS_ID", 0),
         cluster_timeout_s=max(1.0, _float(env, "PANTHEON_CLUSTER_TIMEOUT_S", 120.0)),
+        cluster_secret=_cluster_secret(env),
+        cluster_trusted_network=_flag(env, "PANTHEON_CLUSTER_TRUSTED_NETWORK", False),
     )
+
+
+MIN_SECRET_BYTES = 16  # a shorter shared secret could be guessed by whoever can reach the control port
+
+
+def _cluster_secret(env: dict[str, str]) -> bytes | None:
+    """The cluster's shared secret: PANTHEON_CLUSTER_SECRET's value, or the contents of the file named by
+    PANTHEON_CLUSTER_SECRET_FILE (surrounding whitespace dropped, so `openssl rand -hex 32 > f` works);
+    None when neither is set. Both at once is refused: which one wins would be a guess."""
+    raw = (env.get("PANTHEON_CLUSTER_SECRET") or "").strip()
+    path = (env.get("PANTHEON_CLUSTER_SECRET_FILE") or "").strip()
+    if raw and path:
+        raise ValueError("set PANTHEON_CLUSTER_SECRET or PANTHEON_CLUSTER_SECRET_FILE, not both")
+    if path:
+        name = "PANTHEON_CLUSTER_SECRET_FILE"
+        try:
+            secret = Path(path).expanduser().read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"environment variable {name}={path!r}: the file cannot be read ({exc.strerror})") from exc
+    elif raw:
+        name, secret = "PANTHEON_CLUSTER_SECRET", raw.encode("utf-8")
+    else:
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{name}: the cluster secret is {len(secret)} bytes long; use at least {MIN_SECRET_BYTES} "
+                         "random bytes (for example the output of `openssl rand -hex 32`)")
+    return secret
 
 
 def _url(env: dict[str, str], name: str) -> str | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,12 @@ class Settings:
     num_processes: int = 1
     process_id: int = 0
     cluster_timeout_s: float = 120.0
+    # The secret every process of a cluster shares: the control channel authenticates with it before it
+    # reads anything. Never printed (repr=False). Filled from PANTHEON_CLUSTER_SECRET or, read at load
+    # time, from the file PANTHEON_CLUSTER_SECRET_FILE names (load_settings).
+    cluster_secret: bytes | None = field(default=None, repr=False)
+    cluster_secret_file: Path | None = None
+    cluster_trusted_network: bool = False
     test_pressure: int | None = None
     fixtures: Path | None = None
 
@@ -192,6 +198,19 @@ def _fixtures(raw: str) -> Path:
     return Path(raw)
 
 
+MIN_SECRET_BYTES = 16  # a shorter shared secret could be guessed by whoever can reach the control port
+
+
+def _secret(raw: str) -> bytes | None:
+    secret = raw.strip().encode("utf-8")
+    if not secret:
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"is {len(secret)} bytes long; use at least {MIN_SECRET_BYTES} random bytes "
+                         "(for example the output of `openssl rand -hex 32`)")
+    return secret
+
+
 # ---- the table ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -206,6 +225,7 @@ class Setting:
     shown_default: str | None = None  # the docs' default column, where the value does not say it plainly
     for_tests: bool = False  # only the test suite sets it
     default_factory: Callable[[], Any] | None = None  # a default computed at load time (home)
+    secret: bool = False  # a malformed value is reported without its text
 
     def default(self) -> Any:
         if self.default_factory is not None:
@@ -337,6 +357,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PANTHEON_CLUSTER_TIMEOUT_S", "cluster_timeout_s", _number(low=1.0),
             doc="how long start-up waits for every process to join (and each process's model load to be "
                 "acknowledged, at least 600 s)"),
+    Setting("PANTHEON_CLUSTER_SECRET", "cluster_secret", _secret, secret=True,
+            doc="the secret every process of a cluster shares (at least 16 bytes, e.g. `openssl rand -hex 32`): "
+                "the control channel runs a mutual HMAC handshake with it and authenticates every frame before "
+                "it deserialises anything. A cluster refuses to start without it (or the file below) unless "
+                "`PANTHEON_CLUSTER_TRUSTED_NETWORK=1`. Never logged"),
+    Setting("PANTHEON_CLUSTER_SECRET_FILE", "cluster_secret_file", _home,
+            doc="a file holding the cluster secret (surrounding whitespace dropped), read at start; set this or "
+                "`PANTHEON_CLUSTER_SECRET`, not both"),
+    Setting("PANTHEON_CLUSTER_TRUSTED_NETWORK", "cluster_trusted_network", _flag,
+            doc="1: the operator states that only the cluster's processes can reach its ports, so a cluster may "
+                "start without a secret (the channel then authenticates nothing; both ends log a warning)"),
     # -- set by the test suite only
     Setting("PANTHEON_TEST_PRESSURE", "test_pressure", _pressure, for_tests=True,
             doc="pin the memory-pressure level (0 OK, 1 ELEVATED, 2 HIGH, 3 CRITICAL) instead of measuring "
@@ -373,9 +404,30 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             try:
                 value = row.parse(raw)
             except ValueError as exc:
-                raise ValueError(f"environment variable {name}={raw!r} {exc}") from None
+                shown = name if row.secret else f"{name}={raw!r}"
+                raise ValueError(f"environment variable {shown} {exc}") from None
         values[row.field] = row.default() if value is None else value
+    values["cluster_secret"] = _cluster_secret(values["cluster_secret"], values["cluster_secret_file"])
     return Settings(**values)
+
+
+def _cluster_secret(given: bytes | None, path: Path | None) -> bytes | None:
+    """The cluster's secret: PANTHEON_CLUSTER_SECRET's, or the contents of PANTHEON_CLUSTER_SECRET_FILE's
+    file (whitespace around it dropped, so `openssl rand -hex 32 > f` works). Both at once is refused:
+    which one wins would be a guess."""
+    if path is None:
+        return given
+    if given is not None:
+        raise ValueError("set PANTHEON_CLUSTER_SECRET or PANTHEON_CLUSTER_SECRET_FILE, not both")
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise ValueError(f"environment variable PANTHEON_CLUSTER_SECRET_FILE={str(path)!r}: the file cannot be "
+                         f"read ({exc.strerror})") from None
+    try:
+        return _secret(text)
+    except ValueError as exc:
+        raise ValueError(f"the cluster secret in PANTHEON_CLUSTER_SECRET_FILE {exc}") from None
 
 
 def setting(name: str) -> Setting:

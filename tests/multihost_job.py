@@ -1,5 +1,9 @@
 """One process of a two-process engine job for tests/test_multihost.py (not a test itself).
 
+`python tests/multihost_job.py follow-when-told PORT`: process 1 of a two-process `pantheon serve` cluster
+that joins jax.distributed at once but the control channel only when a line arrives on stdin (a slow
+host: the leader's control port stays open meanwhile).
+
 `python tests/multihost_job.py PORT PROCESS_ID OUT.npz`: process 0 loads the tiny llama fixture over
 the 4 dies of both processes through pantheon.serving.distributed, computes teacher-forced logits, a greedy
 continuation, one two-row batched step, and two models generating from two threads at once, and writes them to OUT.npz; process 1 mirrors it until
@@ -49,9 +53,22 @@ def batched_steps(model, prompt: list[int]) -> tuple[np.ndarray, np.ndarray, np.
     return np.asarray(first), second, logits
 
 
+def follow_when_told(port: int) -> int:
+    from pantheon.config import load_settings
+    spec = distributed.ClusterSpec(f"127.0.0.1:{port}", 2, 1, 120.0, secret=load_settings().cluster_secret)
+    distributed.initialize(spec)
+    print("joined jax.distributed; waiting to be told", flush=True)
+    sys.stdin.readline()
+    return distributed.run_follower(spec)
+
+
 def main() -> int:
+    if sys.argv[1] == "follow-when-told":
+        return follow_when_told(int(sys.argv[2]))
     port, pid, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    spec = distributed.ClusterSpec(f"127.0.0.1:{port}", 2, pid, 90.0)
+    from pantheon.config import load_settings
+    # the cluster secret comes from the environment, as `pantheon serve` reads it
+    spec = distributed.ClusterSpec(f"127.0.0.1:{port}", 2, pid, 90.0, secret=load_settings().cluster_secret)
     if pid != 0:
         return distributed.run_follower(spec)
     leader = distributed.start_leader(spec)

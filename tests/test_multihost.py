@@ -7,7 +7,13 @@ Specification:
 * `pantheon serve --coordinator --num-processes --process-id`: process 0 serves HTTP, its chat answers
   equal the single-process engine's greedy output; stopping it ends the follower with status 0;
 * a killed follower turns the leader's `GET /` into 503 naming the model within seconds, chat requests
-  get 503, and the leader still stops promptly: nothing hangs.
+  get 503, and the leader still stops promptly: nothing hangs;
+* the control channel admits members only: a stranger's pickle on the control port is never
+  deserialised (the cluster still forms, the attempt is logged), a wrong secret is refused and logged
+  on both ends, a silent connection does not keep the follower out, a follower takes no instruction
+  from an address that does not prove the secret, a frame forged, replayed, reflected or altered is
+  rejected before it is unpickled, and a cluster without a secret starts only on a declared trusted
+  network; jax's coordinator listens only on the address it was given.
 
 Every process started here runs in its own session, dies with the test process, and is killed at the end.
 """
@@ -16,7 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +41,9 @@ from pantheon.runtime import reference
 
 TOL = 1e-3  # the oracle parity tolerance (tests/test_oracle_parity.py)
 JOB = Path(__file__).resolve().parent / "multihost_job.py"
-TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+SECRET = "multihost-test-" + os.urandom(16).hex()  # the cluster secret every process of these tests shares
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+               "PANTHEON_CLUSTER_SECRET": SECRET}
 # The servers: small caches, no warm-up (programs compile on first use, in both processes), 2 slots.
 SERVER_ENV = {**TWO_DEVICES, "PANTHEON_WARMUP": "0", "PANTHEON_BATCH_SLOTS": "2", "PANTHEON_KV_DTYPE": "float32",
               "PANTHEON_CLUSTER_TIMEOUT_S": "120"}
@@ -113,22 +123,21 @@ class SeamModel:
 @pytest.fixture
 def channel():
     """A Leader with one follower whose end of the control channel is a local socket pair."""
-    import socket
 
     from pantheon.serving import distributed
     ours, theirs = socket.socketpair()
+    key = os.urandom(32)  # the session key a handshake would have agreed
     leader = distributed.Leader(distributed.ClusterSpec("127.0.0.1:1", 2, 0))
-    leader.followers.append(distributed._Follower(1, ours))
-    yield leader, theirs
+    leader.followers.append(distributed._Follower(1, distributed.Channel(ours, key, "leader")))
+    yield leader, distributed.Channel(theirs, key, "follower")
     leader._stopped = True
     ours.close()
     theirs.close()
 
 
-def _frames(sock, n: int) -> list:
-    from pantheon.serving import distributed
-    sock.settimeout(5)
-    return [distributed.recv_frame(sock) for _ in range(n)]
+def _frames(channel, n: int) -> list:
+    channel.sock.settimeout(5)
+    return [channel.recv() for _ in range(n)]
 
 
 def test_each_verb_goes_to_the_followers_before_it_runs_with_device_state_as_a_reference(channel):
@@ -181,11 +190,275 @@ def test_a_closed_follower_connection_fails_the_cluster_within_a_second(channel)
     leader, theirs = channel
     leader._models[0] = "tiny"
     osthread.start_thread(lambda: leader._read(leader.followers[0]), name="test-ctl-reader")
-    theirs.close()
+    theirs.sock.close()
     deadline = time.monotonic() + 1.0
     while leader.failure is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert leader.failure is not None and "follower process 1 is gone" in leader.failure and "'tiny'" in leader.failure
+
+
+# ---- the control channel admits only members ------------------------------------------------------------
+class Planted:
+    """A pickle that creates a marker directory when unpickled: what a stranger sends to the control port."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def _old_style_frame(obj) -> bytes:
+    """A length-prefixed pickle frame: what the control channel used to unpickle from any connection."""
+    import pickle
+    import struct
+    data = pickle.dumps(obj)
+    return struct.pack("!Q", len(data)) + data
+
+
+KEY = b"the-cluster-secret-of-these-tests"
+
+
+def _spec(pid: int, secret: bytes | None = KEY, **kw):
+    from pantheon.serving import distributed
+    return distributed.ClusterSpec("127.0.0.1:1", 2, pid, 60.0, secret=secret, **kw)
+
+
+@pytest.fixture
+def admitting():
+    """A leader whose control port is open and whose admission loop runs in a thread: (leader, port, done)."""
+    from pantheon import osthread
+    from pantheon.serving import distributed
+
+    def start(leader_spec=None, handshake_s: float = distributed.HANDSHAKE_S):
+        leader = distributed.Leader(leader_spec or _spec(0))
+        leader.handshake_s = handshake_s
+        port = leader.listen()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                leader.admit()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+
+        started.append(leader)
+        return leader, port, osthread.start_thread(run, name="test-admit"), errors
+
+    started: list = []
+    yield start
+    for leader in started:
+        leader._stopped = True
+        for f in leader.followers:
+            f.channel.close()
+
+
+def _connect(port: int):
+    return socket.create_connection(("127.0.0.1", port), timeout=30)
+
+
+def test_a_stranger_sending_a_pickle_to_the_control_port_runs_nothing_and_is_logged(admitting, tmp_path, caplog):
+    import logging
+
+    from pantheon.serving import distributed
+    caplog.set_level(logging.INFO, logger="pantheon.serving.distributed")
+    marker = tmp_path / "marker"
+    leader, port, done, errors = admitting()
+    stranger = _connect(port)
+    stranger.sendall(_old_style_frame(Planted(marker)))
+    stranger_addr = "127.0.0.1:%d" % stranger.getsockname()[1]
+    distributed.Follower(_spec(1)).join("127.0.0.1", port)
+    assert done.join(60) and not errors, errors
+    assert [f.process_id for f in leader.followers] == [1]
+    assert not marker.exists()  # nothing the stranger sent was deserialised
+    refusals = [r.getMessage() for r in caplog.records if stranger_addr in r.getMessage()]
+    assert refusals and "not a pantheon follower" in refusals[0], caplog.text
+    stranger.close()
+
+
+def test_a_member_with_a_different_secret_is_refused_and_logged_and_the_real_follower_joins(admitting, caplog):
+    import logging
+
+    from pantheon.serving import distributed
+    caplog.set_level(logging.INFO, logger="pantheon.serving.distributed")
+    leader, port, done, errors = admitting()
+    with pytest.raises(distributed.ChannelRefused, match="different cluster secret"):
+        distributed.Follower(_spec(1, secret=b"not-the-cluster-secret!")).join("127.0.0.1", port)
+    assert "did not prove the cluster secret" in caplog.text
+    assert not leader.followers and done.is_alive()
+    distributed.Follower(_spec(1)).join("127.0.0.1", port)
+    assert done.join(60) and not errors, errors
+    assert [f.process_id for f in leader.followers] == [1]
+
+
+def test_a_silent_connection_does_not_keep_the_follower_out(admitting, caplog):
+    import logging
+
+    from pantheon.serving import distributed
+    caplog.set_level(logging.INFO, logger="pantheon.serving.distributed")
+    # A handshake deadline far beyond the test's hang guard: were connections served one at a time,
+    # the follower would wait behind the silent one until the guard fails the test.
+    leader, port, done, errors = admitting(handshake_s=600.0)
+    silent = _connect(port)
+    half = _connect(port)
+    half.sendall(b"PNTHCTL1")  # a greeting begun and never finished
+    distributed.Follower(_spec(1)).join("127.0.0.1", port)
+    assert done.join(60) and not errors, errors
+    assert [f.process_id for f in leader.followers] == [1]
+    messages = [r.getMessage() for r in caplog.records]
+    joined = next(i for i, m in enumerate(messages) if "process 1 joined" in m)
+    for sock in (silent, half):  # still pending when the follower got in; closed once the cluster was complete
+        addr = "127.0.0.1:%d" % sock.getsockname()[1]
+        dropped = [i for i, m in enumerate(messages) if addr in m]
+        assert dropped and dropped[0] > joined and "the cluster is complete" in messages[dropped[0]], messages
+        sock.settimeout(5)
+        assert sock.recv(1) == b""
+        sock.close()
+
+
+def test_a_flood_of_silent_connections_does_not_keep_the_follower_out(admitting, caplog):
+    import logging
+
+    from pantheon.serving import distributed
+    caplog.set_level(logging.INFO, logger="pantheon.serving.distributed")
+    leader, port, done, errors = admitting(handshake_s=600.0)
+    flood = [_connect(port) for _ in range(distributed.MAX_PENDING + 8)]
+    distributed.Follower(_spec(1)).join("127.0.0.1", port)  # retried if the flood pushed it out
+    assert done.join(60) and not errors, errors
+    assert [f.process_id for f in leader.followers] == [1]
+    first = "127.0.0.1:%d" % flood[0].getsockname()[1]
+    assert any(first in r.getMessage() and f"more than {distributed.MAX_PENDING}" in r.getMessage()
+               for r in caplog.records), caplog.text
+    for sock in flood:
+        sock.close()
+
+
+def test_a_follower_takes_no_instruction_from_an_address_that_does_not_prove_the_secret(tmp_path):
+    """An address planted in jax's (unauthenticated) key-value store: the follower refuses it before
+    reading a frame."""
+
+    from pantheon import osthread
+    from pantheon.serving import distributed
+    marker = tmp_path / "marker"
+    lis = socket.create_server(("127.0.0.1", 0))
+
+    def impostor() -> None:
+        conn, _ = lis.accept()
+        with conn:
+            conn.recv(distributed.HELLO_LEN)
+            conn.sendall(distributed.MAGIC + os.urandom(distributed.NONCE_LEN))
+            conn.recv(distributed.TAG_LEN)
+            conn.sendall(os.urandom(distributed.TAG_LEN) + _old_style_frame(Planted(marker)))
+
+    t = osthread.start_thread(impostor, name="test-impostor")
+    with pytest.raises(distributed.ChannelRefused, match="did not prove the cluster secret"):
+        distributed.Follower(_spec(1)).join("127.0.0.1", lis.getsockname()[1])
+    assert t.join(30)
+    lis.close()
+    assert not marker.exists()
+
+
+def test_a_frame_forged_replayed_reflected_or_altered_is_rejected_before_it_is_unpickled(tmp_path):
+
+    from pantheon.serving import distributed
+    marker = tmp_path / "marker"
+    key = os.urandom(32)
+    # Capture the bytes of the leader's first two frames and of a follower's frame.
+    a, b = socket.socketpair()
+    leader_end = distributed.Channel(a, key, "leader")
+    leader_end.send(("call", 0, "step", (), {}, 0, []))
+    leader_end.send(("call", 0, "free", (), {}, 1, []))
+    b.settimeout(5)
+    frames = []
+    for _ in range(2):
+        head = b.recv(8, socket.MSG_WAITALL)
+        frames.append(head + b.recv(distributed.TAG_LEN + int.from_bytes(head, "big"), socket.MSG_WAITALL))
+    c, d = socket.socketpair()
+    distributed.Channel(c, key, "follower").send(("beat",))
+    d.settimeout(5)
+    head = d.recv(8, socket.MSG_WAITALL)
+    reflected = head + d.recv(distributed.TAG_LEN + int.from_bytes(head, "big"), socket.MSG_WAITALL)
+
+    def received(*raw: bytes) -> list:
+        """Feed raw bytes to a fresh follower end; what it returned before refusing (or all of it)."""
+        x, y = socket.socketpair()
+        end = distributed.Channel(y, key, "follower")
+        y.settimeout(5)
+        x.sendall(b"".join(raw))
+        got = []
+        try:
+            for _ in raw:
+                got.append(end.recv())
+        except distributed.FrameRejected:
+            got.append("rejected")
+        x.close()
+        y.close()
+        return got
+
+    assert received(*frames) == [("call", 0, "step", (), {}, 0, []), ("call", 0, "free", (), {}, 1, [])]
+    assert received(frames[0], frames[0]) == [("call", 0, "step", (), {}, 0, []), "rejected"]  # replayed
+    assert received(frames[1]) == ["rejected"]  # reordered (frame 1 first)
+    assert received(reflected) == ["rejected"]  # the follower's own frame sent back to it
+    altered = bytearray(frames[0])
+    altered[-2] ^= 1
+    assert received(bytes(altered)) == ["rejected"]
+    x, y = socket.socketpair()
+    distributed.Channel(x, os.urandom(32), "leader").send(Planted(marker))  # framed right, under a guessed key
+    end = distributed.Channel(y, key, "follower")
+    y.settimeout(5)
+    with pytest.raises(distributed.FrameRejected):
+        end.recv()
+    assert not marker.exists()
+    for sock in (a, b, c, d, x, y):
+        sock.close()
+
+
+def test_a_cluster_without_a_secret_refuses_to_start_unless_the_network_is_declared_trusted(tmp_path):
+    from pantheon.config import load_settings
+    from pantheon.serving import distributed
+    base = {"PANTHEON_COORDINATOR": "127.0.0.1:9476", "PANTHEON_NUM_PROCESSES": "2"}
+    with pytest.raises(ValueError, match="needs a shared secret.*PANTHEON_CLUSTER_TRUSTED_NETWORK"):
+        distributed.spec_from_settings(load_settings(base))
+    assert distributed.spec_from_settings(load_settings({})) is None  # one process needs no secret
+    trusted = distributed.spec_from_settings(load_settings({**base, "PANTHEON_CLUSTER_TRUSTED_NETWORK": "1"}))
+    assert trusted.channel_key() == b""
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("  " + "ab" * 16 + "\n")
+    spec = distributed.spec_from_settings(load_settings({**base, "PANTHEON_CLUSTER_SECRET_FILE": str(secret_file)}))
+    assert spec.channel_key() == b"ab" * 16 and ("ab" * 16) not in repr(spec)
+    assert ("ab" * 16) not in repr(load_settings({"PANTHEON_CLUSTER_SECRET": "ab" * 16}))
+    for env, message in (({"PANTHEON_CLUSTER_SECRET": "short"}, "at least 16"),
+                         ({"PANTHEON_CLUSTER_SECRET_FILE": str(tmp_path / "missing")}, "cannot be read"),
+                         ({"PANTHEON_CLUSTER_SECRET": "ab" * 16, "PANTHEON_CLUSTER_SECRET_FILE": str(secret_file)},
+                          "not both")):
+        with pytest.raises(ValueError, match=message):
+            load_settings({**base, **env})
+    # A leader built without the settings check refuses too; a trusted network admits without a secret.
+    with pytest.raises(ValueError, match="needs a shared secret"):
+        distributed.Leader(_spec(0, secret=None)).start()
+
+
+def test_a_trusted_network_without_a_secret_still_forms_and_says_it_is_unauthenticated(admitting, caplog):
+    import logging
+
+    from pantheon.serving import distributed
+    caplog.set_level(logging.WARNING, logger="pantheon.serving.distributed")
+    leader, port, done, errors = admitting(_spec(0, secret=None, trusted_network=True))
+    distributed.Follower(_spec(1, secret=None, trusted_network=True)).join("127.0.0.1", port)
+    assert done.join(60) and not errors, errors
+    assert [f.process_id for f in leader.followers] == [1]
+    assert "control channel is not authenticated" in caplog.text
+
+
+@pytest.mark.parametrize("pid", ["0", "1"])
+def test_pantheon_serve_refuses_a_cluster_without_a_secret_with_a_clear_error(pid):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PANTHEON_", "QWEN35_", "XLA_"))}
+    r = subprocess.run([sys.executable, "-m", "pantheon.cli", "serve", "--model", LLAMA, "--coordinator",
+                        f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", pid],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    variable = "PANTHEON_CLUSTER_SECRET"  # the message names the setting to set
+    assert "needs a shared secret" in r.stderr and variable in r.stderr
 
 
 # ---- the engine over two processes ---------------------------------------------------------------------
@@ -259,7 +532,7 @@ class Cluster:
     """A leader (`gunicorn`, as `pantheon serve` execs it) and a follower (`pantheon serve --process-id 1`)."""
 
     def __init__(self) -> None:
-        port = free_port()
+        self.coordinator_port = port = free_port()
         cluster = {"PANTHEON_COORDINATOR": f"127.0.0.1:{port}", "PANTHEON_NUM_PROCESSES": "2"}
         self.leader = Server([LLAMA], env={**SERVER_ENV, **cluster, "PANTHEON_PROCESS_ID": "0"})
         self.follower_log = Path(tempfile.mkstemp(prefix="pantheon-follower-", suffix=".log")[1])
@@ -269,6 +542,10 @@ class Cluster:
 
     def start(self) -> "Cluster":
         self.leader.start()
+        return self.join()
+
+    def join(self) -> "Cluster":
+        """Start the follower and wait until the leader serves."""
         self.follower = _spawn(self.follower_cmd, SERVER_ENV, self.follower_log)
         try:
             self.leader.wait_ready(240)
@@ -276,6 +553,16 @@ class Cluster:
             self.stop()
             raise AssertionError(f"{exc}\n--- follower\n{_tail(self.follower_log)}") from None
         return self
+
+    def leader_log(self) -> str:
+        return self.leader.log_path.read_text(errors="replace")
+
+    def control_port(self, timeout: float = 240) -> int:
+        """The leader's control port, from its log (as a stranger would read it from jax's key-value store)."""
+        pattern = re.compile(r"control channel listening on 127\.0\.0\.1:(\d+)")
+        found = _poll(lambda: pattern.search(self.leader_log()) or self.leader.proc.poll() is not None, timeout)
+        assert isinstance(found, re.Match), f"no control port in the leader's log\n{self.leader.log_tail()}"
+        return int(found.group(1))
 
     def chat(self, text: str, max_tokens: int = 8) -> requests.Response:
         return self.leader.post("/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
@@ -365,5 +652,55 @@ def test_a_killed_leader_ends_the_follower_at_once():
     try:
         os.killpg(cl.leader.proc.pid, signal.SIGKILL)  # no stop frame: the follower sees the channel close
         assert _wait_exit(cl.follower, 15) == 0, _tail(cl.follower_log)
+    finally:
+        cl.stop()
+
+
+def test_a_stranger_on_the_control_port_runs_nothing_is_logged_and_the_cluster_still_forms(tmp_path):
+    """The issue's attack: a process outside the cluster connects to the leader's control port before the
+    follower, with a pickle that would create a marker when unpickled; another proves a wrong secret;
+    a third connects and says nothing. None of it is deserialised, each is logged, the follower joins."""
+    import ipaddress
+
+    import psutil
+
+    from pantheon.serving import distributed
+    marker = tmp_path / "marker"
+    cl = Cluster()
+    cl.leader.start()
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("PANTHEON_", "QWEN35_", "XLA_"))}
+    with open(cl.follower_log, "wb") as out:  # the follower, held between joining jax and joining the channel
+        cl.follower = subprocess.Popen([sys.executable, str(JOB), "follow-when-told", str(cl.coordinator_port)],
+                                       cwd=ROOT, env={**full, **SERVER_ENV}, stdin=subprocess.PIPE, stdout=out,
+                                       stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    try:
+        port = cl.control_port()
+        stranger = socket.create_connection(("127.0.0.1", port), timeout=30)
+        stranger.sendall(_old_style_frame(Planted(marker)))
+        impostor = socket.create_connection(("127.0.0.1", port), timeout=30)
+        with pytest.raises(distributed.ChannelRefused):
+            distributed.follower_handshake(impostor, b"a-guessed-cluster-secret", 1)
+        silent = socket.create_connection(("127.0.0.1", port), timeout=30)
+        cl.follower.stdin.write(b"go\n")  # now the follower joins the control channel
+        cl.follower.stdin.close()
+        try:
+            cl.leader.wait_ready(240)
+        except RuntimeError as exc:
+            raise AssertionError(f"{exc}\n--- follower\n{_tail(cl.follower_log)}") from None
+        assert cl.leader.get("/").json() == {"service": "pantheon", "status": "ok"}
+        assert not marker.exists()  # nothing the stranger sent was deserialised
+        log = cl.leader_log()
+        for sock, why in ((stranger, "not a pantheon follower"), (impostor, "did not prove the cluster secret")):
+            line = next((ln for ln in log.splitlines() if f"127.0.0.1:{sock.getsockname()[1]}" in ln), "")
+            assert "refused the connection" in line and why in line, log[-3000:]
+        assert "process 1 joined" in log
+        # jax's coordination service listens on the address it was given, not on every interface.
+        # (gRPC binds an IPv6 socket to the v4-mapped address: the same loopback address)
+        bound = {c.laddr.ip for c in psutil.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == cl.coordinator_port}
+        as_v4 = {str(getattr(ipaddress.ip_address(ip), "ipv4_mapped", None) or ip) for ip in bound}
+        assert as_v4 == {"127.0.0.1"}, bound
+        for sock in (stranger, impostor, silent):
+            sock.close()
     finally:
         cl.stop()

@@ -15,11 +15,18 @@ built on verbs (`pantheon.runtime.reference`'s `prefill`, `logits`, `generate`, 
 the leader with the proxy as the model, so the verbs they call are broadcast one by one. Nothing here knows a verb's argument
 list: when the engine's seam changes (`insert` / `step` / `release(slot)`), only `VERBS` changes.
 
-The control channel is a plain TCP connection from each follower to the leader, carrying
-length-prefixed pickle frames. The leader listens on an ephemeral port on the coordinator's host and
-publishes "host:port" in jax.distributed's key-value store; followers read it from there. Pickle is
-acceptable because the only sender is the leader, on the same trusted network as the coordinator
-(which is itself unauthenticated); never expose the coordinator or the control port beyond it.
+The control channel is a plain TCP connection from each follower to the leader. The leader listens on
+an ephemeral port of the coordinator's host address and publishes "host:port" in jax.distributed's
+key-value store; followers read it from there. Neither the port nor the key-value store can be kept
+from strangers (jax's store is unauthenticated), so the channel authenticates before it reads
+anything: every process holds the cluster's shared secret, and a connection first runs a fixed-format
+mutual challenge (`follower_handshake` and `Leader._advance`: each side proves the secret with an
+HMAC over both sides' fresh nonces; nothing is unpickled). Only then do frames flow, each carrying an HMAC of the session key (derived
+from the secret and both nonces), its direction and its sequence number, checked before the payload
+is unpickled: a frame from anyone else, or replayed, reordered or altered, is refused. The leader
+runs every handshake concurrently under a deadline (one poll loop), so a silent or malicious
+connection never keeps a real follower out; a follower checks the leader's proof before taking a
+single instruction, so an address planted in the key-value store gets it nowhere.
 
 Failure detection, both ways, with deadlines:
 * follower gone -> each follower sends a beat every `BEAT_S`; the leader's reader thread for it
@@ -40,6 +47,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
+import hmac
 import inspect
 import logging
 import os
@@ -50,7 +59,7 @@ import time
 import types
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +86,16 @@ VERDICT_WAIT_S = 2.0  # how long a failed step waits for the reader threads to n
 KV_KEY = "pantheon/control"  # where the leader publishes its control address in jax's key-value store
 _LEN = struct.Struct("!Q")
 MAX_FRAME = 1 << 30
+# The handshake (fixed layouts, never unpickled): follower -> leader HELLO = MAGIC | process id | nonce;
+# leader -> follower CHALLENGE = MAGIC | nonce; follower -> leader its proof; leader -> follower its proof.
+MAGIC = b"PNTHCTL1"  # the protocol and its version
+_PID = struct.Struct("!I")
+NONCE_LEN = 32
+TAG_LEN = 32  # HMAC-SHA256
+HELLO_LEN = len(MAGIC) + _PID.size + NONCE_LEN
+CHALLENGE_LEN = len(MAGIC) + NONCE_LEN
+HANDSHAKE_S = 10.0  # a connection must complete its handshake within this, else it is dropped
+MAX_PENDING = 64  # handshakes in progress at once; past it the oldest is dropped (a flood cannot pin them all)
 
 
 class ClusterFailed(PantheonError):
@@ -84,6 +103,14 @@ class ClusterFailed(PantheonError):
 
     status = 503
     code = "cluster_failed"
+
+
+class ChannelRefused(Exception):
+    """The other end of a control connection did not prove the cluster secret (or broke the protocol)."""
+
+
+class FrameRejected(ValueError):
+    """A control frame whose HMAC does not verify: forged, replayed, reordered or altered. Never unpickled."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +121,8 @@ class ClusterSpec:
     num_processes: int
     process_id: int
     timeout_s: float = 120.0  # how long start-up waits for every process (and the control channel)
+    secret: bytes | None = field(default=None, repr=False)  # the cluster's shared secret (never printed)
+    trusted_network: bool = False  # no secret needed: the operator says only the cluster can reach its ports
 
     @property
     def is_leader(self) -> bool:
@@ -102,6 +131,23 @@ class ClusterSpec:
     @property
     def host(self) -> str:
         return self.coordinator.rsplit(":", 1)[0].strip("[]")
+
+    def channel_key(self) -> bytes:
+        """The key the control channel authenticates with. Without a secret only an explicitly trusted
+        network may run a cluster: the key is then empty, and anyone reaching the port gets in."""
+        if self.secret:
+            return self.secret
+        if not self.trusted_network:
+            raise ValueError(NO_SECRET)
+        return b""
+
+
+NO_SECRET = ("a multi-host cluster needs a shared secret: give every process the same random value in "
+             "PANTHEON_CLUSTER_SECRET_FILE (a file) or PANTHEON_CLUSTER_SECRET (for example `openssl rand -hex 32`), "
+             "or set PANTHEON_CLUSTER_TRUSTED_NETWORK=1 if only the cluster's hosts can reach its ports (the "
+             "control channel is then unauthenticated)")
+UNAUTHENTICATED = ("PANTHEON_CLUSTER_TRUSTED_NETWORK without a cluster secret: the control channel is not "
+                   "authenticated; any process that reaches %s can run code in every process of this cluster")
 
 
 def spec_from_settings(settings: Any) -> ClusterSpec | None:
@@ -113,7 +159,11 @@ def spec_from_settings(settings: Any) -> ClusterSpec | None:
     pid = int(getattr(settings, "process_id", 0) or 0)
     if not 0 <= pid < n:
         raise ValueError(f"process id {pid} is outside 0..{n - 1}")
-    return ClusterSpec(coordinator, n, pid, float(getattr(settings, "cluster_timeout_s", 120.0)))
+    spec = ClusterSpec(coordinator, n, pid, float(getattr(settings, "cluster_timeout_s", 120.0)),
+                       secret=getattr(settings, "cluster_secret", None),
+                       trusted_network=bool(getattr(settings, "cluster_trusted_network", False)))
+    spec.channel_key()  # refuse a cluster without a secret before anything starts
+    return spec
 
 
 _init_lock = osthread.Lock()  # guards _initialized: jax.distributed.initialize runs once per process
@@ -131,9 +181,12 @@ def initialize(spec: ClusterSpec) -> None:
         jax.config.update("jax_enable_recoverability", True)  # see the module docstring: no abort on a dead peer
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         timeout = max(1, int(spec.timeout_s))
+        # The coordination service (process 0) binds the address it was given: by default jax binds
+        # every interface ("[::]:PORT") even for --coordinator 127.0.0.1:PORT.
         jax.distributed.initialize(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
                                    process_id=spec.process_id, initialization_timeout=timeout,
-                                   heartbeat_timeout_seconds=10, shutdown_timeout_seconds=5)
+                                   heartbeat_timeout_seconds=10, shutdown_timeout_seconds=5,
+                                   coordinator_bind_address=spec.coordinator)
         _initialized = spec
         log.info("joined the cluster as process %d of %d: %d devices, %d local", spec.process_id,
                  spec.num_processes, len(jax.devices()), len(jax.local_devices()))
@@ -173,12 +226,6 @@ def _socket_module() -> Any:
                                  **{n: getattr(socket, n) for n in names})
 
 
-def send_frame(sock: Any, obj: Any) -> None:
-    """One length-prefixed pickle frame."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
 def _recv_exact(sock: Any, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -189,11 +236,108 @@ def _recv_exact(sock: Any, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: Any) -> Any:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_FRAME:
-        raise ValueError(f"control frame of {n} bytes is larger than {MAX_FRAME}")
-    return pickle.loads(_recv_exact(sock, n))
+def _transcript(label: bytes, process_id: int, follower_nonce: bytes, leader_nonce: bytes) -> bytes:
+    """What a handshake MAC covers: its purpose, the follower's claimed id and both fresh nonces, so a
+    proof is good for this one connection and one purpose only (never replayed, never reflected)."""
+    return MAGIC + b" " + label + b"\0" + _PID.pack(process_id) + follower_nonce + leader_nonce
+
+
+def _proof(key: bytes, label: bytes, process_id: int, follower_nonce: bytes, leader_nonce: bytes) -> bytes:
+    return hmac.new(key, _transcript(label, process_id, follower_nonce, leader_nonce), hashlib.sha256).digest()
+
+
+class Channel:
+    """One authenticated control connection: pickle frames, each under an HMAC of the session key.
+
+    A frame is length (8 bytes) | tag (32) | pickle payload, the tag an HMAC over the sender's direction,
+    the frame's sequence number and the payload. The receiver checks the tag (and so the order) before
+    unpickling: only a holder of this session's key can make it run anything.
+    """
+
+    def __init__(self, sock: Any, key: bytes, role: str):
+        if role not in ("leader", "follower"):
+            raise ValueError(f"role {role!r}")
+        self.sock = sock
+        self._key = key
+        self._out = role[:1].encode()  # the direction byte of what this end sends: b"l" or b"f"
+        self._in = b"f" if role == "leader" else b"l"
+        self._send_lock = osthread.Lock()  # invariant: one frame at a time on the socket; guards _sent
+        self._sent = 0  # sequence number of the next frame sent
+        self._received = 0  # ... and received; only the channel's one reading thread touches it
+
+    def _tag(self, direction: bytes, seq: int, payload: bytes) -> bytes:
+        mac = hmac.new(self._key, direction + _LEN.pack(seq), hashlib.sha256)
+        mac.update(payload)
+        return mac.digest()
+
+    def send(self, obj: Any, lock_timeout: float = -1) -> None:
+        """Send one frame. `lock_timeout` bounds the wait for a send in progress (OSError past it)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if not self._send_lock.acquire(True, lock_timeout):
+            raise OSError("the control channel is busy sending")
+        try:
+            tag = self._tag(self._out, self._sent, data)
+            self._sent += 1
+            self.sock.sendall(_LEN.pack(len(data)) + tag + data)
+        finally:
+            self._send_lock.release()
+
+    def recv(self) -> Any:
+        """The next frame's object; FrameRejected (before unpickling) when its tag does not verify."""
+        (n,) = _LEN.unpack(_recv_exact(self.sock, _LEN.size))
+        if n > MAX_FRAME:
+            raise FrameRejected(f"control frame of {n} bytes is larger than {MAX_FRAME}")
+        tag = _recv_exact(self.sock, TAG_LEN)
+        data = _recv_exact(self.sock, n)
+        if not hmac.compare_digest(tag, self._tag(self._in, self._received, data)):
+            raise FrameRejected(f"control frame {self._received} failed its authentication check "
+                                "(forged, replayed or altered)")
+        self._received += 1
+        return pickle.loads(data)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def follower_handshake(sock: Any, key: bytes, process_id: int) -> Channel:
+    """The follower's side of the handshake on a connected, blocking socket; returns the channel.
+
+    Raises ChannelRefused when the other end is not a leader that holds the secret (nothing it sent
+    has been deserialised), EOFError or OSError when the connection broke before this process's proof
+    was sent (worth another try)."""
+    follower_nonce = os.urandom(NONCE_LEN)
+    sock.sendall(MAGIC + _PID.pack(process_id) + follower_nonce)
+    challenge = _recv_exact(sock, CHALLENGE_LEN)
+    if challenge[:len(MAGIC)] != MAGIC:
+        raise ChannelRefused("the control address did not answer with the leader's greeting (not a pantheon leader)")
+    leader_nonce = challenge[len(MAGIC):]
+    sock.sendall(_proof(key, b"follower", process_id, follower_nonce, leader_nonce))
+    try:
+        theirs = _recv_exact(sock, TAG_LEN)
+    except EOFError:
+        raise ChannelRefused("the leader closed the connection on this process's proof: it holds a different "
+                             f"cluster secret, or process {process_id} has joined already (see the leader's log)") from None
+    if not hmac.compare_digest(theirs, _proof(key, b"leader", process_id, follower_nonce, leader_nonce)):
+        raise ChannelRefused("the control address did not prove the cluster secret: refusing to take instructions "
+                             "from it (a different PANTHEON_CLUSTER_SECRET, or not this cluster's leader)")
+    return Channel(sock, _proof(key, b"session", process_id, follower_nonce, leader_nonce), "follower")
+
+
+class _Handshake:
+    """The leader's side of one connection's handshake, driven by `Leader._admit` as bytes arrive."""
+
+    def __init__(self, sock: Any, peer: str, deadline: float):
+        self.sock = sock
+        self.peer = peer
+        self.deadline = deadline
+        self.buf = bytearray()
+        self.stage = "hello"  # then "proof"
+        self.process_id = -1
+        self.follower_nonce = b""
+        self.leader_nonce = b""
 
 
 # ---- device state markers ------------------------------------------------------------------------
@@ -240,16 +384,17 @@ def states_in(result: Any) -> list[Any]:
 
 # ---- the leader ----------------------------------------------------------------------------------
 class _Follower:
-    def __init__(self, process_id: int, sock: Any):
+    def __init__(self, process_id: int, channel: Channel):
         self.process_id = process_id
-        self.sock = sock
+        self.channel = channel
         self.acks: dict[int, str | None] = {}  # load seq -> error text (None: ok); guarded by Leader._cond
 
 
 class Leader:
     """Process 0's end of the control channel: sends every verb to the followers and watches them.
 
-    Threads: one reader per follower (`pantheon-ctl-<i>`) receiving beats, acks and failures.
+    Threads: one reader per follower (`pantheon-ctl-<i>`) receiving beats, acks and failures. Admission
+    (`admit`) runs in the calling thread: one poll loop over the port and every handshake in progress.
     Locks: `_dispatch` is held across sending a call, running it locally and waiting until its device
     work is done, so programs run one at a time in the cluster and in the order the followers receive
     them (two models' collectives must meet in the same order everywhere); `_cond` guards `failure`,
@@ -266,52 +411,165 @@ class Leader:
         self._seq = 0
         self._next_mid = 0
         self._stopped = False
-        self._listener: Any = None
+        self._listener: Any = None  # the control port while followers are being admitted (start-up thread only)
+        self.handshake_s = HANDSHAKE_S  # how long one connection may take to prove the secret
 
     # -- start-up --
     def start(self) -> "Leader":
-        """Listen, publish the address, and wait (spec.timeout_s) until every follower has connected."""
+        """Listen, publish the address, and wait (spec.timeout_s) until every follower has joined."""
+        key = self.spec.channel_key()
+        if not key:
+            log.warning(UNAUTHENTICATED, self.spec.host)
+        port = self.listen()
+        _kv_client().key_value_set(KV_KEY, f"{self.spec.host}:{port}")
+        self.admit()
+        for f in self.followers:
+            osthread.start_thread(lambda f=f: self._read(f), name=f"pantheon-ctl-{f.process_id}")
+        atexit.register(self.stop)
+        log.info("control channel up: %d follower(s) on %s:%d", len(self.followers), self.spec.host, port)
+        return self
+
+    def listen(self) -> int:
+        """Bind the control port on the coordinator's host address (that address only); returns the port."""
         sk = _socket_module()
         family = sk.AF_INET6 if ":" in self.spec.host else sk.AF_INET
         lis = sk.socket(family, sk.SOCK_STREAM)
         lis.setsockopt(sk.SOL_SOCKET, sk.SO_REUSEADDR, 1)
         lis.bind((self.spec.host, 0))
-        lis.listen(self.spec.num_processes)
-        lis.settimeout(1.0)
+        lis.listen(max(16, self.spec.num_processes))
+        lis.setblocking(False)
         self._listener = lis
         port = lis.getsockname()[1]
-        _kv_client().key_value_set(KV_KEY, f"{self.spec.host}:{port}")
-        deadline = time.monotonic() + self.spec.timeout_s
+        log.info("control channel listening on %s:%d; waiting up to %.0f s for %d follower(s)", self.spec.host,
+                 port, self.spec.timeout_s, self.spec.num_processes - 1)
+        return port
+
+    def admit(self) -> None:
+        """Accept connections until every follower has proved the secret, then close the port.
+
+        Every connection's handshake runs at once in this one poll loop, each under `handshake_s`: a
+        silent, slow or hostile connection is dropped at its deadline (or when MAX_PENDING newer ones
+        arrive) and never delays another. A refusal is logged with the peer's address; nothing a peer
+        sends before it has proved the secret is deserialised."""
+        key = self.spec.channel_key()
+        sk = _socket_module()
+        pollin = osthread.original("select", "POLLIN")
+        poller = osthread.original("select", "poll")()
+        lis = self._listener
+        poller.register(lis.fileno(), pollin)
+        pending: dict[int, _Handshake] = {}  # fd -> handshake in progress (in arrival order)
         want = self.spec.num_processes - 1
-        while len(self.followers) < want:
-            if time.monotonic() > deadline:
-                raise ClusterFailed(f"only {len(self.followers)} of {want} follower(s) connected to the control "
-                                    f"channel within {self.spec.timeout_s:.0f} s")
-            try:
-                # _accept + the original class: socket.accept would wrap the fd in the module-level
-                # (gevent-patched) class, whose blocking calls are not for real OS threads.
-                fd, _addr = lis._accept()
-            except sk.timeout:
-                continue
-            conn = sk.socket(lis.family, lis.type, lis.proto, fileno=fd)
-            try:
-                conn.settimeout(min(self.spec.timeout_s, 30.0))
-                conn.setsockopt(sk.IPPROTO_TCP, sk.TCP_NODELAY, 1)
-                hello = recv_frame(conn)
-                if not (isinstance(hello, tuple) and hello[:1] == ("hello",)):
-                    raise ValueError("not a pantheon follower")
-            except Exception as exc:  # noqa: BLE001 - a stray connection: drop it, keep waiting
-                log.warning("dropped a control connection that did not say hello: %s", exc)
-                conn.close()
-                continue
-            conn.settimeout(DEAD_AFTER_S)
-            self.followers.append(_Follower(int(hello[1]), conn))
-        lis.close()
-        for f in self.followers:
-            osthread.start_thread(lambda f=f: self._read(f), name=f"pantheon-ctl-{f.process_id}")
-        atexit.register(self.stop)
-        log.info("control channel up: %d follower(s) on %s:%d", want, self.spec.host, port)
-        return self
+        deadline = time.monotonic() + self.spec.timeout_s
+
+        def drop(fd: int, why: str) -> None:
+            hs = pending.pop(fd)
+            poller.unregister(fd)
+            # logged before the close: by the time the peer sees the connection end, the refusal is on record
+            log.warning("control channel: refused the connection from %s: %s", hs.peer, why)
+            hs.sock.close()
+
+        try:
+            while len(self.followers) < want:
+                now = time.monotonic()
+                if now > deadline:
+                    raise ClusterFailed(f"only {len(self.followers)} of {want} follower(s) joined the control "
+                                        f"channel within {self.spec.timeout_s:.0f} s")
+                wake = min([deadline] + [hs.deadline for hs in pending.values()])
+                for fd, _events in poller.poll(max(0.0, min(wake - now, 1.0)) * 1000):
+                    if fd == lis.fileno():
+                        while True:
+                            try:
+                                # _accept + the original class: socket.accept would wrap the fd in the
+                                # module-level (gevent-patched) class, not for real OS threads.
+                                cfd, addr = lis._accept()
+                            except BlockingIOError:
+                                break
+                            except OSError as exc:  # out of descriptors: make room, keep serving
+                                log.warning("control channel: accept failed: %s", exc)
+                                if pending:
+                                    drop(next(iter(pending)), "dropped to make room (accept failed)")
+                                break
+                            conn = sk.socket(lis.family, lis.type, lis.proto, fileno=cfd)
+                            conn.setblocking(False)
+                            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+                            pending[cfd] = _Handshake(conn, peer, time.monotonic() + self.handshake_s)
+                            poller.register(cfd, pollin)
+                            if len(pending) > MAX_PENDING:
+                                drop(next(iter(pending)), f"dropped: more than {MAX_PENDING} handshakes at once")
+                        continue
+                    hs = pending.get(fd)
+                    if hs is None:
+                        continue
+                    try:
+                        joined = self._advance(hs, key)
+                    except ChannelRefused as exc:
+                        drop(fd, str(exc))
+                        continue
+                    except OSError as exc:
+                        drop(fd, f"{type(exc).__name__}: {exc}")
+                        continue
+                    if joined is not None:
+                        pending.pop(fd)
+                        poller.unregister(fd)
+                        self.followers.append(joined)
+                        log.info("control channel: process %d joined from %s", joined.process_id, hs.peer)
+                now = time.monotonic()
+                for fd in [fd for fd, hs in pending.items() if now > hs.deadline]:
+                    drop(fd, f"no complete handshake within {self.handshake_s:g} s")
+        except BaseException:
+            for f in self.followers:
+                f.channel.close()
+            self.followers.clear()
+            raise
+        finally:
+            for fd in list(pending):
+                drop(fd, "the cluster is complete" if len(self.followers) == want else "start-up failed")
+            lis.close()
+            self._listener = None
+
+    def _advance(self, hs: _Handshake, key: bytes) -> _Follower | None:
+        """Read what `hs`'s peer has sent (never more than its current message) and answer it. Returns
+        the follower once it has proved the secret; raises ChannelRefused on any deviation."""
+        need = HELLO_LEN if hs.stage == "hello" else TAG_LEN
+        try:
+            chunk = hs.sock.recv(need - len(hs.buf))
+        except BlockingIOError:
+            return None
+        if not chunk:
+            raise ChannelRefused("closed the connection before completing the handshake")
+        hs.buf += chunk
+        if len(hs.buf) < need:
+            return None
+        msg, hs.buf = bytes(hs.buf), bytearray()
+        if hs.stage == "hello":
+            if msg[:len(MAGIC)] != MAGIC:
+                raise ChannelRefused("did not open with the control channel's greeting (not a pantheon follower)")
+            (pid,) = _PID.unpack_from(msg, len(MAGIC))
+            if not 1 <= pid < self.spec.num_processes:
+                raise ChannelRefused(f"claimed process id {pid}, outside 1..{self.spec.num_processes - 1}")
+            hs.process_id, hs.follower_nonce, hs.leader_nonce = pid, msg[-NONCE_LEN:], os.urandom(NONCE_LEN)
+            self._reply(hs, MAGIC + hs.leader_nonce)
+            hs.stage = "proof"
+            return None
+        args = (hs.process_id, hs.follower_nonce, hs.leader_nonce)
+        if not hmac.compare_digest(msg, _proof(key, b"follower", *args)):
+            raise ChannelRefused(f"claimed process id {hs.process_id} but did not prove the cluster secret "
+                                 "(a different PANTHEON_CLUSTER_SECRET, or not a member)")
+        if any(f.process_id == hs.process_id for f in self.followers):
+            raise ChannelRefused(f"process {hs.process_id} has joined already")
+        self._reply(hs, _proof(key, b"leader", *args))
+        sk = _socket_module()
+        hs.sock.setblocking(True)
+        hs.sock.settimeout(DEAD_AFTER_S)
+        hs.sock.setsockopt(sk.IPPROTO_TCP, sk.TCP_NODELAY, 1)
+        return _Follower(hs.process_id, Channel(hs.sock, _proof(key, b"session", *args), "leader"))
+
+    @staticmethod
+    def _reply(hs: _Handshake, data: bytes) -> None:
+        """A handshake answer on the non-blocking socket: a few dozen bytes always fit an empty send buffer,
+        so a short write means the peer is not reading (refused)."""
+        if hs.sock.send(data) != len(data):
+            raise ChannelRefused("did not take the handshake's answer")
 
     # -- watching --
     def _read(self, f: _Follower) -> None:
@@ -319,9 +577,12 @@ class Leader:
         sk = _socket_module()
         while True:
             try:
-                msg = recv_frame(f.sock)
+                msg = f.channel.recv()
             except sk.timeout:
                 self.fail(f"follower process {f.process_id} sent nothing for {DEAD_AFTER_S:.0f} s")
+                return
+            except FrameRejected as exc:
+                self.fail(f"follower process {f.process_id}'s channel is compromised: {exc}")
                 return
             except (EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
                 if not self._stopped:
@@ -370,7 +631,7 @@ class Leader:
         self.check()
         for f in self.followers:
             try:
-                send_frame(f.sock, msg)
+                f.channel.send(msg)
             except OSError as exc:
                 self.fail(f"follower process {f.process_id} is unreachable ({type(exc).__name__}: {exc})")
                 self.check()
@@ -423,14 +684,11 @@ class Leader:
         try:
             for f in self.followers:
                 try:
-                    f.sock.settimeout(1.0)
-                    send_frame(f.sock, ("stop",))
+                    f.channel.sock.settimeout(1.0)
+                    f.channel.send(("stop",), lock_timeout=1.0)
                 except OSError:
                     pass
-                try:
-                    f.sock.close()
-                except OSError:
-                    pass
+                f.channel.close()
         finally:
             if got:
                 self._dispatch.release()
@@ -599,7 +857,7 @@ class Follower:
 
     Threads: the main thread executes calls in arrival order; `pantheon-recv` reads frames into the
     queue and ends the process on `stop` or EOF (the leader is gone: nothing left to serve);
-    `pantheon-beat` sends a beat every BEAT_S. `_send_lock` serialises frames to the leader.
+    `pantheon-beat` sends a beat every BEAT_S. The channel's send lock serialises frames to the leader.
     """
 
     def __init__(self, spec: ClusterSpec):
@@ -607,29 +865,61 @@ class Follower:
         self.models: dict[int, Any] = {}  # main thread only
         self.states: dict[tuple[int, int], Any] = {}  # (model id, sid) -> this process's state; main thread only
         self._next_sid: dict[int, int] = {}  # model id -> next sid; main thread only
-        self._send_lock = osthread.Lock()  # invariant: one frame at a time on the socket
         self._queue = osthread.original("queue", "SimpleQueue")()
-        self.sock: Any = None
+        self.channel: Channel | None = None
 
     def connect(self) -> None:
-        client = _kv_client()
-        addr = client.blocking_key_value_get(KV_KEY, int(self.spec.timeout_s * 1000))
+        """Find the leader's address in the key-value store and join its channel (see `join`)."""
+        addr = _kv_client().blocking_key_value_get(KV_KEY, int(self.spec.timeout_s * 1000))
         host, port = addr.rsplit(":", 1)
+        self.join(host, int(port))
+        log.info("follower %d joined the leader's control channel at %s", self.spec.process_id, addr)
+
+    def join(self, host: str, port: int) -> None:
+        """Connect to the control port and run the handshake, retrying a broken connection until
+        spec.timeout_s; a leader that does not prove the secret ends it at once (ChannelRefused)."""
+        key = self.spec.channel_key()
+        if not key:
+            log.warning(UNAUTHENTICATED, host)
         sk = _socket_module()
-        self.sock = sk.create_connection((host, int(port)), timeout=self.spec.timeout_s)
-        self.sock.setsockopt(sk.IPPROTO_TCP, sk.TCP_NODELAY, 1)
-        self.sock.settimeout(None)
-        self._send(("hello", self.spec.process_id))
-        log.info("follower %d connected to the leader's control channel at %s", self.spec.process_id, addr)
+        deadline = time.monotonic() + self.spec.timeout_s
+        pause = 0.1
+        while True:
+            sock = None
+            try:
+                sock = sk.create_connection((host, port), timeout=min(HANDSHAKE_S, self.spec.timeout_s))
+                sock.setsockopt(sk.IPPROTO_TCP, sk.TCP_NODELAY, 1)
+                channel = follower_handshake(sock, key, self.spec.process_id)
+            except (EOFError, OSError) as exc:
+                if sock is not None:
+                    sock.close()
+                if time.monotonic() + pause > deadline:
+                    raise ClusterFailed(f"could not join the control channel at {host}:{port}: "
+                                        f"{type(exc).__name__}: {exc}") from exc
+                log.warning("joining the control channel at %s:%d failed (%s: %s); retrying", host, port,
+                            type(exc).__name__, exc)
+                osthread.sleep(pause)
+                pause = min(pause * 2, 2.0)
+                continue
+            except BaseException:
+                if sock is not None:
+                    sock.close()
+                raise
+            sock.settimeout(None)
+            self.channel = channel
+            return
 
     def _send(self, msg: Any) -> None:
-        with self._send_lock:
-            send_frame(self.sock, msg)
+        assert self.channel is not None
+        self.channel.send(msg)
 
     def _recv_loop(self) -> None:
+        assert self.channel is not None
         while True:
             try:
-                msg = recv_frame(self.sock)
+                msg = self.channel.recv()
+            except FrameRejected as exc:
+                _exit(1, f"the control channel is compromised ({exc}); exiting")
             except (EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
                 _exit(0, f"the leader closed the control channel ({type(exc).__name__}); exiting")
             if isinstance(msg, tuple) and msg[:1] == ("stop",):

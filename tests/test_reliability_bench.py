@@ -158,3 +158,173 @@ def test_expected_statuses_are_not_5xx():
     t.add(busy, "anything else")
     assert t.kinds == {"expected 503": 1, "5xx": 1}
     assert [e["input"] for e in t.examples["5xx"]] == ["anything else"]
+
+
+# ---- issue 31's phases: the helpers that judge what came back ------------------------------------------------
+def _stream(times, kind="done", status=200, first=0.2):
+    res = rb.StreamResult(status=status, outcome=kind, times=list(times), chunks=max(0, len(times) - 1))
+    res.first_chunk_s = first
+    return res
+
+
+def test_witness_gaps_are_taken_within_streams():
+    # two streams; the 5 s between them is a new stream's wait, not a token gap
+    streams = [_stream([10.0, 10.1, 10.2, 10.3]), _stream([15.0, 15.1, 16.6, 16.7])]
+    ok = rb.to_answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", "complete", 0.05)
+    w = rb.witness_summary(streams, [ok, ok], t0=10.0)
+    assert w["max_gap_ms"] == pytest.approx(1500.0) and w["worst_gap_at_s"] == 6.6
+    assert w["gaps"] == 6 and w["streams"] == 2 and w["by_outcome"] == {"done": 2}
+    assert w["newcomers"] == {"sent": 2, "by_status": {"200": 2}, "p50_ms": 50.0, "p99_ms": 50.0, "max_ms": 50.0}
+    empty = rb.witness_summary([], [], 0.0)
+    assert empty["max_gap_ms"] is None and empty["chunks"] == 0
+
+
+def test_judge_attack_applies_issue_31_acceptance():
+    calm = {"probes": 50, "failed": 0, "p99_ms": 40.0, "max_ms": 60.0, "worst_at_s": 1.0}
+    steady = {"max_gap_ms": 300.0, "p99_gap_ms": 120.0, "chunks": 500, "by_outcome": {"done": 3, "stopped": 1},
+              "newcomers": {"by_status": {"200": 10}}}
+    assert rb.judge_attack("grammar", {"4xx": 3, "2xx": 1}, calm, steady, 35.0) == []
+    stalled = {**steady, "max_gap_ms": 3000.0, "by_outcome": {"done": 1, "4xx": 1},
+               "newcomers": {"by_status": {"200": 4, "429": 2}}}
+    got = rb.judge_attack("embeddings", {"5xx": 1, "hang": 2}, {**calm, "p99_ms": 1800.0, "failed": 1}, stalled, 35.0)
+    text = "\n".join(got)
+    for want in ("1 requests got a 5xx", "2 requests got no answer", "GET / p99 1800.0 ms", "probes failed",
+                 "waited 3000.0 ms", "witness streams ended badly: 4xx: 1", "plain chats sent meanwhile got 429: 2"):
+        assert want in text
+    assert any("never streamed" in f for f in rb.judge_attack("x", {}, calm, {"chunks": 0}, 35.0))
+    assert rb.judge_attack("x", {}, {**calm, "p99_ms": 999.9}, {**steady, "max_gap_ms": 999.9}, 35.0) == []
+
+
+def test_quiet_after_needs_two_quiet_samples_in_a_row():
+    samples = [(0.5, False), (1.0, True), (1.5, False), (2.0, True), (2.5, True), (3.0, True)]
+    assert rb.quiet_after(samples) == 1.5  # quiet from the end of the last busy sample
+    assert rb.quiet_after([(0.5, True), (1.0, True)]) == 0.0
+    assert rb.quiet_after([(0.5, False), (1.0, True)]) is None and rb.quiet_after([]) is None
+
+
+def test_judge_quiet_flags_work_nobody_waits_for():
+    compiling = {"pantheon-gramma": {"threads": 4, "cpu_s_after_clients": 12.5}}
+    over = rb.judge_quiet("grammar", {"measured": True, "busy_s": None, "budget_s": 60.0, "threads_added": compiling})
+    assert over == ["grammar: the worker kept working for more than 60 s after every client was done or gone "
+                    "(threads born in the phase: pantheon-gramma x4 (12.5 CPU s))"]
+    assert "for 9.5 s" in rb.judge_quiet("grammar", {"measured": True, "busy_s": 9.5, "threads_added": {}})[0]
+    assert rb.judge_quiet("grammar", {"measured": True, "busy_s": 2.5}) == []
+    assert rb.judge_quiet("grammar", {"measured": False}) == []
+
+
+def test_task_stat_parsing():
+    line = "4242 (pantheon-gramma) R 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 1 0 100 0 0"
+    assert rb.parse_task_stat(line) == ("pantheon-gramma", 300 / rb.CLOCK_TICKS)
+    assert rb.parse_task_stat("7 (a (b) c) S 1 2 3 4 5 6 7 8 9 10 1 2 0")[0] == "a (b) c"
+    assert rb.parse_task_stat("garbage") is None and rb.parse_task_stat("1 (x) S 1 2") is None
+
+
+def test_this_process_threads_are_read():
+    import os
+    tasks = rb.task_cpu(os.getpid())
+    assert os.getpid() in tasks and all(cpu >= 0 for _, cpu in tasks.values())
+    assert sum(rb.thread_names(os.getpid()).values()) == len(tasks) and rb.task_cpu(None) == {}
+
+
+def test_tool_markup_detection():
+    assert rb.has_tool_markup('<tool_call>\n{"name": "record_note", "arguments": {"text": "ab')
+    assert rb.has_tool_markup("</tool_call>") and rb.has_tool_markup("<tool") and rb.has_tool_markup("<tool_call")
+    assert not rb.has_tool_markup("") and not rb.has_tool_markup("a river runs <b>") and not rb.has_tool_markup("<")
+    calls = [{"name": "record_note", "arguments": '{"text": "ab'}]
+    assert rb.tool_cut_problems("", calls, expect_calls=True) == []
+    assert rb.tool_cut_problems("<tool_", [], expect_calls=False) == ["tool-call markup in content: '<tool_'"]
+    assert rb.tool_cut_problems("", [], expect_calls=True) == ["no tool_calls"]
+
+
+def test_chat_message_and_cached_tokens():
+    obj = {"choices": [{"message": {"content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "record_note", "arguments": "{\"te"}}]}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 45, "prompt_tokens_details": {"cached_tokens": 44}}}
+    assert rb.chat_message(obj) == ("", [{"name": "record_note", "arguments": "{\"te"}], "length")
+    assert rb.chat_message({"choices": []}) == ("", [], None) and rb.chat_message(None) == ("", [], None)
+    assert rb.cached_tokens(obj) == 44 and rb.cached_tokens({"usage": {}}) is None
+
+
+def test_streamed_tool_call_deltas_are_gathered():
+    res = rb.StreamResult()
+    for chunk in ({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "record_note",
+                                                                                   "arguments": ""}}]}}]},
+                  {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"text\": "}}]}}]},
+                  {"choices": [{"delta": {}, "finish_reason": "length"}]},
+                  {"choices": [{"text": "echoed", "index": 0}]}):
+        rb._read_chunk(json.dumps(chunk).encode(), res)
+    assert res.tool_calls == {0: {"name": "record_note", "arguments": "{\"text\": "}}
+    assert res.finish_reason == "length" and res.text == "echoed"
+
+
+def test_scope_pairs_collide_under_the_old_framing():
+    """Why these pairs: with each part written as 0x01 + text + 0x00 (0x00 when missing), a NUL inside
+    one part fakes a boundary, so both requests of a pair hashed to one scope (cached_tokens 44 of 45)."""
+    def framed(parts):
+        return b"".join(b"\x00" if p is None else b"\x01" + p.encode() + b"\x00" for p in parts)
+
+    def parts(extra):
+        return [None, extra.get("user"), extra.get("session_id"), extra.get("cache_salt")]
+
+    for _, first, second in rb.SCOPE_PAIRS:
+        assert first != second and framed(parts(first)) == framed(parts(second))
+    _, a, b = rb.SCOPE_CONTROL
+    assert a == b
+
+
+def test_transfer_encoding_requests():
+    payload = b'{"messages": []}'
+    raw = rb.te_request(8000, payload, ("gzip", "chunked"), "gzip")
+    head, body = raw.split(b"\r\n\r\n", 1)
+    assert head.count(b"Transfer-Encoding:") == 2 and b"Content-Length" not in head
+    size, rest = body.split(b"\r\n", 1)
+    assert rest.endswith(b"\r\n0\r\n\r\n")
+    assert rb.gzip.decompress(rest[:int(size, 16)]) == payload
+    plain = rb.te_request(8000, payload, ("gzip, chunked",), "identity")
+    assert b"Transfer-Encoding: gzip, chunked\r\n" in plain and plain.endswith(b"10\r\n" + payload + b"\r\n0\r\n\r\n")
+
+
+def test_id_list_body_fills_the_budget_exactly():
+    for pool, budget, cap in (([5, 17, 301], 1000, None), ([9], 64, None), ([12, 3], 5000, 100), ([42], 27, None)):
+        body, n = rb.id_list_body(pool, budget, cap, "m")
+        obj = json.loads(body)
+        assert len(obj["tokens"]) == n > 0 and len(body) <= budget and obj["model"] == "m"
+        assert set(obj["tokens"]) <= set(pool)
+        if cap is None:
+            assert len(body) + len(str(pool[n % len(pool)])) + 1 > budget  # one more id would not fit
+    assert rb.id_list_body([7], 1 << 22, rb.DETOKENIZE_IDS)[1] == rb.DETOKENIZE_IDS
+    assert rb.short_ids([1234, 5, 77, 5, 9]) == [5, 9, 77, 1234]
+
+
+def test_attack_inputs_have_the_issue_sizes():
+    schema = rb.optional_schema(10_000)
+    assert len(schema["properties"]) == 10_000 and "required" not in schema
+    assert 250_000 < len(json.dumps(schema)) < 450_000  # the issue's 10k schema was 300 kB
+    tools = rb.huge_tools(2_400_000)
+    assert 2_200_000 < len(json.dumps(tools)) < 2_700_000
+    body, n = rb.embeddings_body("m", 2048, 1900, rb.ATTACK_BODY)
+    assert len(body) <= rb.ATTACK_BODY and 1900 < n <= 2048
+    texts = json.loads(body)["input"]
+    assert len(set(texts)) == n and all(len(t) == 1900 for t in texts)
+    assert rb.words_text(0) == "" and len(rb.words_text(20_000, lead="x: ")) == 20_000
+
+
+def test_slow_refusals_and_left_clients():
+    attacks = [{"input": "a", "status": 400, "ms": 12.0}, {"input": "b", "status": 400, "ms": 25_000.0},
+               {"input": "c", "status": 200, "ms": 9000.0}, {"input": "d", "status": None, "ms": 3000.0}]
+    assert [a["input"] for a in rb.slow_refusals(attacks)] == ["b"]
+    gone = rb.left(rb.to_answer(b"", "timeout", 3.0))
+    assert gone.kind == "left"
+    t = rb.Tally()
+    t.add(gone, "client gone after 3 s")
+    assert t.kinds == {"left": 1} and "hang" not in t.examples
+
+
+def test_new_phases_are_selectable_and_bounded():
+    cfg = rb.config_from(rb.build_parser().parse_args(["--quick", "--phases", "grammar,protocol",
+                                                       "--grammar-sizes", "100,200"]))
+    assert cfg.phases == ("protocol", "grammar") and cfg.grammar_sizes == (100, 200)
+    assert rb.check(cfg) is None and cfg.budget_s() < 2000
+    assert rb.check(rb.config_from(rb.build_parser().parse_args(["--grammar-sizes", "0"]))) is not None
+    full = rb.Config()
+    assert set(rb.ATTACK_PHASES) <= set(full.phases) and full.budget_s() > rb.Config(phases=("fuzz",)).budget_s()

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Reliability benchmark for a Pantheon server (issue 22): hostile inputs, slow clients, huge bodies,
-disconnect storms, queue overflow, unload under load, a memory soak and greedy identity.
+"""Reliability benchmark for a Pantheon server (issues 22 and 31): hostile inputs, slow clients, huge bodies,
+disconnect storms, queue overflow, unload under load, expensive inputs beside a running stream, a memory
+soak and greedy identity.
 
 The tool starts its own server (`python -m pantheon.cli serve --model M --host 127.0.0.1 --port P`),
 attacks it phase by phase and reports what a client saw: answers by status, 5xx and hangs (with the
@@ -8,10 +9,21 @@ exact inputs, shortened), non-JSON error bodies, how long `GET /` waited while e
 worker's RSS growth per 1000 requests, and whether greedy answers stayed identical.
 
     .venv/bin/python tools/reliability_bench.py --quick --model /work/shared/fixtures/tiny/llama.gguf
-    .venv/bin/python tools/reliability_bench.py --json out.json --markdown       # smollm2-135m, ~20 min
+    .venv/bin/python tools/reliability_bench.py --json out.json --markdown       # smollm2-135m, ~35 min
 
 Phases (`--phases` picks a subset, in this order): fuzz, slow-body, large-body, disconnects, overflow,
-unload, soak, greedy. The greedy prompts are answered once, alone, before the first phase.
+unload, protocol, tokenizer, amplification, embeddings, grammar, soak, greedy. The greedy prompts are
+answered once, alone, before the first phase.
+
+The five phases of issue 31 send inputs that cost the server far more than the client, or test one
+protocol rule, while a witness stream runs (a plain streaming chat, restarted back to back, plus a
+small plain chat every 2 s): protocol (Transfer-Encoding gzip + chunked, forced tool calls cut by
+max_tokens, cache-scope collisions), tokenizer (/tokenize past 16k characters, /detokenize with 1M
+ids), amplification (a 2.4 MB tools list with tool_choice required; echo + logprobs 20 + n 8),
+embeddings (one request sized to the body limit) and grammar (schemas of 2k/5k/10k optional
+properties; clients that leave after 3 s). Each reports every attack's status and time to answer,
+GET / p50/p99/max, the witness's largest and p99 gap between SSE chunks, and how long the worker kept
+burning CPU after the phase's clients were done or gone.
 
 Design choices, and why:
 
@@ -30,9 +42,15 @@ Design choices, and why:
   every other random choice comes from random.Random(--seed).
 * Admin fuzzing cannot unload or load anything real: its bodies name files that do not exist, and
   any drawn body that mentions the served model, a catalog name or an existing file is skipped.
+* Sized to the model. Issue 31's inputs were sized for SmolLM2's 2048-token context; a smaller model
+  would refuse them as too long before doing the expensive work, so prompts and embedding inputs are
+  scaled to the context (`GET /v1/loads`) and the tokenizer's characters per token (`POST /tokenize`).
 
 Exit status: 0 when every phase ran and found nothing, 1 when something was found (5xx, hang, greedy
-mismatch, worker restart), 2 on bad arguments or a server that would not start, 3 from the watchdog.
+mismatch, worker restart; in the issue 31 phases also GET / p99 >= 1 s, a witness gap >= 1 s or a
+witness or plain chat refused, Transfer-Encoding gzip accepted, tool-call markup in content, a
+cache-scope collision, or a worker still working 5 s after its phase's clients were gone), 2 on bad
+arguments or a server that would not start, 3 from the watchdog.
 """
 
 from __future__ import annotations
@@ -54,8 +72,9 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +97,10 @@ LOOPBACK = "127.0.0.1"
 CHAT = "/v1/chat/completions"
 LOAD = "/admin/models/load"
 UNLOAD = "/admin/models/unload"
-PHASES = ("fuzz", "slow-body", "large-body", "disconnects", "overflow", "unload", "soak", "greedy")
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+PHASES = ("fuzz", "slow-body", "large-body", "disconnects", "overflow", "unload", "protocol", "tokenizer",
+          "amplification", "embeddings", "grammar", "soak", "greedy")
 CONNECT_S = 5.0
 PROBE_INTERVAL_S = 0.1  # how often GET / is timed during a phase
 PROBE_TIMEOUT_S = 5.0  # a GET / not answered by then counts as failed
@@ -132,8 +154,9 @@ class Answer:
     """What came back for one request.
 
     outcome: "answered" (a status line and a complete body, or the server closed after it), "closed"
-    (closed or reset before any status line), "hang" (nothing complete within the deadline), or
-    "connect_failed".
+    (closed or reset before any status line), "hang" (nothing complete within the deadline),
+    "connect_failed", or, set by the issue 31 phases, "left" (a client that left on purpose) and
+    "still streaming" (an answer still arriving at our deadline: slow, not stuck).
     """
 
     status: int | None
@@ -169,10 +192,12 @@ class Answer:
 
 
 def http_request(method: str, path: str, port: int, body: bytes | None = None,
-                 headers: dict[str, str] | None = None) -> bytes:
-    """An HTTP/1.1 request as bytes, with Host, Connection: close and (with a body) Content-Length."""
+                 headers: dict[str, str] | list[tuple[str, str]] | None = None) -> bytes:
+    """An HTTP/1.1 request as bytes, with Host, Connection: close and (with a body) Content-Length.
+    `headers` may be a list of pairs, to send one header name twice."""
     lines = [f"{method} {path} HTTP/1.1", f"Host: {LOOPBACK}:{port}", "Connection: close"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    pairs = headers.items() if isinstance(headers, dict) else headers or []
+    lines += [f"{k}: {v}" for k, v in pairs]
     if body is not None:
         lines.append(f"Content-Length: {len(body)}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace") + (body or b"")
@@ -229,8 +254,8 @@ def dechunk(body: bytes) -> bytes:
     return bytes(out)
 
 
-def _receive(sock: socket.socket, end: float) -> tuple[bytes, str]:
-    """Read until the answer is complete, the server closes, or `end`: (bytes, how it stopped)."""
+def _receive(sock: socket.socket, end: float, limit: int = MAX_READ) -> tuple[bytes, str]:
+    """Read until the answer is complete, the server closes, `end`, or `limit` bytes: (bytes, how it stopped)."""
     buf = bytearray()
     while True:
         left = end - time.monotonic()
@@ -249,7 +274,7 @@ def _receive(sock: socket.socket, end: float) -> tuple[bytes, str]:
         head = split_head(bytes(buf))
         if head is not None and body_complete(head[1], bytes(buf[head[2]:])):
             return bytes(buf), "complete"
-        if len(buf) > MAX_READ:
+        if len(buf) > limit:
             return bytes(buf), "complete"
 
 
@@ -271,13 +296,13 @@ def _error_text(exc: BaseException) -> str:
 
 
 def exchange(port: int, raw: bytes | Callable[[], bytes], deadline_s: float, *, half_close: bool = False,
-             gate: threading.Barrier | None = None) -> Answer:
+             gate: threading.Barrier | None = None, limit: int = MAX_READ) -> Answer:
     """Send `raw` on a new connection and read the answer; never raises, never outlives `deadline_s`.
 
     `half_close` shuts the sending side after the request, so a server waiting for more bytes (a
     truncated chunked body) sees the end of input instead of waiting for us. `gate` holds the send
     until every thread of a burst is connected. `raw` may be a function, so huge inputs exist only
-    while they are sent.
+    while they are sent. `limit`: the most answer bytes read (more ends the read as if complete).
     """
     t0 = time.monotonic()
     try:
@@ -301,7 +326,7 @@ def exchange(port: int, raw: bytes | Callable[[], bytes], deadline_s: float, *, 
                 sock.shutdown(socket.SHUT_WR)
         except OSError as exc:  # the server may answer (413) and close before reading everything
             send_error = "while sending: " + _error_text(exc)
-        buf, how = _receive(sock, end)
+        buf, how = _receive(sock, end, limit)
     return to_answer(buf, how, time.monotonic() - t0, send_error)
 
 
@@ -316,8 +341,12 @@ def preview(raw: bytes, limit: int = 240) -> str:
 @dataclass
 class StreamResult:
     """One streamed chat request. outcome: "done" ([DONE] seen), "cancelled" (we closed it on purpose),
-    "stopped" (the phase asked it to end), "closed" (EOF before [DONE]), "http_error" (not 200),
-    "hang" (no line within the deadline) or "error" (connection-level)."""
+    "stopped" (the phase asked it to end), "capped" (we stopped reading at `max_bytes`), "closed" (EOF
+    before [DONE]), "http_error" (not 200), "hang" (no line within the deadline) or "error" (connection-level).
+
+    `times` holds when each SSE data line arrived (monotonic), so gaps between tokens can be read
+    afterwards; `tool_calls` gathers the streamed tool-call deltas by index ({"name", "arguments"}).
+    """
 
     status: int | None = None
     outcome: str = "error"
@@ -330,6 +359,9 @@ class StreamResult:
     error: str | None = None
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
+    nbytes: int = 0
+    tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -342,7 +374,7 @@ def stream_answer(res: StreamResult) -> Answer:
     """A stream as an Answer, for tallies: one we cut on purpose after its 200 counts as answered."""
     if res.status is None and res.outcome == "cancelled":
         outcome = "cancelled"  # closed right after sending: there was nothing to answer yet
-    elif res.status is not None and (res.status != 200 or res.outcome in ("done", "cancelled", "stopped")):
+    elif res.status is not None and (res.status != 200 or res.outcome in ("done", "cancelled", "stopped", "capped")):
         outcome = "answered"
     else:
         outcome = "hang" if res.outcome == "hang" else "closed"
@@ -362,11 +394,14 @@ def _abort(sock: socket.socket | None, rst: bool) -> None:
 
 
 def stream_chat(port: int, body: dict, deadline_s: float, *, cancel_after: int | None = None, rst: bool = False,
-                stop: threading.Event | None = None, started: threading.Event | None = None) -> StreamResult:
+                stop: threading.Event | None = None, started: threading.Event | None = None, path: str = CHAT,
+                max_bytes: int | None = None) -> StreamResult:
     """POST a streaming chat request and time its SSE chunks; never raises, never outlives `deadline_s`.
 
     `cancel_after=k` closes the connection after k data chunks (0: right after sending the request);
     `stop` ends the stream early when set (checked between chunks); `started` is set at the first chunk.
+    `path` sends it elsewhere (/v1/completions streams the same way); `max_bytes` stops reading after
+    that many bytes of SSE lines (outcome "capped"), so an answer that amplifies cannot fill our memory.
     """
     t0 = time.monotonic()
     end = t0 + deadline_s
@@ -377,7 +412,7 @@ def stream_chat(port: int, body: dict, deadline_s: float, *, cancel_after: int |
         conn.connect()
         sock = conn.sock
         sock.settimeout(max(0.001, end - time.monotonic()))
-        conn.request("POST", CHAT, body=json.dumps({**body, "stream": True}).encode(),
+        conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(),
                      headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
         if cancel_after == 0:
             res.outcome = "cancelled"
@@ -403,6 +438,10 @@ def stream_chat(port: int, body: dict, deadline_s: float, *, cancel_after: int |
             if not line:
                 res.outcome = "closed"
                 return res
+            res.nbytes += len(line)
+            if max_bytes is not None and res.nbytes > max_bytes:
+                res.outcome = "capped"
+                return res
             line = line.strip()
             if not line.startswith(b"data:"):
                 continue
@@ -414,6 +453,7 @@ def stream_chat(port: int, body: dict, deadline_s: float, *, cancel_after: int |
             else:
                 res.max_gap = max(res.max_gap, now - last)
             last = now
+            res.times.append(now)
             data = line[5:].strip()
             if data == b"[DONE]":
                 res.outcome = "done"
@@ -429,7 +469,7 @@ def stream_chat(port: int, body: dict, deadline_s: float, *, cancel_after: int |
         res.outcome, res.error = "error", _error_text(exc)
     finally:
         res.elapsed = time.monotonic() - t0
-        if res.outcome in ("cancelled", "stopped"):
+        if res.outcome in ("cancelled", "stopped", "capped"):
             _abort(sock, rst)
         conn.close()
     return res
@@ -444,9 +484,23 @@ def _read_chunk(data: bytes, res: StreamResult) -> None:
     if isinstance(obj, dict) and "error" in obj:
         res.error = "stream error: " + str(obj["error"])[:200]
     for choice in (obj.get("choices") or []) if isinstance(obj, dict) else []:
-        delta = choice.get("delta") or {}
-        res.text += delta.get("content") or ""
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        res.text += _text(delta.get("content")) + _text(choice.get("text"))  # chat's delta; completions' text
         res.finish_reason = choice.get("finish_reason") or res.finish_reason
+        for call in delta.get("tool_calls") or []:
+            if not isinstance(call, dict):
+                continue
+            fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+            index = call.get("index") if isinstance(call.get("index"), int) else 0
+            got = res.tool_calls.setdefault(index, {"name": "", "arguments": ""})
+            got["name"] += _text(fn.get("name"))
+            got["arguments"] += _text(fn.get("arguments"))
+
+
+def _text(v: Any) -> str:
+    return v if isinstance(v, str) else ""
 
 
 # ---- figures -------------------------------------------------------------------------------------------
@@ -677,19 +731,32 @@ class Config:
     soak_workers: int = 4
     sample_s: float = 5.0
     greedy_tokens: int = 32
+    grammar_sizes: tuple[int, ...] = (2000, 5000, 10_000)  # optional properties per schema (issue 31: 2k..10k)
+    grammar_abandon: int = 4  # clients that send the largest schema and leave after ABANDON_S
+    embed_s: float = 180.0  # longest wait for the one huge embeddings request (it is real work)
+    tools_bytes: int = 2_400_000  # the tools list sent with tool_choice "required"
+    amplify_s: float = 120.0  # longest wait for the echo + logprobs + n answer, streamed or not
+    drain_s: float = 60.0  # after a phase, how long the worker may take to go quiet
 
     def budget_s(self) -> float:
         """The longest the whole run may take before the watchdog ends it."""
         per = {"fuzz": self.fuzz_s + 2 * self.hang_s, "slow-body": self.slow_s + 60,
                "large-body": 6 * self.hang_s + 60, "disconnects": 4 * self.hang_s + SETTLE_S + 60,
                "overflow": 2 * self.hang_s + 90, "unload": 3 * self.hang_s + self.load_timeout_s + 180,
-               "soak": self.soak_s + 2 * self.hang_s + 30, "greedy": (len(GREEDY_PROMPTS) + 2) * self.hang_s + 30}
+               "soak": self.soak_s + 2 * self.hang_s + 30, "greedy": (len(GREEDY_PROMPTS) + 2) * self.hang_s + 30,
+               "protocol": (len(TE_CASES) + 2 * len(TOOL_CUTS) + 2 * len(SCOPE_PAIRS) + 6) * self.hang_s,
+               "tokenizer": 10 * self.hang_s, "amplification": 4 * self.hang_s + 2 * self.amplify_s,
+               "embeddings": self.embed_s + 4 * self.hang_s,
+               "grammar": (len(self.grammar_sizes) + 4) * self.hang_s}
+        for name in ATTACK_PHASES:  # the witness's and the drain's share
+            per[name] += 2 * self.hang_s + self.drain_s + ABANDON_S + WATCH_S + 60
         return self.startup_s + len(GREEDY_PROMPTS) * self.hang_s + sum(per[p] for p in self.phases) + 120
 
 
 QUICK = {"hang_s": 15.0, "startup_s": 300.0, "fuzz_n": 150, "fuzz_s": 45.0, "slow_conns": 100, "slow_s": 15.0,
          "disconnects": 32, "overflow_extra": 8, "unload_streams": 3, "load_timeout_s": 300.0, "soak_s": 30.0,
-         "sample_s": 2.0, "greedy_tokens": 16}
+         "sample_s": 2.0, "greedy_tokens": 16, "grammar_sizes": (2000, 10_000), "grammar_abandon": 2, "embed_s": 45.0,
+         "amplify_s": 30.0, "drain_s": 15.0}
 
 
 # ---- the run's shared state -------------------------------------------------------------------------------
@@ -710,6 +777,8 @@ class Bench:
     rng: random.Random
     baseline: list[str | None] = field(default_factory=list)
     worker_pids: list[int] = field(default_factory=list)  # every worker pid seen, in order
+    context_tokens: int | None = None  # one slot's context, read once by `calibrate`
+    chars_per_token: float | None = None  # of WORDS text under this model's tokenizer, read once by `calibrate`
 
     def request(self, method: str, path: str, obj: Any = None, *, timeout: float | None = None,
                 admin: bool = False) -> Answer:
@@ -1797,10 +1866,756 @@ def phase_greedy(b: Bench) -> dict[str, Any]:
                         streamed_identical=same_stream, checks=checks, background=load.summary())
 
 
+# ---- phases 9-13 (issue 31): expensive inputs beside a witness stream ------------------------------------
+# Each of these phases sends inputs that cost the server far more than they cost the client (a big grammar,
+# a huge embeddings batch, tokenizer work, an amplified answer) or that test one protocol rule, while a
+# witness stream runs: a plain streaming chat whose gaps between SSE chunks show whether another request's
+# work stalled generation. Issue 31's acceptance: no 5xx, no hang, GET / p99 under 1 s in every phase, no
+# witness gap of 1 s caused by another request's grammar, embeddings or tokenizer work.
+ATTACK_PHASES = ("protocol", "tokenizer", "amplification", "embeddings", "grammar")
+GAP_LIMIT_MS = 1000.0  # a witness gap this long is a finding
+ROOT_P99_LIMIT_MS = 1000.0  # so is a GET / p99 this long
+SLOW_REFUSAL_MS = 1000.0  # a refusal slower than this is reported (a cheap 400/429 is the pass)
+WITNESS_TOKENS = 1024  # what the witness asks for (the context caps it on small models)
+WITNESS_STREAM_S = 300.0  # longest one witness stream may run (on top of --hang-s)
+MAX_WITNESS_STREAMS = 500  # streams (and plain chats) one witness may start in a phase
+NEWCOMER_S = 2.0  # beside the witness, a small plain chat this often: are new chats still admitted?
+ABANDON_S = 3.0  # clients that leave close their connection after this long
+WATCH_S = 5.0  # the witness keeps running this long after clients left
+QUIET_CORES = 0.25  # the worker is quiet once it uses at most this many cores more than when idle ...
+NEWBORN_CPU_S = 0.01  # ... and threads born during the phase used less CPU than this in a sample
+CPU_SAMPLE_S = 0.5
+LEFTOVER_S = 5.0  # work still running this long after the last client was done or gone is a finding
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+BIG_READ = 64 << 20  # answers that are big on purpose (token lists, amplified completions) are read up to this
+ATTACK_BODY = BODY_LIMIT - 1024  # bodies sized "to the limit" stay this far under it
+DETOKENIZE_IDS = 1 << 20  # the issue's "1M ids"
+EMBED_INPUTS = 2048  # the issue's embeddings request: 2048 inputs ...
+EMBED_ITEM_TOKENS = 450  # ... of ~450 tokens each (fewer where the context is smaller)
+ECHO_PROMPT_CHARS = 4096  # the issue's completions case: a 4 kB prompt (less where the context is smaller)
+ECHO_TOKENS = 256  # ... generating this much per choice (a quarter of the context at most)
+WORDS = "the river runs past the old town and on to the sea "
+SCHEMA_TYPES = ("string", "integer", "number", "boolean")
+
+
+def words_text(n: int, lead: str = "") -> str:
+    """`n` characters of plain words (ASCII, so also `n` bytes), starting with `lead`."""
+    if n <= 0:
+        return ""
+    return (lead + WORDS * (n // len(WORDS) + 1))[:n]
+
+
+def count_tokens(b: Bench, text: str) -> int | None:
+    """Tokens `text` has under the served model's tokenizer (POST /tokenize); None when it fails."""
+    ans = b.request("POST", "/tokenize", {"model": b.name, "content": text}, timeout=b.cfg.hang_s)
+    obj = ans.json() if ans.status == 200 else None
+    tokens = obj.get("tokens") if isinstance(obj, dict) else None
+    return len(tokens) if isinstance(tokens, list) else None
+
+
+def token_ids(b: Bench, text: str) -> list[int]:
+    ans = b.request("POST", "/tokenize", {"model": b.name, "content": text}, timeout=b.cfg.hang_s)
+    obj = ans.json() if ans.status == 200 else None
+    tokens = obj.get("tokens") if isinstance(obj, dict) else None
+    return [t for t in tokens if isinstance(t, int)] if isinstance(tokens, list) else []
+
+
+def calibrate(b: Bench) -> tuple[int, float]:
+    """(one slot's context in tokens, characters per token of WORDS text), read once per run.
+
+    The issue's inputs are sized for SmolLM2 (2048-token context); a smaller model would refuse them as
+    too long before doing the expensive work, so prompts and embedding inputs are scaled to what fits.
+    The context comes from `GET /v1/loads` (tokens of all slots / slots); fallbacks: 2048 and 4.0.
+    """
+    if b.context_tokens is None:
+        obj = b.request("GET", "/v1/loads", timeout=10).json()
+        ctx = 2048
+        try:
+            load = obj["loads"][0]
+            ctx = int(load["max_total_num_tokens"]) // max(1, int(load["max_running_requests"]))
+        except (TypeError, KeyError, IndexError, ValueError, ZeroDivisionError):
+            pass
+        b.context_tokens = max(64, ctx)
+    if b.chars_per_token is None:
+        sample = words_text(2000)
+        n = count_tokens(b, sample)
+        b.chars_per_token = len(sample) / n if n else 4.0
+    return b.context_tokens, b.chars_per_token
+
+
+class Witness:
+    """A plain streaming chat beside an attack, restarted back to back, and a small plain chat every
+    NEWCOMER_S.
+
+    Its figures are what issue 31 is judged by: the largest gap between two SSE chunks of one stream
+    (another request's grammar, embeddings or tokenizer work stalling the batch shows here) and its
+    p99, and whether new chats are still admitted (an embeddings job holding every slot shows as 429s).
+    Gaps are taken within a stream; a new stream's wait for its first chunk is reported apart.
+    """
+
+    def __init__(self, b: Bench, newcomers: bool = True):
+        self.b = b
+        self.stop = threading.Event()
+        self.first_chunk = threading.Event()
+        self.streams: list[StreamResult] = []
+        self.newcomers: list[Answer] = []
+        self.t0 = 0.0
+        self._threads = [threading.Thread(target=self._stream_loop, name="witness", daemon=True)]
+        if newcomers:
+            self._threads.append(threading.Thread(target=self._newcomer_loop, name="newcomers", daemon=True))
+
+    def _stream_loop(self) -> None:
+        for k in range(MAX_WITNESS_STREAMS):
+            if self.stop.is_set():
+                return
+            body = self.b.chat_body(f"Witness {k}: tell a long and plain story about a river.", WITNESS_TOKENS,
+                                    temperature=0.7, seed=k, ignore_eos=True)
+            res = stream_chat(self.b.port, body, self.b.cfg.hang_s + WITNESS_STREAM_S, stop=self.stop,
+                              started=self.first_chunk)
+            self.streams.append(res)
+            if res.outcome not in ("done", "stopped"):
+                self.stop.wait(0.5)  # a failing server: do not spin
+
+    def _newcomer_loop(self) -> None:
+        for k in range(MAX_WITNESS_STREAMS):
+            if self.stop.wait(NEWCOMER_S):
+                return
+            self.newcomers.append(self.b.request("POST", CHAT, self.b.chat_body(f"Newcomer {k}: say hello.", 4,
+                                                                               temperature=0)))
+
+    def __enter__(self) -> "Witness":
+        self.t0 = time.monotonic()
+        for t in self._threads:
+            t.start()
+        self.first_chunk.wait(self.b.cfg.hang_s)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(self.b.cfg.hang_s + 5)
+
+    def summary(self) -> dict[str, Any]:
+        return witness_summary(list(self.streams), list(self.newcomers), self.t0)
+
+
+def witness_summary(streams: list[StreamResult], newcomers: list[Answer], t0: float) -> dict[str, Any]:
+    """The witness's figures: gaps between chunks within each stream (p50/p99/max, and when the worst
+    ended, in seconds since the witness began), streams by outcome, first-chunk waits, plain chats."""
+    gaps = [(later - earlier, later - t0) for r in streams for earlier, later in zip(r.times, r.times[1:])]
+    worst = max(gaps, default=None)
+    g = stats_ms(gap for gap, _ in gaps)
+    return {"streams": len(streams), "by_outcome": dict(Counter(r.kind for r in streams)),
+            "chunks": sum(r.chunks for r in streams), "gaps": len(gaps),
+            "p50_gap_ms": g["p50_ms"], "p99_gap_ms": g["p99_ms"], "max_gap_ms": g["max_ms"],
+            "worst_gap_at_s": None if worst is None else round(worst[1], 1),
+            "first_chunk": stats_ms(r.first_chunk_s for r in streams if r.first_chunk_s is not None),
+            "newcomers": {"sent": len(newcomers),
+                          "by_status": dict(Counter(str(a.status or a.outcome) for a in newcomers)),
+                          **stats_ms(a.elapsed for a in newcomers)}}
+
+
+def judge_attack(name: str, kinds: Mapping[str, int], health: Mapping[str, Any], witness: Mapping[str, Any],
+                 hang_s: float) -> list[str]:
+    """Issue 31's acceptance, as findings: a 5xx, a hang, GET / p99 >= 1 s or a failed probe, a witness
+    gap >= 1 s, a witness stream that did not stream or ended badly, a plain chat refused meanwhile."""
+    out = []
+    if kinds.get("5xx"):
+        out.append(f"{name}: {kinds['5xx']} requests got a 5xx")
+    if kinds.get("hang"):
+        out.append(f"{name}: {kinds['hang']} requests got no answer within {hang_s:.0f} s")
+    p99 = health.get("p99_ms")
+    if p99 is not None and p99 >= ROOT_P99_LIMIT_MS:
+        out.append(f"{name}: GET / p99 {p99} ms (max {health.get('max_ms')} ms at {health.get('worst_at_s')} s)")
+    if health.get("failed"):
+        out.append(f"{name}: {health['failed']} of {health.get('probes')} GET / probes failed")
+    gap = witness.get("max_gap_ms")
+    if gap is not None and gap >= GAP_LIMIT_MS:
+        out.append(f"{name}: the witness stream waited {gap} ms between two chunks (at "
+                   f"{witness.get('worst_gap_at_s')} s; p99 gap {witness.get('p99_gap_ms')} ms)")
+    if not witness.get("chunks"):
+        out.append(f"{name}: the witness stream never streamed, so there is no gap to judge")
+    bad = {k: v for k, v in (witness.get("by_outcome") or {}).items() if k not in ("done", "stopped")}
+    if bad:
+        out.append(f"{name}: witness streams ended badly: {counts(bad)}")
+    refused = {k: v for k, v in ((witness.get("newcomers") or {}).get("by_status") or {}).items() if k != "200"}
+    if refused:
+        out.append(f"{name}: plain chats sent meanwhile got {counts(refused)}")
+    return out
+
+
+# -- the worker after the clients: is anything still burning CPU for nobody? -------------------------------
+def worker_cpu_s(b: Bench) -> float | None:
+    """CPU seconds (user + system, every thread) the worker has used so far; None without a worker."""
+    w = b.server.worker()
+    try:
+        t = w.cpu_times() if w is not None else None
+    except psutil.Error:
+        return None
+    return None if t is None else t.user + t.system
+
+
+def parse_task_stat(text: str) -> tuple[str, float] | None:
+    """(thread name, CPU seconds) from one /proc/PID/task/TID/stat line; None if it does not parse.
+    The name sits in parentheses and may itself hold spaces or parentheses: fields follow the last ')'."""
+    open_at, close_at = text.find("("), text.rfind(")")
+    rest = text[close_at + 2:].split() if 0 <= open_at < close_at else []
+    if len(rest) < 13 or not (rest[11].isdigit() and rest[12].isdigit()):
+        return None
+    return text[open_at + 1:close_at], (int(rest[11]) + int(rest[12])) / CLOCK_TICKS  # utime, stime
+
+
+def task_cpu(pid: int | None) -> dict[int, tuple[str, float]]:
+    """Each thread of `pid`: (name, CPU seconds so far). Pantheon names its OS threads (e.g.
+    "pantheon-gramma" for a grammar compile), so work left running after its client is visible by name."""
+    out: dict[int, tuple[str, float]] = {}
+    if pid is None:
+        return out
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids[:4096]:
+        try:
+            got = parse_task_stat(Path(f"/proc/{pid}/task/{tid}/stat").read_text())
+        except OSError:  # the thread ended meanwhile
+            continue
+        if got is not None and tid.isdigit():
+            out[int(tid)] = got
+    return out
+
+
+def thread_names(pid: int | None) -> Counter[str]:
+    """The threads of `pid` by name."""
+    return Counter(name for name, _ in task_cpu(pid).values())
+
+
+def cpu_rate(b: Bench, window_s: float) -> float | None:
+    """Cores the worker used over the next `window_s` seconds."""
+    c0, t0 = worker_cpu_s(b), time.monotonic()
+    time.sleep(window_s)
+    c1, t1 = worker_cpu_s(b), time.monotonic()
+    return None if c0 is None or c1 is None else max(0.0, (c1 - c0) / (t1 - t0))
+
+
+def quiet_after(samples: list[tuple[float, bool]]) -> float | None:
+    """Given (seconds since the clients were done, whether the worker was quiet over the sample ending
+    then), when it went quiet: the start of the first two quiet samples in a row; None if it never did."""
+    prev_end, run_start, run = 0.0, 0.0, 0
+    for end, quiet in samples:
+        if quiet:
+            run_start = prev_end if run == 0 else run_start
+            run += 1
+            if run >= 2:
+                return round(run_start, 1)
+        else:
+            run = 0
+        prev_end = end
+    return None
+
+
+def drain(b: Bench, idle_cores: float | None, tasks_before: dict[int, tuple[str, float]],
+          budget_s: float) -> dict[str, Any]:
+    """After every client of a phase is done or gone: how long the worker still worked (a grammar
+    compile or an embeddings job nobody waits for), bounded by `budget_s`. It also lets the next phase
+    start on a quiet server, so its figures are its own.
+
+    A sample is busy when the worker used more than QUIET_CORES above its idle rate, or when any thread
+    born during the phase used CPU at all: on a shared machine a contended compile thread may get a
+    fraction of a core, too little for the process rate alone to tell.
+    """
+    limit = QUIET_CORES + min(idle_cores or 0.0, QUIET_CORES)
+    pid, _ = b.server.worker_rss()
+    t0 = time.monotonic()
+    first = prev = task_cpu(pid)
+    last_c, last_t = worker_cpu_s(b), t0
+    samples: list[tuple[float, bool]] = []
+    peak = 0.0
+    busy = None
+    while last_c is not None and time.monotonic() - t0 < budget_s:
+        time.sleep(CPU_SAMPLE_S)
+        cur, c, t = task_cpu(pid), worker_cpu_s(b), time.monotonic()
+        if c is None:
+            break
+        rate = max(0.0, (c - last_c) / max(1e-6, t - last_t))
+        newborn = sum(cpu - prev.get(tid, ("", 0.0))[1] for tid, (_, cpu) in cur.items() if tid not in tasks_before)
+        peak = max(peak, rate)
+        samples.append((t - t0, rate <= limit and newborn < NEWBORN_CPU_S))
+        prev, last_c, last_t = cur, c, t
+        busy = quiet_after(samples)
+        if busy is not None:
+            break
+    added: dict[str, dict[str, float]] = {}
+    for tid, (name, cpu) in prev.items():
+        if tid not in tasks_before:
+            got = added.setdefault(name, {"threads": 0, "cpu_s_after_clients": 0.0})
+            got["threads"] += 1
+            got["cpu_s_after_clients"] = round(got["cpu_s_after_clients"] + cpu - first.get(tid, ("", 0.0))[1], 2)
+    return {"measured": bool(samples), "budget_s": budget_s, "threshold_cores": round(limit, 2),
+            "idle_cores_before": None if idle_cores is None else round(idle_cores, 2),
+            "busy_s": busy, "peak_cores": round(peak, 2), "threads_added": added}
+
+
+def judge_quiet(name: str, quiet: Mapping[str, Any]) -> list[str]:
+    """Work that outlives its client: the worker still busy LEFTOVER_S after the phase's last client was
+    done or gone (or past the drain's whole budget)."""
+    if not quiet.get("measured"):
+        return []
+    busy = quiet.get("busy_s")
+    if busy is not None and busy <= LEFTOVER_S:
+        return []
+    threads = ", ".join(f"{n} x{v['threads']} ({v['cpu_s_after_clients']} CPU s)"
+                        for n, v in (quiet.get("threads_added") or {}).items()) or "none"
+    when = f"for {busy} s" if busy is not None else f"for more than {quiet.get('budget_s'):.0f} s"
+    return [f"{name}: the worker kept working {when} after every client was done or gone (threads born in "
+            f"the phase: {threads})"]
+
+
+def with_witness(b: Bench, attack: Callable[[], None]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Run `attack()` while GET / is timed and a witness streams, then wait (bounded) for the worker to
+    go quiet: (GET / figures, witness figures, drain figures)."""
+    pid, _ = b.server.worker_rss()
+    tasks_before = task_cpu(pid)
+    idle = cpu_rate(b, 1.0)
+    with HealthProbe(b.port) as probe, Witness(b) as witness:
+        attack()
+    return probe.summary(), witness.summary(), drain(b, idle, tasks_before, b.cfg.drain_s)
+
+
+def error_code(ans: Answer) -> str | None:
+    obj = ans.json()
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return err.get("code") if isinstance(err, dict) and isinstance(err.get("code"), str) else None
+
+
+def left(ans: Answer) -> Answer:
+    """A client that left on purpose (ABANDON_S) is not a hang: its unanswered request counts as "left"."""
+    if ans.outcome == "hang":
+        return Answer(ans.status, ans.headers, ans.body, ans.elapsed, "left", ans.error)
+    return ans
+
+
+def record(tally: Tally, attacks: list[dict], label: str, ans: Answer, family: str,
+           expected: tuple[int, ...] = (), **extra: Any) -> dict[str, Any]:
+    """Count one attack request and keep what a reader needs: status, how long it took, why refused."""
+    tally.add(ans, label, None, family, expected)
+    rec = {"input": label, "status": ans.status, "outcome": ans.outcome, "ms": round(ans.elapsed * 1e3, 1),
+           "code": error_code(ans), "answer": ans.message()[:160] if (ans.status or 0) >= 400 else "",
+           "answer_bytes": len(ans.body), **extra}
+    attacks.append(rec)
+    return rec
+
+
+def attacks_line(attacks: list[dict]) -> str:
+    """One line: each attack's status (or outcome) and time."""
+    return "; ".join(f"{a['input']}: {a['status'] or a['outcome']} in {a['ms']:.0f} ms" for a in attacks)
+
+
+def slow_refusals(attacks: list[dict]) -> list[dict]:
+    """Refusals (4xx) that took longer than SLOW_REFUSAL_MS: the server did the expensive work first."""
+    return [a for a in attacks if a["status"] and 400 <= a["status"] < 500 and a["ms"] > SLOW_REFUSAL_MS]
+
+
+def attack_result(name: str, t0: float, tally: Tally, hang_s: float, health: dict, witness: dict, quiet: dict,
+                  attacks: list[dict], findings: list[str], key: str, **details: Any) -> dict[str, Any]:
+    """The common report of an attack phase: phase_result plus the witness, the drain and each attack.
+    `hang_s`: how long the phase waited for an answer before calling it a hang."""
+    findings = judge_attack(name, tally.kinds, health, witness, hang_s) + judge_quiet(name, quiet) + findings
+    slow = slow_refusals(attacks)
+    key += (f"; witness max gap {_v(witness['max_gap_ms'])} ms, p99 {_v(witness['p99_gap_ms'])} ms"
+            + (f"; {len(slow)} refusals slower than {SLOW_REFUSAL_MS:.0f} ms" if slow else ""))
+    return phase_result(name, t0, tally, health, key, findings, witness=witness, after_clients=quiet,
+                        attacks=attacks, slow_refusals=[a["input"] for a in slow], examples=tally.examples,
+                        **details)
+
+
+# -- phase 9: protocol rules --------------------------------------------------------------------------------
+TE_CASES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("gzip, chunked",), "gzip"), (("gzip, chunked",), "identity"), (("deflate, chunked",), "deflate"),
+    (("gzip", "chunked"), "gzip"),  # the same codings on two header lines
+)
+NOTE_TOOL = {"type": "function", "function": {
+    "name": "record_note", "description": "Store a note for later.",
+    "parameters": {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}},
+                   "required": ["text"], "additionalProperties": False}}}
+TOOL_PREFIX = '<tool_call>\n{"name": "record_note", "arguments": {"text": "'  # what a forced call starts with
+TOOL_CUTS = (("in the arguments", "required", False), ("in the arguments", "required", True),
+             ("in the arguments", "named", False), ("in the arguments", "named", True),
+             ("in the opening tag", "required", False), ("in the opening tag", "required", True))
+# Pairs of (user, session_id, cache_salt) whose scope hash once collided: each part was written as
+# 0x01 + text + 0x00 (0x00 for a missing one), so a NUL inside one part could fake a part boundary.
+SCOPE_PAIRS: tuple[tuple[str, dict[str, str], dict[str, str]], ...] = (
+    ("user 'x\\0\\1y' then user 'x' + session_id 'y\\0'", {"user": "x\u0000\u0001y"},
+     {"user": "x", "session_id": "y\u0000"}),
+    ("session_id 's\\0\\1t' then session_id 's' + cache_salt 't\\0'", {"session_id": "s\u0000\u0001t"},
+     {"session_id": "s", "cache_salt": "t\u0000"}),
+)
+SCOPE_CONTROL = ("the same user twice (control)", {"user": "rbench-control"}, {"user": "rbench-control"})
+
+
+def te_request(port: int, payload: bytes, codings: tuple[str, ...], body_coding: str) -> bytes:
+    """A chat POST framed with `Transfer-Encoding` (one header line per item of `codings`), its body
+    compressed as `body_coding` says and sent as one chunk."""
+    data = gzip.compress(payload) if body_coding == "gzip" else zlib.compress(payload) \
+        if body_coding == "deflate" else payload
+    head = http_request("POST", CHAT, port, None,
+                        [("Content-Type", "application/json")] + [("Transfer-Encoding", c) for c in codings])
+    return head + b"%x\r\n" % len(data) + data + b"\r\n0\r\n\r\n"
+
+
+def has_tool_markup(text: str) -> bool:
+    """Whether `text` shows raw tool-call markup: a tag, or an opening tag cut short at its end."""
+    if "<tool_call" in text or "</tool_call" in text:
+        return True
+    tail = text.rstrip()
+    return any(tail.endswith("<tool_call>"[:k]) for k in range(2, len("<tool_call>")))
+
+
+def tool_cut_problems(content: str, calls: list[dict], expect_calls: bool) -> list[str]:
+    """What is wrong with a forced tool call cut by max_tokens: markup left in the content, or (cut
+    inside the arguments, where the call's name is known) no tool_calls at all."""
+    out = []
+    if has_tool_markup(content):
+        out.append(f"tool-call markup in content: {content[:80]!r}")
+    if expect_calls and not calls:
+        out.append("no tool_calls")
+    return out
+
+
+def cached_tokens(obj: Any) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens of a chat answer; None when absent."""
+    try:
+        v = obj["usage"]["prompt_tokens_details"]["cached_tokens"]
+    except (TypeError, KeyError):
+        return None
+    return v if isinstance(v, int) else None
+
+
+def chat_message(obj: Any) -> tuple[str, list[dict], str | None]:
+    """(content, tool_calls as [{"name", "arguments"}], finish_reason) of a non-streamed chat answer."""
+    try:
+        choice = obj["choices"][0]
+        msg = choice["message"]
+    except (TypeError, KeyError, IndexError):
+        return "", [], None
+    if not isinstance(msg, dict):
+        return "", [], None
+    calls = []
+    for call in msg.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) and isinstance(call.get("function"), dict) else {}
+        calls.append({"name": _text(fn.get("name")), "arguments": _text(fn.get("arguments"))})
+    return _text(msg.get("content")), calls, choice.get("finish_reason")
+
+
+def phase_protocol(b: Bench) -> dict[str, Any]:
+    """Three rules (issue 31, 8/11/12): a body framed `Transfer-Encoding: gzip, chunked` must be refused
+    (501, or 400), not decoded as if only chunked; a forced tool call cut by max_tokens must come back as
+    tool_calls, never as raw `<tool_call>` markup in content; and two requests whose (user, session_id,
+    cache_salt) differ must not share prefix-cache entries (the second's cached_tokens is 0), shown
+    beside a control pair in one scope whose second request should reuse the first's prompt."""
+    t0 = time.monotonic()
+    cfg = b.cfg
+    tally, attacks = Tally(), []
+    ctx, cpt = calibrate(b)
+    prefix = count_tokens(b, TOOL_PREFIX)
+    cut_args = (prefix or 36) + 12  # past any indentation, into the "text" argument (400 characters long)
+    findings: list[str] = []
+    te_accepted: list[str] = []
+    tool_checks: list[dict] = []
+    scope_checks: list[dict] = []
+    scope_prompt_chars = int(min(160, ctx // 3) * cpt)
+
+    def attack() -> None:
+        payload = json.dumps(b.chat_body("hi", 2)).encode()
+        for codings, coding in TE_CASES:
+            label = f"Transfer-Encoding {' + '.join(codings)!r}, body {coding}"
+            ans = exchange(b.port, te_request(b.port, payload, codings, coding), cfg.hang_s)
+            record(tally, attacks, label, ans, "protocol", expected=(501,))
+            if ans.status is not None and 200 <= ans.status < 300:
+                te_accepted.append(f"{label} -> {ans.status}")
+        for i, (where, choice, stream) in enumerate(TOOL_CUTS):
+            max_tokens = 2 if where == "in the opening tag" else cut_args
+            tool_choice = "required" if choice == "required" else {"type": "function",
+                                                                   "function": {"name": "record_note"}}
+            body = b.chat_body("Write a long note about rivers.", max_tokens, tools=[NOTE_TOOL],
+                               tool_choice=tool_choice, temperature=0.7, seed=cfg.seed + i)
+            label = f"forced tool call ({choice}) cut {where} (max_tokens {max_tokens}, " \
+                    f"{'streamed' if stream else 'not streamed'})"
+            if stream:
+                res = stream_chat(b.port, body, cfg.hang_s)
+                ans = stream_answer(res)
+                content, calls, finish = res.text, list(res.tool_calls.values()), res.finish_reason
+            else:
+                ans = b.request("POST", CHAT, body)
+                content, calls, finish = chat_message(ans.json()) if ans.status == 200 else ("", [], None)
+            rec = record(tally, attacks, label, ans, "protocol")
+            problems = tool_cut_problems(content, calls, where == "in the arguments") if ans.status == 200 else []
+            tool_checks.append({"input": label, "status": ans.status, "finish_reason": finish,
+                                "content": content[:120], "tool_calls": [c["name"] for c in calls],
+                                "problems": problems, "ms": rec["ms"]})
+        for j, (label, first, second) in enumerate((SCOPE_CONTROL,) + SCOPE_PAIRS):
+            prompt = words_text(scope_prompt_chars, lead=f"Scope probe {j}, seed {cfg.seed}: ")
+            got = []
+            for which, extra in (("first", first), ("second", second)):
+                ans = b.request("POST", CHAT, b.chat_body(prompt, 1, temperature=0, **extra))
+                record(tally, attacks, f"{label}: {which}", ans, "protocol")
+                obj = ans.json() if ans.status == 200 else None
+                got.append({"status": ans.status, "cached_tokens": cached_tokens(obj),
+                            "prompt_tokens": (obj.get("usage") or {}).get("prompt_tokens") if isinstance(obj, dict)
+                            else None})
+            scope_checks.append({"pair": label, "control": j == 0, "first": got[0], "second": got[1]})
+
+    health, witness, quiet = with_witness(b, attack)
+    for a in te_accepted:
+        findings.append(f"protocol: an unknown transfer coding was accepted: {a} (RFC 9112: 501)")
+    leaks = [c for c in tool_checks if c["problems"]]
+    for c in leaks:
+        findings.append(f"protocol: {c['input']}: {'; '.join(c['problems'])}")
+    control = scope_checks[0] if scope_checks else None
+    collided = [c for c in scope_checks[1:] if (c["second"]["cached_tokens"] or 0) > 0]
+    for c in collided:
+        findings.append(f"protocol: cache scopes collide: {c['pair']}: the second reused "
+                        f"{c['second']['cached_tokens']} of {c['second']['prompt_tokens']} prompt tokens")
+    control_reused = control is not None and (control["second"]["cached_tokens"] or 0) > 0
+    refused = sum(1 for c in tool_checks if c["status"] != 200)
+    unjudged = f" ({refused} refused: inconclusive)" if refused else ""
+    key = (f"TE gzip accepted {len(te_accepted)}/{len(TE_CASES)}; cut tool calls with markup or no tool_calls "
+           f"{len(leaks)}/{len(tool_checks)}{unjudged}; scope collisions {len(collided)}/{len(SCOPE_PAIRS)} "
+           f"(control reused {control['second']['cached_tokens'] if control else '-'} tokens"
+           f"{'' if control_reused else ': no reuse at all, so the collision check is inconclusive'})")
+    return attack_result("protocol", t0, tally, cfg.hang_s, health, witness, quiet, attacks, findings, key,
+                         transfer_encoding_accepted=te_accepted, tool_cuts=tool_checks, scope_pairs=scope_checks,
+                         scope_check_conclusive=control_reused)
+
+
+# -- phase 10: tokenizer endpoints --------------------------------------------------------------------------
+def id_list_body(pool: list[int], budget: int, cap: int | None = None, model: str | None = None) -> tuple[bytes, int]:
+    """The largest `{"model": ..., "tokens": [...]}` body of at most `budget` bytes (and at most `cap`
+    ids), cycling through `pool` (ids the model's tokenizer produced, so every one is valid): (body, ids)."""
+    head = b'{"model":' + json.dumps(model).encode() + b',"tokens":['
+    tail = b"]}"
+    cycle = [str(i).encode() for i in pool] or [b"1"]
+    per_cycle = sum(len(x) + 1 for x in cycle)  # each id and its comma
+    room = budget - len(head) - len(tail) + 1  # the last id has no comma
+    n = max(0, room // per_cycle) * len(cycle)
+    rest = room - (n // len(cycle)) * per_cycle
+    for x in cycle:
+        if len(x) + 1 > rest:
+            break
+        n, rest = n + 1, rest - len(x) - 1
+    if cap is not None:
+        n = min(n, cap)
+    full, part = divmod(n, len(cycle))
+    pieces = [b",".join(cycle)] * full + ([b",".join(cycle[:part])] if part else [])
+    return head + b",".join(pieces) + tail, n
+
+
+def short_ids(ids: list[int], k: int = 8) -> list[int]:
+    """The `k` distinct ids with the fewest digits: the most ids per body byte."""
+    return sorted(set(ids), key=lambda i: (len(str(i)), i))[:k]
+
+
+def phase_tokenizer(b: Bench) -> dict[str, Any]:
+    """/tokenize past the 16,384-character mark where it used to always 500 (20k, 200k characters and a
+    body at the limit) and /detokenize with 1M ids, alone and two at once, then with as many ids as the
+    body limit holds: every answer a 200 (or a quick 4xx for the over-limit list), and GET / and the
+    witness unaffected (issue 31, 5 and 6: 1M ids froze GET / and every stream for 3.6 s)."""
+    t0 = time.monotonic()
+    cfg = b.cfg
+    tally, attacks = Tally(), []
+    pool = short_ids(token_ids(b, words_text(2000))) or [5, 6, 7, 8, 9]
+    wrapper = len(json.dumps({"model": b.name, "content": ""}))
+    sizes = (20_000, 200_000, ATTACK_BODY - wrapper)
+
+    def tokenize(n: int, pieces: bool = False) -> None:
+        body = json.dumps({"model": b.name, "content": words_text(n, lead="Tokenize me: "),
+                           **({"with_pieces": True} if pieces else {})}).encode()
+        raw = http_request("POST", "/tokenize", b.port, body, {"Content-Type": "application/json"})
+        ans = exchange(b.port, raw, cfg.hang_s, limit=BIG_READ)
+        obj = ans.json() if ans.status == 200 else None
+        tokens = obj.get("tokens") if isinstance(obj, dict) else None
+        record(tally, attacks, f"/tokenize {n} characters{' with pieces' if pieces else ''}", ans, "tokenizer",
+               request_bytes=len(body), tokens=len(tokens) if isinstance(tokens, list) else None)
+
+    def detokenize(body: bytes, n: int, label: str) -> Answer:
+        raw = http_request("POST", "/detokenize", b.port, body, {"Content-Type": "application/json"})
+        ans = exchange(b.port, raw, cfg.hang_s, limit=BIG_READ)
+        obj = ans.json() if ans.status == 200 else None
+        content = obj.get("content") if isinstance(obj, dict) else None
+        record(tally, attacks, label, ans, "tokenizer", request_bytes=len(body), ids=n,
+               content_chars=len(content) if isinstance(content, str) else None)
+        return ans
+
+    def attack() -> None:
+        for n in sizes:
+            tokenize(n)
+        tokenize(sizes[0], pieces=True)
+        body, n = id_list_body(pool, ATTACK_BODY, DETOKENIZE_IDS, b.name)
+        detokenize(body, n, f"/detokenize {n} ids")
+        run_threads(lambda i: detokenize(body, n, f"/detokenize {n} ids (two at once, #{i + 1})"), 2,
+                    cfg.hang_s + 10)
+        full, m = id_list_body(pool, ATTACK_BODY, None, b.name)
+        if m > n:
+            detokenize(full, m, f"/detokenize {m} ids (the body limit)")
+
+    health, witness, quiet = with_witness(b, attack)
+    findings = [f"tokenizer: {a['input']} answered 200 without a token list" for a in attacks
+                if a["status"] == 200 and a["input"].startswith("/tokenize") and not a.get("tokens")]
+    key = attacks_line(attacks)
+    return attack_result("tokenizer", t0, tally, cfg.hang_s, health, witness, quiet, attacks, findings, key,
+                         id_pool=pool)
+
+
+# -- phase 11: amplification: a huge tools list, echo + logprobs + n ------------------------------------------
+def huge_tools(n_bytes: int) -> list[dict]:
+    """About `n_bytes` of tool definitions (~1.2 kB each: a long description and one parameter)."""
+    one = 1200
+    return [{"type": "function", "function": {
+        "name": f"tool_{i:05d}", "description": words_text(1000, lead=f"Tool {i}: "),
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+        for i in range(max(1, n_bytes // one))]
+
+
+def phase_amplification(b: Bench) -> dict[str, Any]:
+    """Requests whose cost dwarfs their size (issue 31, 9 and 10): a ~2.4 MB tools list with tool_choice
+    "required" (it used to be rendered and tokenized in full, then refused after 25 s: a quick 4xx is the
+    pass), and a completion with echo, logprobs 20 and n 8 on a ~4 kB prompt, streamed and not (8.25 MB
+    over 87 s, GET / up to 1.8 s). Reported: time to answer, bytes returned, and the witness."""
+    t0 = time.monotonic()
+    cfg = b.cfg
+    tally, attacks = Tally(), []
+    ctx, cpt = calibrate(b)
+    max_tokens = max(8, min(ECHO_TOKENS, ctx // 4))
+    prompt = words_text(max(64, min(ECHO_PROMPT_CHARS, int((ctx - max_tokens - 32) * cpt * 0.8))),
+                        lead="Score this text: ")
+    echo = {"model": b.name, "prompt": prompt, "echo": True, "logprobs": 20, "n": 8, "max_tokens": max_tokens,
+            "temperature": 0.8, "seed": cfg.seed}
+    streamed: dict[str, Any] = {}
+
+    def attack() -> None:
+        tools = huge_tools(cfg.tools_bytes)
+        body = json.dumps(b.chat_body("Call one tool.", 16, tools=tools, tool_choice="required")).encode()
+        del tools
+        raw = http_request("POST", CHAT, b.port, body, {"Content-Type": "application/json"})
+        record(tally, attacks, f"{len(body)} B tools list, tool_choice required", exchange(b.port, raw, cfg.hang_s),
+               "amplification", request_bytes=len(body))
+        res = stream_chat(b.port, echo, cfg.amplify_s, path=COMPLETIONS, max_bytes=BIG_READ)
+        ans = stream_answer(res)
+        flowing = res.outcome == "hang" and bool(res.times) and time.monotonic() - res.times[-1] < 2.0
+        if flowing:  # still sending at our deadline: slow, not stuck
+            ans = Answer(res.status, res.headers, b"", res.elapsed, "still streaming", None)
+        streamed.update(outcome=res.outcome if not flowing else "still streaming at the deadline",
+                        bytes=res.nbytes, chunks=res.chunks, seconds=round(res.elapsed, 1),
+                        mb_per_s=round(res.nbytes / 2**20 / max(res.elapsed, 1e-3), 2))
+        record(tally, attacks, f"completion echo+logprobs 20+n 8, {len(prompt)} chars, streamed", ans,
+               "amplification", answer_bytes=res.nbytes, chunks=res.chunks)
+        raw = http_request("POST", COMPLETIONS, b.port, json.dumps(echo).encode(), {"Content-Type": "application/json"})
+        record(tally, attacks, f"completion echo+logprobs 20+n 8, {len(prompt)} chars, not streamed",
+               exchange(b.port, raw, cfg.amplify_s, limit=BIG_READ), "amplification")
+
+    health, witness, quiet = with_witness(b, attack)
+    key = attacks_line(attacks) + f"; streamed {streamed.get('bytes', 0) / 2**20:.2f} MiB"
+    return attack_result("amplification", t0, tally, max(cfg.hang_s, cfg.amplify_s), health, witness, quiet,
+                         attacks, [], key,
+                         echo_request={k: v for k, v in echo.items() if k != "prompt"}, prompt_chars=len(prompt),
+                         streamed=streamed)
+
+
+# -- phase 12: one huge embeddings request --------------------------------------------------------------------
+def embeddings_body(model: str, n_inputs: int, item_chars: int, budget: int) -> tuple[bytes, int]:
+    """An embeddings body of `n_inputs` distinct texts of `item_chars` characters, with fewer inputs
+    if that would pass `budget` bytes: (body, inputs)."""
+    n = n_inputs
+    for _ in range(64):  # bounded: each round drops what overflowed
+        texts = [words_text(item_chars, lead=f"{i}: ") for i in range(n)]
+        body = json.dumps({"model": model, "input": texts}).encode()
+        if len(body) <= budget or n <= 1:
+            return body, n
+        n = max(1, int(n * budget / len(body)) - 1)
+    return body, n
+
+
+def phase_embeddings(b: Bench) -> dict[str, Any]:
+    """One embeddings request sized to the body limit (issue 31, 4: 2048 inputs of ~450 tokens held the
+    slots for minutes, a running stream saw a 30.5 s gap and new chats got 429): waited for up to
+    --embed-s, then sent again by a client that leaves after ABANDON_S. Its own time may be long (it is
+    real work); the witness and the plain chats beside it must not starve."""
+    t0 = time.monotonic()
+    cfg = b.cfg
+    tally, attacks = Tally(), []
+    ctx, cpt = calibrate(b)
+    item_tokens = min(EMBED_ITEM_TOKENS, ctx - 16)
+    item_chars = max(16, int(item_tokens * cpt * 0.9))
+    body, n = embeddings_body(b.name, EMBED_INPUTS, item_chars, ATTACK_BODY)
+    raw = http_request("POST", EMBEDDINGS, b.port, body, {"Content-Type": "application/json"})
+    label = f"{n} inputs of {item_chars} chars (~{item_tokens} tokens), {len(body)} B"
+
+    def attack() -> None:
+        ans = exchange(b.port, raw, cfg.embed_s, limit=BIG_READ)
+        obj = ans.json() if ans.status == 200 else None
+        record(tally, attacks, label, ans, "embeddings",
+               vectors=len(obj.get("data") or []) if isinstance(obj, dict) else None)
+        record(tally, attacks, f"the same, client gone after {ABANDON_S:.0f} s",
+               left(exchange(b.port, raw, ABANDON_S)), "embeddings")
+        time.sleep(WATCH_S)
+
+    health, witness, quiet = with_witness(b, attack)
+    key = attacks_line(attacks) + f"; worker busy {_v(quiet.get('busy_s'))} s after the clients"
+    return attack_result("embeddings", t0, tally, cfg.embed_s, health, witness, quiet, attacks, [], key, inputs=n,
+                         item_chars=item_chars, item_tokens=item_tokens, body_bytes=len(body))
+
+
+# -- phase 13: grammar compilation -----------------------------------------------------------------------------
+def optional_schema(n: int) -> dict:
+    """A JSON schema of one object with `n` optional properties (~37 bytes each: 10k is ~370 kB)."""
+    return {"type": "object", "additionalProperties": False,
+            "properties": {f"field_{i:05d}": {"type": SCHEMA_TYPES[i % len(SCHEMA_TYPES)]} for i in range(n)}}
+
+
+def schema_body(b: Bench, n: int, tag: str = "") -> bytes:
+    rf = {"type": "json_schema", "json_schema": {"name": f"form_{n}{tag}", "schema": optional_schema(n)}}
+    return json.dumps(b.chat_body("Fill in the form.", 32, response_format=rf, temperature=0.7)).encode()
+
+
+def phase_grammar(b: Bench) -> dict[str, Any]:
+    """JSON-schema grammars of 2k, 5k and 10k optional properties (issue 31, 2 and 3: compiling was
+    unbounded, 108 s for 10k; one big grammar stretched every stream's token gap to 3 s), each waited
+    for up to --hang-s; then clients that send the largest and leave after ABANDON_S, after which the
+    worker should go quiet (no compile burning CPU for nobody). A quick 4xx is a pass."""
+    t0 = time.monotonic()
+    cfg = b.cfg
+    tally, attacks = Tally(), []
+    largest = max(cfg.grammar_sizes)
+
+    def attack() -> None:
+        for n in cfg.grammar_sizes:
+            body = schema_body(b, n)
+            raw = http_request("POST", CHAT, b.port, body, {"Content-Type": "application/json"})
+            record(tally, attacks, f"schema of {n} optional properties ({len(body) // 1000} kB)",
+                   exchange(b.port, raw, cfg.hang_s), "grammar", request_bytes=len(body))
+
+        def leave(i: int) -> Answer:
+            raw = http_request("POST", CHAT, b.port, schema_body(b, largest, f"_{i}"),
+                               {"Content-Type": "application/json"})
+            return left(exchange(b.port, raw, ABANDON_S))
+
+        for i, ans in enumerate(run_threads(leave, cfg.grammar_abandon, ABANDON_S + CONNECT_S + 10)):
+            if ans is not None:
+                record(tally, attacks, f"schema of {largest}, client gone after {ABANDON_S:.0f} s (#{i + 1})", ans,
+                       "grammar")
+        time.sleep(WATCH_S)
+
+    health, witness, quiet = with_witness(b, attack)
+    key = attacks_line(attacks) + f"; worker busy {_v(quiet.get('busy_s'))} s after the clients"
+    return attack_result("grammar", t0, tally, cfg.hang_s, health, witness, quiet, attacks, [], key,
+                         sizes=list(cfg.grammar_sizes), abandoned=cfg.grammar_abandon)
+
+
 PHASE_FUNCS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "fuzz": phase_fuzz, "slow-body": phase_slow_body, "large-body": phase_large_body,
     "disconnects": phase_disconnects, "overflow": phase_overflow, "unload": phase_unload, "soak": phase_soak,
-    "greedy": phase_greedy,
+    "greedy": phase_greedy, "protocol": phase_protocol, "tokenizer": phase_tokenizer,
+    "amplification": phase_amplification, "embeddings": phase_embeddings, "grammar": phase_grammar,
 }
 
 
@@ -1929,6 +2744,8 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
         "get_root_max_ms": {p["phase"]: get(p["phase"], "health", "max_ms") for p in phases},
         "rss_growth_mib_per_1k_requests": get("soak", "rss_growth_mib_per_1k_requests"),
         "greedy_identical": get("greedy", "identical"),
+        "witness_max_gap_ms": {p["phase"]: get(p["phase"], "witness", "max_gap_ms") for p in phases if "witness" in p},
+        "witness_p99_gap_ms": {p["phase"]: get(p["phase"], "witness", "p99_gap_ms") for p in phases if "witness" in p},
     }
 
 
@@ -1964,6 +2781,23 @@ def print_summary(r: dict[str, Any]) -> None:
         rss = p.get("worker_rss_mib")
         if rss:
             print(f"  worker RSS {_v(rss['before'])} -> {_v(rss['after'])} MiB")
+        w = p.get("witness")
+        if w:
+            nc = w["newcomers"]
+            print(f"  witness stream: {w['streams']} streams ({counts(w['by_outcome'])}), {w['chunks']} chunks; gap "
+                  f"p50 {_v(w['p50_gap_ms'])} ms, p99 {_v(w['p99_gap_ms'])} ms, max {_v(w['max_gap_ms'])} ms (at "
+                  f"{_v(w['worst_gap_at_s'])} s); first chunk max {_v(w['first_chunk']['max_ms'])} ms; plain chats "
+                  f"meanwhile {counts(nc['by_status'])} (p99 {_v(nc['p99_ms'])} ms)")
+        q = p.get("after_clients")
+        if q and q.get("measured"):
+            born = ", ".join(f"{n} x{v['threads']} ({v['cpu_s_after_clients']} CPU s)"
+                             for n, v in q["threads_added"].items()) or "none"
+            print(f"  worker after the clients: quiet after {_v(q['busy_s'])} s (budget {q['budget_s']:.0f} s, peak "
+                  f"{q['peak_cores']} cores, idle before {_v(q['idle_cores_before'])}); threads born in the phase, "
+                  f"still there: {born}")
+        for a in p.get("attacks") or []:
+            why = f" {a['code'] or ''} {a['answer'][:80]!r}" if a.get("answer") else ""
+            print(f"    {a['input']}: {a['status'] or a['outcome']} in {a['ms']:.0f} ms, {a['answer_bytes']} B{why}")
         if p["phase"] == "fuzz" and "by_family" in p:
             for fam, t in p["by_family"].items():
                 other = {k: v for k, v in t["by_kind"].items() if not k.endswith("xx")}
@@ -1999,15 +2833,17 @@ def markdown(r: dict[str, Any]) -> str:
     out = [f"Reliability run ({r['date']}): `{s['model']}`, {s['slots']} slots, queue {s['queue_depth']}, "
            f"`tools/reliability_bench.py{' --quick' if r['config']['quick'] else ''} --model {s['model']}`.", "",
            "| phase | requests | 2xx | 4xx | 5xx | hangs | no answer | non-JSON errors | GET / p99 ms | GET / max ms "
-           "| GET / failed | what happened |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| GET / failed | witness gap p99 / max ms | what happened |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["phases"]:
         h = p.get("health") or {}
+        w = p.get("witness") or {}
+        gap = f"{_v(w.get('p99_gap_ms'))} / {_v(w.get('max_gap_ms'))}" if w else "-"
         what = (p.get("skipped") or p.get("error") or p.get("key", "")).replace("|", "\\|")
         out.append(f"| {p['phase']} | {p.get('requests', '-')} | {p.get('2xx', '-')} | {p.get('4xx', '-')} | "
                    f"{p.get('5xx', '-')} | {p.get('hangs', '-')} | {p.get('closed_without_answer', '-')} | "
                    f"{p.get('non_json_errors', '-')} | {_v(h.get('p99_ms'))} | {_v(h.get('max_ms'))} | "
-                   f"{_v(h.get('failed'))} | {what} |")
+                   f"{_v(h.get('failed'))} | {gap} | {what} |")
     sm = r["summary"]
     out += ["", "| figure | value |", "|---|---|",
             f"| fuzz inputs tried | {_v(sm['fuzz_inputs_tried'])} |",
@@ -2027,6 +2863,13 @@ def _phases(text: str) -> tuple[str, ...]:
     return tuple(p for p in PHASES if p in names)  # always in the documented order
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tools/reliability_bench.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -2043,6 +2886,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slow-s", type=float, help="how long the slow connections are held, s (default 60; quick 15)")
     ap.add_argument("--disconnects", type=int, help="streams cut mid-stream (default 100; quick 32)")
     ap.add_argument("--soak-s", type=float, help="soak duration, s (default 600; quick 30)")
+    ap.add_argument("--grammar-sizes", type=_sizes, help="optional properties per grammar schema, comma-separated "
+                    "(default 2000,5000,10000; quick 2000,10000)")
+    ap.add_argument("--embed-s", type=float, help="longest wait for the huge embeddings request, s "
+                    "(default 180; quick 45)")
+    ap.add_argument("--drain-s", type=float, help="after an attack phase, longest wait for the worker to go "
+                    "quiet, s (default 60; quick 15)")
     ap.add_argument("--startup-s", type=float, help="longest wait for the server to come up, s (default 900)")
     ap.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
     ap.add_argument("--markdown", action="store_true", help="also print the summary as markdown tables")
@@ -2054,19 +2903,23 @@ def config_from(a: argparse.Namespace) -> Config:
     if a.quick:
         for k, v in QUICK.items():
             setattr(cfg, k, v)
-    for k in ("hang_s", "fuzz_n", "fuzz_s", "slow_conns", "slow_s", "disconnects", "soak_s", "startup_s"):
+    for k in ("hang_s", "fuzz_n", "fuzz_s", "slow_conns", "slow_s", "disconnects", "soak_s", "startup_s",
+              "grammar_sizes", "embed_s", "drain_s"):
         if getattr(a, k) is not None:
             setattr(cfg, k, getattr(a, k))
     return cfg
 
 
 def check(cfg: Config) -> str | None:
-    if cfg.hang_s <= 0 or cfg.fuzz_s <= 0 or cfg.slow_s <= 0 or cfg.soak_s <= 0 or cfg.startup_s <= 0:
+    if cfg.hang_s <= 0 or cfg.fuzz_s <= 0 or cfg.slow_s <= 0 or cfg.soak_s <= 0 or cfg.startup_s <= 0 \
+            or cfg.embed_s <= 0 or cfg.drain_s <= 0:
         return "durations must be positive"
     if not 0 <= cfg.fuzz_n <= 100_000 or not 0 <= cfg.slow_conns <= 10_000 or not 0 <= cfg.disconnects <= 10_000:
         return "--fuzz-n must be in [0, 100000], --slow-conns and --disconnects in [0, 10000]"
     if cfg.port is not None and not 0 < cfg.port < 65536:
         return "--port must be in [1, 65535]"
+    if not cfg.grammar_sizes or not all(1 <= n <= 100_000 for n in cfg.grammar_sizes):
+        return "--grammar-sizes must be 1 to 100000 properties each"
     return None
 
 

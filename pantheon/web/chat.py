@@ -437,10 +437,18 @@ def cache_scope(api_key: str | None, creq: Any) -> str:
     same API key, the same `user`, the same session (`session_id` / `X-Session-Id`) and the same
     `cache_salt`; with none of these given, requests on one key share one scope. The key is hashed,
     never kept.
+
+    Each part goes into the hash length-prefixed, so no two different tuples of parts encode alike: with
+    a separator byte instead, `user="x\\0\\1y"` and `user="x", session_id="y\\0"` hashed the same bytes
+    (client-chosen strings may hold any character) and shared one scope.
     """
     h = hashlib.sha256()
     for part in (api_key, creq.user, creq.session_id, creq.cache_salt):
-        h.update(b"\x00" if part is None else b"\x01" + part.encode("utf-8", "surrogatepass") + b"\x00")
+        if part is None:
+            h.update(b"\x00")
+            continue
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(b"\x01" + len(data).to_bytes(8, "big") + data)
     return h.hexdigest()[:32]
 
 

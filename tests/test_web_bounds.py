@@ -34,3 +34,21 @@ def test_cache_scopes_of_different_parts_never_coincide():
         fields = {k: v for k, v in (("user", user), ("session_id", session), ("cache_salt", salt)) if v is not None}
         scope = _scope(key, **fields)
         assert seen.setdefault(scope, (key, user, session, salt)) == (key, user, session, salt)
+
+
+# ---- item 11: a transfer coding other than plain chunked is refused --------------------------------------------
+@pytest.mark.parametrize("coding", ["gzip, chunked", "deflate,chunked", "chunked, chunked", "identity"])
+def test_a_body_in_another_transfer_coding_is_501_and_never_read(client, app_and_reg, coding):
+    before = backend(app_and_reg[1]).last_request
+    r = client.post("/v1/chat/completions", data=b'{"messages": [{"role": "user", "content": "hi"}]}',
+                    headers={"Content-Type": "application/json", "Transfer-Encoding": coding})
+    assert r.status_code == 501, r.get_data(as_text=True)
+    err = r.get_json()["error"]
+    assert err["code"] == "unsupported_transfer_coding" and err["type"] == "invalid_request_error"
+    assert backend(app_and_reg[1]).last_request is before  # nothing ran
+
+
+def test_a_plainly_chunked_body_is_still_taken(client):
+    r = client.post("/v1/chat/completions", data=b'{"messages": [{"role": "user", "content": "hi"}]}',
+                    headers={"Content-Type": "application/json", "Transfer-Encoding": "Chunked"})
+    assert r.status_code == 200, r.get_data(as_text=True)

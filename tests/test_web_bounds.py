@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from pantheon.web.chat import cache_scope, parse_chat_request
-from test_web_app import HELLO, backend, chat, registry_app, sse  # noqa: F401  (fixtures below)
+from test_web_app import HELLO, backend, chat, in_flight, registry_app, sse  # noqa: F401
 from test_web_app import app_and_reg, client  # noqa: F401  (pytest fixtures)
 
 
@@ -52,3 +52,67 @@ def test_a_plainly_chunked_body_is_still_taken(client):
     r = client.post("/v1/chat/completions", data=b'{"messages": [{"role": "user", "content": "hi"}]}',
                     headers={"Content-Type": "application/json", "Transfer-Encoding": "Chunked"})
     assert r.status_code == 200, r.get_data(as_text=True)
+
+
+# ---- items 5 and 6: the tokenizer routes are bounded and do their large work off the event loop ------------------
+def os_thread_name() -> str:
+    """The kernel's name of the calling OS thread (pantheon.osthread names the threads it starts)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+        return f.read().strip()
+
+
+@pytest.fixture()
+def tok_threads(app_and_reg, monkeypatch):
+    """The fake model's tokenizer, recording the OS thread each encode/decode ran in."""
+    e = app_and_reg[1].acquire("m")
+    app_and_reg[1].release(e)
+    tok, seen = e.card.tokenizer, []
+    for name in ("encode", "decode"):
+        def recorded(*args, _fn=getattr(tok, name), _name=name, **kwargs):
+            seen.append((_name, os_thread_name()))
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(tok, name, recorded)
+    return tok, seen
+
+
+@pytest.mark.parametrize("with_pieces", [False, True])
+def test_a_long_text_is_tokenized_in_an_os_thread(client, app_and_reg, tok_threads, with_pieces):
+    text = "ab" * 10000  # over 16 KiB: the size that used to be a 500 ("working outside of application context")
+    r = client.post("/tokenize", json={"content": text, "with_pieces": with_pieces})
+    assert r.status_code == 200, r.get_data(as_text=True)[:300]
+    tokens = r.get_json()["tokens"]
+    assert tokens[:2] == ([{"id": 97, "piece": "a"}, {"id": 98, "piece": "b"}] if with_pieces else [97, 98])
+    assert len(tokens) == len(text)
+    assert tok_threads[1] == [("encode", "pantheon-tokeni")]  # the kernel keeps 15 bytes of the name
+    assert in_flight(app_and_reg[1]) == 0
+
+
+def test_tokenize_returns_at_most_tokens_max_ids(client, app_and_reg, tok_threads, monkeypatch):
+    from pantheon.web.schema import TOKENS_MAX
+    r = client.post("/tokenize", json={"content": "x" * (TOKENS_MAX + 1)})
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "content"
+    assert client.post("/tokenize", json={"content": "x" * TOKENS_MAX}).status_code == 200
+    # A tokenizer that can bound a text's count from its length refuses it without tokenizing it.
+    tok, seen = tok_threads
+    monkeypatch.setattr(tok, "min_tokens", len, raising=False)
+    seen.clear()
+    r = client.post("/tokenize", json={"content": "x" * (TOKENS_MAX + 1)})
+    assert r.status_code == 400 and "at least" in r.get_json()["error"]["message"] and seen == []
+    assert in_flight(app_and_reg[1]) == 0
+
+
+def test_detokenize_takes_at_most_tokens_max_ids_and_decodes_many_in_an_os_thread(client, app_and_reg, tok_threads):
+    from pantheon.web.schema import TOKENS_MAX
+    r = client.post("/detokenize", json={"tokens": [104] * (TOKENS_MAX + 1)})
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "tokens"
+    assert str(TOKENS_MAX) in r.get_json()["error"]["message"]
+    assert tok_threads[1] == []  # refused before anything was decoded
+    r = client.post("/detokenize", json={"tokens": [104] * TOKENS_MAX})
+    assert r.status_code == 200 and r.get_json() == {"content": "h" * TOKENS_MAX}
+    assert tok_threads[1] == [("decode", "pantheon-detoke")]
+    assert in_flight(app_and_reg[1]) == 0
+
+
+def test_a_short_id_list_is_decoded_in_place(client, tok_threads):
+    assert client.post("/detokenize", json={"tokens": [104, 105]}).get_json() == {"content": "hi"}
+    assert tok_threads[1] == [("decode", os_thread_name())]

@@ -16,7 +16,7 @@ import pytest
 
 from pantheon.web.chat import cache_scope, parse_chat_request
 from test_web_app import HELLO, backend, chat, in_flight, registry_app, sse  # noqa: F401
-from test_web_app import app_and_reg, client  # noqa: F401  (pytest fixtures)
+from test_web_app import app_and_reg, client, stub_grammar  # noqa: F401  (pytest fixtures)
 
 
 # ---- item 8: the cache scope is an unambiguous encoding of its parts ------------------------------------------
@@ -116,3 +116,66 @@ def test_detokenize_takes_at_most_tokens_max_ids_and_decodes_many_in_an_os_threa
 def test_a_short_id_list_is_decoded_in_place(client, tok_threads):
     assert client.post("/detokenize", json={"tokens": [104, 105]}).get_json() == {"content": "hi"}
     assert tok_threads[1] == [("decode", os_thread_name())]
+
+
+# ---- item 9: every part of a chat prompt is size-checked before anything is tokenized -------------------------
+@pytest.fixture()
+def bounded_model(app_and_reg, tok_threads, monkeypatch):
+    """The fake model with a template that renders the tools too (as real ones do), and a tokenizer that
+    bounds a text's token count from its length (one character, one token: the bound is exact)."""
+    e = app_and_reg[1].acquire("m")
+    app_and_reg[1].release(e)
+    tok, seen = tok_threads
+    monkeypatch.setattr(tok, "min_tokens", len, raising=False)
+
+    def render(messages, tools=None, **kwargs):
+        shown = "".join(t["function"].get("description", "") for t in tools or [])
+        return shown + "".join(str(m.get("content") or "") for m in messages)
+    monkeypatch.setattr(e.card.template, "render", render)
+    return e.card, seen
+
+
+def big_tools(chars: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": "get_weather", "description": "w" * chars,
+                                              "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+@pytest.mark.parametrize("truncate", [None, "oldest"])
+def test_a_tools_list_longer_than_the_window_is_refused_before_tokenizing(client, app_and_reg, bounded_model,
+                                                                          stub_grammar, tool_choice, truncate):
+    card, seen = bounded_model
+    body = {"tools": big_tools(40 * card.context_length), "tool_choice": tool_choice}
+    if truncate:
+        body["truncate"] = truncate
+    r = chat(client, **body)
+    assert r.status_code == 400 and r.get_json()["error"]["code"] == "context_length_exceeded"
+    assert "at least" in r.get_json()["error"]["message"]
+    assert seen == [] and stub_grammar == []  # nothing tokenized, no grammar compiled
+    assert in_flight(app_and_reg[1]) == 0
+
+
+def test_an_earlier_assistant_turn_counts_before_tokenizing(client, app_and_reg, bounded_model):
+    card, seen = bounded_model
+    long_turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a" * (40 * card.context_length)},
+                 {"role": "user", "content": "and?"}]
+    r = chat(client, messages=long_turn)
+    assert r.status_code == 400 and r.get_json()["error"]["code"] == "context_length_exceeded"
+    assert seen == []
+    # With truncation the long turn is dropped from the text alone; only what is kept is tokenized.
+    r = chat(client, messages=long_turn, truncate="oldest")
+    assert r.status_code == 200 and r.get_json()["context_capped"] is True
+    assert len(seen) == 1 and backend(app_and_reg[1]).last_request.prompt_ids == [ord(c) for c in "and?"]
+
+
+def test_tools_that_fit_are_rendered_and_tokenized_once(client, bounded_model, stub_grammar):
+    card, seen = bounded_model
+    r = chat(client, tools=big_tools(8), tool_choice="required")
+    assert r.status_code == 200 and len(seen) == 1 and stub_grammar
+
+
+def test_a_completion_prompt_longer_than_the_window_is_refused_before_tokenizing(client, bounded_model):
+    card, seen = bounded_model
+    r = client.post("/v1/completions", json={"prompt": "x" * (40 * card.context_length)})
+    assert r.status_code == 400 and r.get_json()["error"]["code"] == "context_length_exceeded"
+    assert "at least" in r.get_json()["error"]["message"] and seen == []

@@ -130,15 +130,19 @@ def parse_completion_request(body: Any, headers: Mapping[str, str]) -> Completio
                              user=string(body, "user"))
 
 
+def _prompt_too_long(n: str, window: int) -> RequestError:
+    return RequestError(f"prompt: this model's maximum context length is {window} tokens and at least one must "
+                        f"be left to generate, but the prompt has {n} tokens", param="prompt",
+                        code="context_length_exceeded")
+
+
 def admit_ids(card: Any, n_prompt: int, max_tokens: int, watch: Any) -> None:
     """Admit a prompt of `n_prompt` tokens as it is (nothing here can be dropped to make it fit): it must
     leave one token of the context window to generate (else 400 context_length_exceeded) and fit the
     memory free now (else 503 with Retry-After)."""
     window = int(card.context_length)
     if n_prompt > window - 1:
-        raise RequestError(f"prompt: this model's maximum context length is {window} tokens and at least one must "
-                           f"be left to generate, but the prompt has {n_prompt} tokens", param="prompt",
-                           code="context_length_exceeded")
+        raise _prompt_too_long(str(n_prompt), window)
     if card.admit is None:
         return
     reserve = answer_reserve(window, max_tokens)
@@ -197,6 +201,10 @@ class CompletionGeneration(GenerationCore):
             if out is not None:
                 raise bad("prompt", f"{out} is not a token id of this model (0..{tok.vocab_size - 1})")
             return list(p), False
+        bound = getattr(tok, "min_tokens", None)
+        window = int(self.entry.card.context_length)
+        if callable(bound) and bound(p) > window - 1:  # provably too long: refused before it is tokenized
+            raise _prompt_too_long(f"at least {bound(p)}", window)
         ids = tok.encode(p)
         added = tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id)
         if added:

@@ -179,3 +179,36 @@ def test_a_completion_prompt_longer_than_the_window_is_refused_before_tokenizing
     r = client.post("/v1/completions", json={"prompt": "x" * (40 * card.context_length)})
     assert r.status_code == 400 and r.get_json()["error"]["code"] == "context_length_exceeded"
     assert "at least" in r.get_json()["error"]["message"] and seen == []
+
+
+# ---- item 12: a tool call cut by max_tokens comes back as a partial call, never as content --------------------
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CUT_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}},
+                                         "auto"])
+def test_a_tool_call_cut_by_max_tokens_is_a_partial_call_with_finish_length(client, app_and_reg, stub_grammar,
+                                                                            tool_choice):
+    backend(app_and_reg[1]).script = (CUT_CALL, "length")
+    body = chat(client, tools=TOOLS, tool_choice=tool_choice, max_tokens=len(CUT_CALL)).get_json()
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] is None
+    (got,) = choice["message"]["tool_calls"]
+    assert got["type"] == "function" and got["id"].startswith("call_")
+    assert got["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+
+    chunks = [c for c in sse(chat(client, tools=TOOLS, tool_choice=tool_choice, max_tokens=len(CUT_CALL),
+                                  stream=True)) if c != "[DONE]"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
+    calls = [t for c in chunks for t in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert [(t["index"], t["function"]) for t in calls] == [(0, {"name": "get_weather", "arguments": '{"city": "Pa'})]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_forced_call_cut_inside_its_opening_tag_shows_no_markup(client, app_and_reg, stub_grammar):
+    backend(app_and_reg[1]).script = ("<tool_c", "length")
+    choice = chat(client, tools=TOOLS, tool_choice="required", max_tokens=7).get_json()["choices"][0]
+    assert choice["message"]["content"] == "" and choice["message"]["tool_calls"] is None
+    assert choice["finish_reason"] == "length"

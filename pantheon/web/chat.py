@@ -634,8 +634,8 @@ class Generation(GenerationCore):
         ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
         tool_names = [t["function"]["name"] for t in creq.template_tools() or []]
-        emitters = [Emitter(stop=creq.stop, in_think=in_think, tools_enabled=creq.tools_enabled, tool_names=tool_names)
-                    for _ in range(creq.n)]
+        emitters = [Emitter(stop=creq.stop, in_think=in_think, tools_enabled=creq.tools_enabled, tool_names=tool_names,
+                            calls_only=creq.forces_tool_call) for _ in range(creq.n)]
         session = None if self.prompt_capped else creq.session_id  # a capped turn starts over
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,  # resolves the seed, once
                          stop_ids=stop_ids, session_id=session, cache_scope=creq.cache_scope,

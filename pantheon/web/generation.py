@@ -287,7 +287,8 @@ class GenerationCore(abc.ABC):
         c.finished = True
         if c.done:
             return
-        yield from self._emit(c, c.emitter.feed(c.decoder.flush()) + c.emitter.finish())
+        cut = reason == "length" and not c.eos  # ended mid-text: a call being written goes out partial
+        yield from self._emit(c, c.emitter.feed(c.decoder.flush()) + c.emitter.finish(cut=cut))
         if c.emitter.finish_reason is not None:
             fr = c.emitter.finish_reason
         elif reason == "length" and not c.eos:

@@ -73,6 +73,9 @@ class Settings:
     body_timeout_s: float = 30.0
     body_min_rate: float = 1024.0
     max_connections: int = 1000  # open connections per worker; past it the oldest idle or slow one is dropped
+    # Legacy completions with echo + logprobs: the prompt's log-probability entries one response may
+    # return, n x prompt tokens x (logprobs + 1); a request past it is a 400 (pantheon.web.completions).
+    max_echo_logprobs: int = 65536
     dtype: str = "auto"
     max_seq: int = 2048
     forbid_compile: bool = False
@@ -130,6 +133,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         body_timeout_s=max(0.1, _float(env, "PANTHEON_BODY_TIMEOUT_S", 30.0)),
         body_min_rate=max(0.0, _float(env, "PANTHEON_BODY_MIN_RATE", 1024.0)),
         max_connections=max(8, _int(env, "PANTHEON_MAX_CONNECTIONS", 1000)),
+        max_echo_logprobs=max(0, _int(env, "PANTHEON_MAX_ECHO_LOGPROBS", 65536)),
         dtype=env.get("PANTHEON_DTYPE", "auto"),
         max_seq=_int(env, "QWEN35_MAX_SEQ", 2048),
         forbid_compile=_flag(env, "PANTHEON_FORBID_COMPILE", False),

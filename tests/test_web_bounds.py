@@ -14,8 +14,10 @@ import threading
 
 import pytest
 
+from fake_backend import ChoicesBackend
+from pantheon.config import Settings
 from pantheon.web.chat import cache_scope, parse_chat_request
-from test_web_app import HELLO, backend, chat, in_flight, registry_app, sse  # noqa: F401
+from test_web_app import HELLO, FakeModel, backend, chat, in_flight, registry_app, sse  # noqa: F401
 from test_web_app import app_and_reg, client, stub_grammar  # noqa: F401  (pytest fixtures)
 
 
@@ -212,3 +214,71 @@ def test_a_forced_call_cut_inside_its_opening_tag_shows_no_markup(client, app_an
     choice = chat(client, tools=TOOLS, tool_choice="required", max_tokens=7).get_json()["choices"][0]
     assert choice["message"]["content"] == "" and choice["message"]["tool_calls"] is None
     assert choice["finish_reason"] == "length"
+
+
+# ---- item 10: echoed prompt log probabilities are bounded, and a large answer is built off the event loop ------
+class WideModel(FakeModel):
+    max_seq = 4096  # room for the 4 kB prompt
+
+
+def wide_app(tmp_path, **settings) -> tuple:
+    return registry_app(Settings(home=tmp_path, **settings), lambda p, n, d, s: WideModel(n, n_slots=8),
+                        lambda m, s: ChoicesBackend(m))
+
+
+def echo(client, prompt: str, **body):
+    return client.post("/v1/completions", json={"prompt": prompt, "echo": True, "max_tokens": 4, **body})
+
+
+def test_echo_logprobs_past_the_cap_are_a_400_before_anything_runs(tmp_path):
+    app, reg = wide_app(tmp_path)  # the default cap
+    prompt = "x" * 4000
+    r = echo(app.test_client(), prompt, logprobs=20, n=8, stream=True)  # the request: 8 MB, 87 s
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "logprobs"
+    assert "672000" in r.get_json()["error"]["message"]  # 8 x 4000 x 21
+    assert backend(reg).last_request is None and in_flight(reg) == 0
+    # Under the cap it is served: n x tokens x (k + 1) = 1 x 3000 x 21 = 63000 entries.
+    r = echo(app.test_client(), "x" * 3000, logprobs=20, n=1)
+    assert r.status_code == 200 and len(r.get_json()["choices"][0]["logprobs"]["tokens"]) == 3000 + 4
+
+
+def test_the_echo_cap_is_a_setting(tmp_path, monkeypatch):
+    from pantheon.config import load_settings
+    assert load_settings({"PANTHEON_MAX_ECHO_LOGPROBS": "120"}).max_echo_logprobs == 120
+    app, _ = wide_app(tmp_path, max_echo_logprobs=120)
+    assert echo(app.test_client(), "abcdefghij", logprobs=5, n=2).status_code == 200  # 2 x 10 x 6 = 120
+    r = echo(app.test_client(), "abcdefghij", logprobs=5, n=2, stream=True, max_tokens=1)
+    assert r.status_code == 200
+    r.close()
+    assert echo(app.test_client(), "abcdefghijk", logprobs=5, n=2).status_code == 400  # 132
+    assert echo(app.test_client(), "abcdefghijk", n=8).status_code == 200  # echo alone is not scored
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_large_echo_is_scored_and_serialised_in_os_threads(tmp_path, monkeypatch, stream):
+    import pantheon.web.generation as generation
+    import pantheon.web.routes as routes
+    app, reg = wide_app(tmp_path)
+    e = reg.acquire("m")
+    reg.release(e)
+    tok, where = e.card.tokenizer, []
+    monkeypatch.setattr(tok, "token_text", lambda tid, _f=tok.token_text: where.append(os_thread_name()) or _f(tid))
+    for mod in (generation, routes):
+        monkeypatch.setattr(mod, "json_text", lambda obj, _f=mod.json_text, **kw: where.append(
+            "json:" + os_thread_name()) or _f(obj, **kw))
+    prompt = "ab" * 1000
+    r = echo(app.test_client(), prompt, logprobs=5, n=4, stream=stream)  # 4 x 2000 x 6 = 48000 entries
+    assert r.status_code == 200
+    if stream:
+        firsts = [c for c in sse(r) if c != "[DONE]" and c["choices"] and c["choices"][0]["text"] == prompt]
+        columns = [c["choices"][0]["logprobs"] for c in firsts]
+    else:
+        columns = [c["logprobs"] for c in r.get_json()["choices"]]
+    assert len(columns) == 4
+    for lp in columns:
+        assert lp["tokens"][:2000] == list(prompt) and lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:2000] == [-0.5 * j for j in range(1, 2000)]
+        assert lp["text_offset"][:2000] == list(range(2000))
+    prompt_texts = where[:2000]  # the prompt's entries are built first, once for all the choices
+    assert set(prompt_texts) == {"pantheon-logpro"}
+    assert ("json:pantheon-logpro" if stream else "json:pantheon-json") in where

@@ -598,8 +598,8 @@ class Generation(GenerationCore):
     id_prefix = "chatcmpl-"
 
     def __init__(self, registry: Any, entry: Any, creq: ChatRequest, environ: dict, metrics: Any = None,
-                 t0: float | None = None, watch: Any = None):
-        super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch)
+                 t0: float | None = None, watch: Any = None, settings: Any = None):
+        super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch, settings=settings)
         self.creq = creq
         self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
 

@@ -306,8 +306,10 @@ COMPLETION_REQUEST: Schema = _object(_optional({
     "stream": _bool(False),
     "stream_options": {**_object({"include_usage": nullable(_bool())}),
                        "description": "only with stream: true", "examples": [{"include_usage": True}]},
-    "logprobs": _int(0, TOP_LOGPROBS_MAX, 0, description="alternatives per position (0: the chosen token only)"),
-    "echo": _bool(False, description="put the prompt before the completion"),
+    "logprobs": _int(0, TOP_LOGPROBS_MAX, 0, description="alternatives per position (0: the chosen token only); "
+                     "with echo, n x prompt tokens x (logprobs + 1) is at most PANTHEON_MAX_ECHO_LOGPROBS "
+                     "(65536 by default), else 400"),
+    "echo": _bool(False, description="put the prompt before the completion (with logprobs: scored, within a cap)"),
     "stop": CHAT_REQUEST["properties"]["stop"],
     "presence_penalty": _num(-2.0, 2.0, 0.5),
     "frequency_penalty": _num(-2.0, 2.0, 0.5),

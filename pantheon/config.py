@@ -45,6 +45,7 @@ class Settings:
     body_timeout_s: float = 30.0
     body_min_rate: float = 1024.0
     max_connections: int = 1000
+    max_echo_logprobs: int = 65536
     dtype: str = "auto"
     max_seq: int = 2048
     forbid_compile: bool = False
@@ -279,6 +280,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PANTHEON_MAX_CONNECTIONS", "max_connections", _integer(low=8),
             doc="open connections per worker (at least 8); past it the connection that has waited longest "
                 "on its client is evicted (requests being served never are), so `GET /` stays answerable"),
+    Setting("PANTHEON_MAX_ECHO_LOGPROBS", "max_echo_logprobs", _integer(low=0),
+            doc="legacy completions with `echo` and `logprobs`: at most this many prompt log-probability "
+                "entries in one answer (n x prompt tokens x (logprobs + 1)); more is a 400 naming `logprobs`"),
     # -- the engine
     Setting("PANTHEON_DTYPE", "dtype", _text,
             doc="compute dtype: `auto` (f32 on CPU, bf16 on GPU), `float32`, `bfloat16`"),

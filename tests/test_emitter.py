@@ -495,3 +495,73 @@ def test_property_streaming_is_exact(case):
         assert normalized(source).startswith(produced)
     else:
         assert produced == normalized(source)
+
+
+# ---- a tool call cut by the token limit (issue 31, item 12) ------------------------------------------------------
+def cut_run(text: str, **kwargs) -> tuple[Emitter, list[Delta]]:
+    """`text` fed in one-character fragments, then finish(cut=True): generation hit max_tokens there."""
+    em = Emitter(**kwargs)
+    deltas: list[Delta] = []
+    for ch in text:
+        deltas += em.feed(ch)
+    return em, deltas + em.finish(cut=True)
+
+
+FULL_CALL = TOOL_OPEN + '\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n' + TOOL_CLOSE
+
+
+@pytest.mark.parametrize("cut_at", range(1, len(FULL_CALL) + 1))
+def test_a_call_cut_anywhere_never_leaks_its_syntax_into_content(cut_at):
+    """Forced (`calls_only`): whatever the cut, the content is empty and the call, once its block opened,
+    is the partial call with finish_reason "length"."""
+    em, deltas = cut_run(FULL_CALL[:cut_at], tools_enabled=True, tool_names=["get_weather"], calls_only=True)
+    msg = merge_deltas(deltas)
+    assert not msg["content"]
+    if cut_at < len(TOOL_OPEN):
+        assert msg["tool_calls"] is None and em.finish_reason is None  # no call began: the caller says "length"
+        return
+    (got,) = msg["tool_calls"]
+    assert ID_RE.match(got["id"]) and got["type"] == "function"
+    assert "get_weather".startswith(got["function"]["name"])
+    assert em.finish_reason == ("tool_calls" if cut_at == len(FULL_CALL) else "length")
+
+
+def test_a_cut_call_keeps_its_name_and_the_arguments_written_so_far():
+    em, deltas = cut_run(TOOL_OPEN + '{"name": "get_weather", "arguments": {"city": "Par', tools_enabled=True)
+    msg = merge_deltas(deltas)
+    assert msg["content"] is None and em.finish_reason == "length"
+    assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Par'}]
+    # Cut inside the name: the name so far, no arguments yet.
+    _, deltas = cut_run(TOOL_OPEN + '{"name": "get_wea', tools_enabled=True)
+    assert merge_deltas(deltas)["tool_calls"][0]["function"] == {"name": "get_wea", "arguments": ""}
+    # A complete first call, the second cut: both returned, the finish is "length".
+    em, deltas = cut_run(call("a", {}) + "\n" + TOOL_OPEN + '{"name": "b", "arguments": {"x": [1, 2', tools_enabled=True)
+    assert [c["function"] for c in merge_deltas(deltas)["tool_calls"]] == [
+        {"name": "a", "arguments": "{}"}, {"name": "b", "arguments": '{"x": [1, 2'}]
+    assert em.finish_reason == "length"
+
+
+def test_an_auto_call_cut_after_its_tag_is_a_partial_call_and_text_before_stays_content():
+    em, deltas = cut_run("Let me check.\n" + TOOL_OPEN + '{"name": "get_weather", "arg', tools_enabled=True,
+                         tool_names=["get_weather"])
+    msg = merge_deltas(deltas)
+    assert msg["content"] == "Let me check.\n" and em.finish_reason == "length"
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+
+
+def test_a_bare_call_cut_after_its_declared_name_is_a_partial_call():
+    em, deltas = cut_run('```json\n{"name": "get_weather", "arguments": {"city": "Pa', tools_enabled=True,
+                         tool_names=["get_weather"])
+    msg = merge_deltas(deltas)
+    assert msg["content"] is None and em.finish_reason == "length"
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    # A name that is not a declared tool's, or one not complete yet: it may be ordinary JSON, kept as content.
+    for text in ('{"name": "other", "arguments": {"a', '{"name": "get_wea'):
+        em, deltas = cut_run(text, tools_enabled=True, tool_names=["get_weather"])
+        assert merge_deltas(deltas) == {"content": text, "reasoning_content": None, "tool_calls": None}
+
+
+def test_without_a_cut_an_unterminated_block_is_still_content():
+    """End of turn (not the token limit) inside a block: nothing says the model meant a call; kept verbatim."""
+    em, deltas = run([TOOL_OPEN + '{"name": "f"'], tools_enabled=True)
+    assert merge_deltas(deltas)["content"] == TOOL_OPEN + '{"name": "f"' and em.finish_reason is None

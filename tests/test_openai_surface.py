@@ -245,9 +245,13 @@ def test_json_outputs_streamed_and_not(client, stream):
 def test_tool_choice_required_yields_a_declared_call(client, stream):
     (c,) = chat(client, stream, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
                 tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=120)
-    assert c["finish"] == "tool_calls" and c["tool_calls"], c
-    name, args = c["tool_calls"][0]
-    assert name == "get_weather" and isinstance(json.loads(args), dict)
+    # Parallel calls are allowed, and greedy SmolLM2 repeats its call until max_tokens cuts one: that
+    # last call comes back partial with finish_reason "length" (issue 31), never as markup in the text.
+    assert c["finish"] in ("tool_calls", "length") and c["tool_calls"] and not c["text"], c
+    whole = c["tool_calls"][:-1] if c["finish"] == "length" else c["tool_calls"]
+    assert whole, c
+    for name, args in whole:
+        assert name == "get_weather" and isinstance(json.loads(args), dict)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import pantheon
+import pantheon.text
 from pantheon import osthread
 from pantheon.config import Settings
 from pantheon.errors import BusyError
@@ -189,7 +189,8 @@ def stub_grammar(monkeypatch):
 
     mod = types.SimpleNamespace(Grammar=Grammar)
     monkeypatch.setitem(sys.modules, "pantheon.text.structured", mod)
-    monkeypatch.setattr(pantheon, "structured", mod, raising=False)
+    # `from pantheon.text import structured` reads the package's attribute once the real module was imported
+    monkeypatch.setattr(pantheon.text, "structured", mod, raising=False)
     return calls
 
 

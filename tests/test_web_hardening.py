@@ -234,6 +234,18 @@ def test_a_chunked_body_with_a_bad_size_line_is_a_400(srv):
     assert status == 400
 
 
+
+def test_a_gzip_then_chunked_body_is_refused_not_read_as_json(srv):
+    """gunicorn un-chunks `gzip, chunked` and would hand the app compressed bytes (issue 31, item 11)."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    with connect(srv) as s:
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  "Content-Type: application/json\r\nTransfer-Encoding: gzip, chunked\r\n\r\n".encode()
+                  + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+        raw, _ = read_until_closed(s, 10)
+    status, err = json_error(raw)
+    assert status == 501 and err["code"] == "unsupported_transfer_coding"
+
 # ---- 5. the right status ---------------------------------------------------------------------------------
 def test_a_chunked_body_over_the_limit_is_413_not_malformed_json(srv):
     def chunks():

@@ -64,6 +64,10 @@ class BareCallScanner:
         self._key_start = -1  # where the object's first key begins (-1: not seen yet)
         self._key_checked = False
 
+    def object_start(self) -> int | None:
+        """Where the candidate object begins, while it is still being read (None before and after)."""
+        return self._start if self._phase == "object" else None
+
     def scan(self, text: str, final: bool) -> Verdict:
         """The verdict for `text` (the whole stretch so far: what an earlier call saw, plus more);
         `final`: no more text will come."""

@@ -30,7 +30,13 @@ Choices (the OpenAI API leaves them open):
   client. Tool-call bodies are not content either. Empty stop strings are ignored (they would match at once).
 * A tool-call block ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (Qwen/Hermes style) is emitted
   only once complete. A malformed block is emitted verbatim, tags included, as content, so nothing the model
-  wrote is lost; so is an unterminated block at `Emitter.finish` (think markers in it are still dropped).
+  wrote is lost; so is an unterminated block at `Emitter.finish` (think markers in it are still dropped),
+  unless the generation was *cut* (the token limit, ``finish(cut=True)``): then the block is the call the
+  model was writing, and it goes out as a tool call with what is known of it (`partial_tool_call`: the name
+  so far, the arguments' JSON text so far), `finish_reason` "length", as OpenAI returns a call cut by
+  ``max_tokens``. Call syntax never reaches the content that way. The same holds for a bare JSON call cut
+  once its name, a declared tool's, is complete; and with ``calls_only`` (a forced ``tool_choice``: the
+  grammar allows nothing but calls) a cut that leaves only part of an opening tag drops that part.
   Inside reasoning, tool-call tags are plain reasoning text (models talk about the calls they plan).
 * A tool-call delta carries the raw body (the text between the tags) in `Delta.text`, which is what makes
   "nothing is lost" checkable.
@@ -115,6 +121,70 @@ def parse_tool_call(body: str) -> dict | None:
     return {"id": new_tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _string_prefix(raw: str) -> str:
+    """The text of a JSON string literal cut short (`raw` starts at its opening quote): as much of it as
+    decodes, leaving out an escape sequence that was cut in the middle."""
+    body = raw[1:]
+    for drop in range(min(len(body), 6) + 1):
+        try:
+            return json.loads('"' + body[:len(body) - drop] + '"', strict=False)
+        except ValueError:
+            continue
+    return ""
+
+
+def partial_tool_call(body: str) -> tuple[dict, bool]:
+    """The call a tool-call body cut short was writing, and whether its name is complete.
+
+    Reads the JSON object as far as it goes: ``name`` is the name's text so far ("" before it began),
+    ``arguments`` the arguments' JSON text so far (an object not yet closed stays the prefix the model
+    wrote, as OpenAI returns the arguments of a call cut by ``max_tokens``; a complete one is
+    serialised as `parse_tool_call` does). Never fails: text that is no call object gives empty fields.
+    """
+    name, arguments, name_done = "", "", False
+    decoder = json.JSONDecoder(strict=False)
+    i = _skip_ws(body, 0)
+    if body.startswith("{", i):
+        i += 1
+        while True:
+            i = _skip_ws(body, i)
+            if not body.startswith('"', i):
+                break
+            try:
+                key, i = json.decoder.scanstring(body, i + 1, False)
+            except ValueError:
+                break
+            i = _skip_ws(body, i)
+            if not body.startswith(":", i):
+                break
+            i = _skip_ws(body, i + 1)
+            try:
+                value, end = decoder.raw_decode(body, i)
+            except ValueError:  # the cut is inside this value
+                quoted = body.startswith('"', i)
+                if key == "name" and quoted:
+                    name = _string_prefix(body[i:])
+                elif key == "arguments":
+                    arguments = _string_prefix(body[i:]) if quoted else body[i:]
+                break
+            if key == "name" and isinstance(value, str):
+                name, name_done = value, True
+            elif key == "arguments" and value is not None:
+                arguments = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            i = _skip_ws(body, end)
+            if not body.startswith(",", i):
+                break
+            i += 1
+    call = {"id": new_tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return call, name_done
+
+
 def _held_suffix_len(text: str, patterns: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `patterns`.
 
@@ -153,10 +223,12 @@ class Emitter:
         tools_enabled: bool = False,
         parse_think: bool = True,
         tool_names: Collection[str] = (),
+        calls_only: bool = False,
     ) -> None:
         """`parse_think=False` disables the reasoning channel entirely: think tags are plain content and
         `in_think` is ignored (for models without reasoning, or clients that want the raw text).
-        `tool_names`: the declared tools whose bare JSON calls are recognised (needs `tools_enabled`)."""
+        `tool_names`: the declared tools whose bare JSON calls are recognised (needs `tools_enabled`).
+        `calls_only`: a grammar allows nothing but tool calls, so a cut part of an opening tag is dropped."""
         self._stops: tuple[str, ...] = tuple(s for s in stop if s)
         self._parse_think = parse_think
         self._in_think = in_think and parse_think
@@ -174,15 +246,21 @@ class Emitter:
         self._held_calls: list[tuple[int, dict, str]] = []
         self._out: list[Delta] = []
         self._finished = False
+        self._calls_only = calls_only and tools_enabled
+        self._cut = False  # finish(cut=True): generation ended at the token limit
+        self.cut_call = False  # the last call was cut short and went out partial
         self.stopped = False
         self.tool_calls: list[dict] = []
         self.content = ""
         self.reasoning = ""
 
     @property
-    def finish_reason(self) -> Literal["tool_calls", "stop"] | None:
-        """"tool_calls" when calls were made, "stop" when a stop string was hit, else None (the caller knows
-        whether generation ended by end-of-sequence, "stop", or by the token limit, "length")."""
+    def finish_reason(self) -> Literal["tool_calls", "stop", "length"] | None:
+        """"length" when a call was cut short, "tool_calls" when calls were made, "stop" when a stop string
+        was hit, else None (the caller knows whether generation ended by end-of-sequence, "stop", or by
+        the token limit, "length")."""
+        if self.cut_call:
+            return "length"
         if self.tool_calls:
             return "tool_calls"
         return "stop" if self.stopped else None
@@ -197,11 +275,15 @@ class Emitter:
         self._route(final=False)
         return self._take()
 
-    def finish(self) -> list[Delta]:
-        """End of generation: release whatever carry is left (nothing can complete it any more)."""
+    def finish(self, cut: bool = False) -> list[Delta]:
+        """End of generation: release whatever carry is left (nothing can complete it any more).
+
+        `cut`: generation stopped at the token limit, mid-text: a tool call being written goes out as
+        the partial call it is (see the module docstring), not as content."""
         if self._finished:
             return []
         self._finished = True
+        self._cut = cut
         if not self.stopped:
             self._route(final=True)
             if not self.stopped:
@@ -228,8 +310,11 @@ class Emitter:
             if mode == "tool":
                 end = self._buf.find(TOOL_CLOSE)
                 if end < 0:
-                    if final:  # unterminated: what the model wrote goes out as content
+                    if final and self._cut:  # cut while writing it: the call so far
+                        self._partial_call(self._buf)
+                    elif final:  # unterminated: what the model wrote goes out as content
                         self._content(self._raw(TOOL_OPEN + self._buf))
+                    if final:
                         self._buf = ""
                     return
                 body = self._buf[:end]
@@ -245,7 +330,12 @@ class Emitter:
 
             if mode == "bare":
                 assert self._bare is not None
-                verdict = self._bare.scan(self._buf, final)
+                verdict = self._bare.scan(self._buf, final and not self._cut)
+                if verdict.kind == "wait" and final:  # cut while it was undecided
+                    start = self._bare.object_start()
+                    if start is not None and self._cut_bare_call(start):
+                        return
+                    verdict = self._bare.scan(self._buf, True)
                 if verdict.kind == "wait":
                     return
                 self._mode, self._bare = "content", None
@@ -279,8 +369,10 @@ class Emitter:
             if marker is None:
                 keep = 0 if final else _held_suffix_len(self._buf, markers)
                 cut = len(self._buf) - keep
+                if final and self._cut and self._calls_only and mode == "content":
+                    cut -= _held_suffix_len(self._buf, (TOOL_OPEN,))  # a cut opening tag: syntax, dropped
                 emit(self._buf[:cut])
-                self._buf = self._buf[cut:]
+                self._buf = "" if final else self._buf[cut:]
                 return
             emit(self._buf[:pos])
             self._buf = self._buf[pos + len(marker):]
@@ -291,6 +383,23 @@ class Emitter:
             elif marker == TOOL_OPEN:
                 self._mode = "tool"
             # any other think marker is stray and simply dropped
+
+    def _partial_call(self, body: str) -> None:
+        """A `<tool_call>` block cut short: the call it was writing, marked cut."""
+        call, _ = partial_tool_call(body)
+        self._tool_call(call, body)
+        self.cut_call = not self.stopped
+
+    def _cut_bare_call(self, start: int) -> bool:
+        """A bare JSON call cut short (its object opens at `start`): a call once its name, one of the
+        declared tools', is complete; True when it went out as one."""
+        call, name_done = partial_tool_call(self._buf[start:])
+        if not name_done or call["function"]["name"] not in self._bare_names:
+            return False
+        self._tool_call(call, self._buf)
+        self.cut_call = not self.stopped
+        self._buf, self._mode, self._bare = "", "content", None
+        return True
 
     def _raw(self, text: str) -> str:
         """A failed tool-call block as content: verbatim, except that think markers are dropped as in any

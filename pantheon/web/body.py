@@ -12,7 +12,8 @@ the size limit (then answered "malformed JSON"), and let gunicorn's chunk-parser
   body: 413 either way.
 * The whole body within `PANTHEON_BODY_TIMEOUT_S`, and never slower than
   `PANTHEON_BODY_MIN_RATE` bytes/s after the first `BODY_GRACE_S` seconds: else 408.
-* A malformed chunked encoding is a 400.
+* A malformed chunked encoding is a 400; a transfer coding other than plain `chunked` (`gzip, chunked`)
+  is a 501 (`check_transfer_coding`, run before authentication).
 
 When reading fails the connection is shut for reading, so gunicorn does not wait to drain the rest
 of the body before closing it (the client gets its error at once).
@@ -63,6 +64,24 @@ def _shut_reading(environ: dict) -> None:
 def _body_failed(environ: dict, message: str, status: int, code: str) -> RequestError:
     _shut_reading(environ)
     return RequestError(message, status=status, code=code)
+
+
+def check_transfer_coding(environ: dict) -> None:
+    """Refuse (501) a request whose `Transfer-Encoding` is anything but plain `chunked`.
+
+    gunicorn takes `Transfer-Encoding: gzip, chunked` (it removes the chunking and closes the connection
+    afterwards), but nothing here undoes the gzip: the compressed bytes would be read as the JSON body.
+    RFC 9112 lets a server answer a coding it does not implement with 501, which is what gunicorn
+    itself answers for the codings it does not know. Checked before authentication, with the size.
+    """
+    raw = environ.get("HTTP_TRANSFER_ENCODING")
+    if raw is None:
+        return
+    codings = [c.strip(" \t").lower() for c in raw.split(",")]
+    if codings != ["chunked"]:
+        raise _body_failed(environ, f"Transfer-Encoding {shown(raw)!r} is not supported: send the body as it is "
+                           "(Content-Length) or chunked, with no other transfer coding", 501,
+                           "unsupported_transfer_coding")
 
 
 def announced_length(environ: dict, max_bytes: int) -> int | None:

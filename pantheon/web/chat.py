@@ -437,10 +437,18 @@ def cache_scope(api_key: str | None, creq: Any) -> str:
     same API key, the same `user`, the same session (`session_id` / `X-Session-Id`) and the same
     `cache_salt`; with none of these given, requests on one key share one scope. The key is hashed,
     never kept.
+
+    Each part goes into the hash length-prefixed, so no two different tuples of parts encode alike: with
+    a separator byte instead, `user="x\\0\\1y"` and `user="x", session_id="y\\0"` hashed the same bytes
+    (client-chosen strings may hold any character) and shared one scope.
     """
     h = hashlib.sha256()
     for part in (api_key, creq.user, creq.session_id, creq.cache_salt):
-        h.update(b"\x00" if part is None else b"\x01" + part.encode("utf-8", "surrogatepass") + b"\x00")
+        if part is None:
+            h.update(b"\x00")
+            continue
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(b"\x01" + len(data).to_bytes(8, "big") + data)
     return h.hexdigest()[:32]
 
 
@@ -467,28 +475,33 @@ def _min_tokens(tok: Any, messages: Sequence[dict]) -> int:
     return total
 
 
-def _cap_by_length(tok: Any, msgs: list[dict], window: int, reserve: int) -> tuple[list[dict], bool]:
-    """Drop (or refuse) what certainly cannot fit, before the prompt is ever rendered or tokenized.
+def _cap_by_length(bound: Callable[[list[dict]], int], msgs: list[dict], window: int,
+                   reserve: int) -> tuple[list[dict], bool]:
+    """Drop (or refuse) what certainly cannot fit, before the prompt is ever tokenized.
 
     A 4 MB message takes seconds to tokenize, and capping a conversation re-tokenizes it a dozen
     times: a prompt far over the window cost 19-60 s before its 400. When the text alone proves the
-    prompt longer than the window (`Tokenizer.min_tokens`), the same capping runs first on that lower
-    bound: what it drops, the real capping would drop too (the bound never exceeds the real count),
-    and a last turn that cannot fit even alone is refused at once. So what is tokenized afterwards is
-    at most about a window's worth of text. (capped) is True when anything was dropped or cut.
+    prompt longer than the window (`bound`, a lower bound on the token count from the text's length),
+    the same capping runs first on that lower bound: what it drops, the real capping would drop too
+    (the bound never exceeds the real count), and a prompt that cannot fit even with only its last turn
+    (tools and the template's text stay whatever is dropped) is refused at once. So what is tokenized
+    afterwards is at most about a window's worth of text. (capped) is True when anything was dropped.
     """
-    def bound(ms: list[dict]) -> int:
-        return _min_tokens(tok, ms)
-
     if bound(msgs) <= window - 1:  # might still be taken as sent: leave it to the real count
         return msgs, False
+    last = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=0)
+
+    def refuse() -> RequestError:
+        return RequestError(f"messages: the prompt has at least {bound(msgs)} tokens, with only its last turn at "
+                            f"least {bound(msgs[last:])}; this model's context holds {window} and at least one must "
+                            "be left to generate (dropping earlier turns is not enough: the last message, with the "
+                            "tools, is too long)", param="messages", code="context_length_exceeded")
+
+    if bound(msgs[last:]) > window - reserve:  # what capping can never drop is already too long
+        raise refuse()
     capped, _ = memory.cap_messages(msgs, bound, window - reserve)
     if bound(capped) > window - reserve or _last_user_content(capped) != _last_user_content(msgs):
-        last = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=0)
-        raise RequestError(f"messages: the prompt has at least {bound(msgs)} tokens, its last turn alone at least "
-                           f"{bound(msgs[last:])}; this model's context holds {window} and at least one must be left "
-                           "to generate (dropping earlier turns is not enough: the last message alone is too long)",
-                           param="messages", code="context_length_exceeded")
+        raise refuse()
     return capped, True
 
 
@@ -500,17 +513,21 @@ def answer_reserve(window: int, max_tokens: int | None) -> int:
 
 def _window_exceeded(n: str, window: int) -> RequestError:
     return RequestError(f"messages: this model's maximum context length is {window} tokens and at least one must "
-                        f"be left to generate, but the messages have {n} tokens; shorten them, or send "
-                        "\"truncate\": \"oldest\" to have the oldest turns dropped",
-                        param="messages", code="context_length_exceeded")
+                        f"be left to generate, but the prompt (the messages and any tools, in the chat template) "
+                        f"has {n} tokens; shorten them, or send \"truncate\": \"oldest\" to have the oldest turns "
+                        "dropped", param="messages", code="context_length_exceeded")
 
 
 def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dict]], tuple[str, list[int]]],
-                 max_tokens: int | None = None, watch: Any = None,
-                 truncate: bool = False) -> tuple[str, list[int], bool]:
+                 max_tokens: int | None = None, watch: Any = None, truncate: bool = False,
+                 text: Callable[[list[dict]], str] | None = None) -> tuple[str, list[int], bool]:
     """Admit a chat prompt on the model `card` describes: (rendered prompt, token ids, capped).
 
-    `render(messages)` is the chat template plus tokenizer. The prompt must fit the model's context
+    `render(messages)` is the chat template plus tokenizer; `text(messages)`, when given, the chat
+    template alone: the exact text that would be tokenized, tools and all. Before anything is
+    tokenized, a lower bound on its token count (`Tokenizer.min_tokens`, from the text's length) is
+    held against the window: of `text`'s output when given, else of the messages' own text (then a
+    2 MB `tools` list went through the tokenizer, 25 s, before its 400). The prompt must fit the model's context
     window (QWEN35_MAX_SEQ, halved under HIGH memory pressure) and the memory free now
     (pantheon.runtime.memory.admit against the memory watch; a model admission cannot size, or no running
     watch: the window only), leaving `answer_reserve` tokens for the answer. If it does not, the
@@ -532,10 +549,13 @@ def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dic
     pre_capped = False
     tok = card.tokenizer
     if callable(getattr(tok, "min_tokens", None)):
+        def bound(ms: list[dict]) -> int:
+            return tok.min_tokens(text(ms)) if text is not None else _min_tokens(tok, ms)
+
         if truncate:
-            msgs, pre_capped = _cap_by_length(tok, msgs, window, reserve)
-        elif _min_tokens(tok, msgs) > window - 1:  # provably too long: refused before tokenizing
-            raise _window_exceeded(f"at least {_min_tokens(tok, msgs)}", window)
+            msgs, pre_capped = _cap_by_length(bound, msgs, window, reserve)
+        elif bound(msgs) > window - 1:  # provably too long: refused before tokenizing
+            raise _window_exceeded(f"at least {bound(msgs)}", window)
     rendered, ids = render(msgs)
     n = len(ids)
     if n > window - 1 and not truncate:
@@ -578,8 +598,8 @@ class Generation(GenerationCore):
     id_prefix = "chatcmpl-"
 
     def __init__(self, registry: Any, entry: Any, creq: ChatRequest, environ: dict, metrics: Any = None,
-                 t0: float | None = None, watch: Any = None):
-        super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch)
+                 t0: float | None = None, watch: Any = None, settings: Any = None):
+        super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch, settings=settings)
         self.creq = creq
         self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
 
@@ -591,7 +611,8 @@ class Generation(GenerationCore):
         creq = self.creq
         self.check_model_limits(card, creq.n, creq.logit_bias)
         admit = lambda: admit_prompt(card, creq.messages, lambda m: self._prompt(card, m),  # noqa: E731
-                                     creq.max_tokens, self.watch, creq.truncate_oldest)
+                                     creq.max_tokens, self.watch, creq.truncate_oldest,
+                                     text=lambda m: self._render(card, m))
         try:
             if creq.size > BIG_PROMPT_CHARS:  # rendering + tokenizing would hold the hub for a while
                 rendered, ids, self.prompt_capped = bridge.call_in_thread(admit, name="pantheon-tokenize")
@@ -613,8 +634,8 @@ class Generation(GenerationCore):
         ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
         tool_names = [t["function"]["name"] for t in creq.template_tools() or []]
-        emitters = [Emitter(stop=creq.stop, in_think=in_think, tools_enabled=creq.tools_enabled, tool_names=tool_names)
-                    for _ in range(creq.n)]
+        emitters = [Emitter(stop=creq.stop, in_think=in_think, tools_enabled=creq.tools_enabled, tool_names=tool_names,
+                            calls_only=creq.forces_tool_call) for _ in range(creq.n)]
         session = None if self.prompt_capped else creq.session_id  # a capped turn starts over
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,  # resolves the seed, once
                          stop_ids=stop_ids, session_id=session, cache_scope=creq.cache_scope,
@@ -633,15 +654,19 @@ class Generation(GenerationCore):
             return structured.Grammar.from_response_format(creq.response_format, tok)
         return structured.Grammar.for_tools(creq.tools, creq.tool_choice, tok, parallel=creq.parallel_tool_calls)
 
-    def _prompt(self, card: Any, messages: list[dict] | None = None) -> tuple[str, list[int]]:
-        """The rendered chat template of `messages` (default: the request's) and its token ids (BOS
-        added when the model wants one)."""
+    def _render(self, card: Any, messages: list[dict] | None = None) -> str:
+        """The chat template applied to `messages` (default: the request's) and the request's tools."""
         kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
         if kwargs["tools"]:  # words the generic tool format's instruction (pantheon.text.tool_format)
             kwargs["tool_choice"] = self.creq.tool_choice
         if self.creq.enable_thinking is not None:
             kwargs["enable_thinking"] = self.creq.enable_thinking
-        rendered = card.template.render(self.creq.messages if messages is None else messages, **kwargs)
+        return card.template.render(self.creq.messages if messages is None else messages, **kwargs)
+
+    def _prompt(self, card: Any, messages: list[dict] | None = None) -> tuple[str, list[int]]:
+        """The rendered chat template of `messages` (default: the request's) and its token ids (BOS
+        added when the model wants one)."""
+        rendered = self._render(card, messages)
         tok = card.tokenizer
         ids = tok.encode(rendered)
         if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):

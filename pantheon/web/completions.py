@@ -14,6 +14,12 @@ Choices that differ from OpenAI's (stated in docs/http-api.md):
 * `max_tokens` is at least 1 (scoring a prompt alone is `echo` + `logprobs` with `max_tokens: 1`);
 * `top_logprobs` lists the k most likely tokens and always the token itself (up to k + 1 entries), as
   OpenAI documents; `text_offset` counts characters of the returned `text` (the echoed prompt included).
+
+Echo with logprobs is the one answer whose size a request multiplies at no generation cost: a 4 kB
+prompt with `logprobs: 20` and `n: 8` was 8 MB of JSON (each choice repeats the prompt's entries), built
+on the event loop. So n x prompt tokens x (logprobs + 1) is capped (`PANTHEON_MAX_ECHO_LOGPROBS`, a
+400 beyond it), and past `LARGE_ECHO_ENTRIES` the prompt's entries are scored and serialised in OS
+threads, once for all the choices.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pantheon.config import Settings
 from pantheon.runtime import memory
 from pantheon.text.emitter import Emitter
 from pantheon.errors import PantheonError, RequestError
@@ -47,6 +54,7 @@ from pantheon.web.logprobs import Positioned, legacy_logprobs
 from pantheon.web.schema import COMPLETION_REQUEST, fields
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
+LARGE_ECHO_ENTRIES = 4096  # echoed prompt logprob entries (n x tokens x (k + 1)) past which work leaves the hub
 
 COMPLETION_FIELDS = fields(COMPLETION_REQUEST)  # pantheon.web.schema describes the body
 
@@ -130,15 +138,19 @@ def parse_completion_request(body: Any, headers: Mapping[str, str]) -> Completio
                              user=string(body, "user"))
 
 
+def _prompt_too_long(n: str, window: int) -> RequestError:
+    return RequestError(f"prompt: this model's maximum context length is {window} tokens and at least one must "
+                        f"be left to generate, but the prompt has {n} tokens", param="prompt",
+                        code="context_length_exceeded")
+
+
 def admit_ids(card: Any, n_prompt: int, max_tokens: int, watch: Any) -> None:
     """Admit a prompt of `n_prompt` tokens as it is (nothing here can be dropped to make it fit): it must
     leave one token of the context window to generate (else 400 context_length_exceeded) and fit the
     memory free now (else 503 with Retry-After)."""
     window = int(card.context_length)
     if n_prompt > window - 1:
-        raise RequestError(f"prompt: this model's maximum context length is {window} tokens and at least one must "
-                           f"be left to generate, but the prompt has {n_prompt} tokens", param="prompt",
-                           code="context_length_exceeded")
+        raise _prompt_too_long(str(n_prompt), window)
     if card.admit is None:
         return
     reserve = answer_reserve(window, max_tokens)
@@ -156,11 +168,24 @@ class CompletionGeneration(GenerationCore):
     id_prefix = "cmpl-"
 
     def __init__(self, registry: Any, entry: Any, creq: CompletionRequest, environ: dict, metrics: Any = None,
-                 t0: float | None = None, watch: Any = None):
-        super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch)
+                 t0: float | None = None, watch: Any = None, settings: Any = None):
+        super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch, settings=settings)
         self.creq = creq
         self.echo_text = ""  # the prompt as returned with echo
-        self._prompt_items: list[Positioned] = []  # the prompt's logprob entries (echo + logprobs)
+        self._prompt_lp: dict | None = None  # the prompt's `logprobs` columns (echo + logprobs), built once
+
+    def _check_echo_size(self, n_prompt: int) -> None:
+        """Refuse (400) an echo + logprobs request whose prompt entries, over all choices, pass the cap."""
+        creq = self.creq
+        assert creq.logprobs is not None
+        cap = Settings.max_echo_logprobs if self.settings is None else self.settings.max_echo_logprobs
+        entries = creq.n * n_prompt * (creq.logprobs + 1)
+        self.large_answer = entries > LARGE_ECHO_ENTRIES
+        if entries > cap:
+            raise bad("logprobs", f"echo with logprobs {creq.logprobs} and n {creq.n} on a prompt of {n_prompt} "
+                                  f"tokens returns {entries} prompt log-probability entries (n x prompt tokens x "
+                                  f"(logprobs + 1)); at most {cap} are returned (PANTHEON_MAX_ECHO_LOGPROBS): ask "
+                                  "fewer alternatives or choices, or score a shorter prompt")
 
     def start(self) -> None:
         card = self.entry.card
@@ -171,6 +196,9 @@ class CompletionGeneration(GenerationCore):
             ids, bos_added = bridge.call_in_thread(lambda: self._tokenize(tok), name="pantheon-tokenize")
         else:
             ids, bos_added = self._tokenize(tok)
+        score_prompt = creq.echo and creq.logprobs is not None
+        if score_prompt:
+            self._check_echo_size(len(ids))
         try:
             admit_ids(card, len(ids), creq.max_tokens, self.watch)
         except PantheonError:
@@ -179,7 +207,6 @@ class CompletionGeneration(GenerationCore):
         max_tokens = self.budget(card, len(ids), creq.max_tokens)
         self.observe_admission("capped" if self.capped else "fit")
         self.echo_text = creq.prompt if isinstance(creq.prompt, str) else tok.decode(ids)
-        score_prompt = creq.echo and creq.logprobs is not None
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,
                          stop_ids=frozenset() if creq.ignore_eos else frozenset(tok.eot_ids),
                          cache_scope=creq.cache_scope, request_id=self.id, n=creq.n, logprobs=creq.logprobs,
@@ -187,7 +214,8 @@ class CompletionGeneration(GenerationCore):
         emitters = [Emitter(stop=creq.stop, parse_think=False) for _ in range(creq.n)]
         self.launch(req, emitters, continuation=True)
         if score_prompt:
-            self._prompt_items = self._score_prompt(tok, ids, bos_added)
+            work = lambda: legacy_logprobs(tok, self._score_prompt(tok, ids, bos_added))  # noqa: E731
+            self._prompt_lp = bridge.call_in_thread(work, name="pantheon-logprobs") if self.large_answer else work()
 
     def _tokenize(self, tok: Any) -> tuple[list[int], bool]:
         """The prompt's ids, and whether a BOS was put in front of text that did not hold one."""
@@ -197,6 +225,10 @@ class CompletionGeneration(GenerationCore):
             if out is not None:
                 raise bad("prompt", f"{out} is not a token id of this model (0..{tok.vocab_size - 1})")
             return list(p), False
+        bound = getattr(tok, "min_tokens", None)
+        window = int(self.entry.card.context_length)
+        if callable(bound) and bound(p) > window - 1:  # provably too long: refused before it is tokenized
+            raise _prompt_too_long(f"at least {bound(p)}", window)
         ids = tok.encode(p)
         added = tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id)
         if added:
@@ -224,6 +256,13 @@ class CompletionGeneration(GenerationCore):
         shift = len(self.echo_text) if self.creq.echo else 0
         return [Positioned(p.id, p.logprob, p.offset + shift) for p in items]
 
+    def _choice_logprobs(self, items: Sequence[Positioned]) -> dict:
+        """A whole choice's `logprobs`: the echoed prompt's columns (built once), then its own tokens'."""
+        own = legacy_logprobs(self._tok, self._generated(items))
+        if self._prompt_lp is None:
+            return own
+        return {k: self._prompt_lp[k] + own[k] for k in own}
+
     def complete(self) -> dict:
         """Run to the end and return the non-streamed text_completion object (n choices, index order)."""
         texts: list[list[str]] = [[] for _ in self.choices]
@@ -234,8 +273,7 @@ class CompletionGeneration(GenerationCore):
             items[piece.choice] += piece.logprobs
         prefix = self.echo_text if self.creq.echo else ""
         choices = [{"text": prefix + "".join(texts[c.index]), "index": c.index,
-                    "logprobs": legacy_logprobs(self._tok, self._prompt_items + self._generated(items[c.index]))
-                    if self.want_logprobs else None,
+                    "logprobs": self._choice_logprobs(items[c.index]) if self.want_logprobs else None,
                     "finish_reason": c.finish_reason} for c in self.choices]
         out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name,
                "choices": choices, "usage": self.usage()}
@@ -246,10 +284,19 @@ class CompletionGeneration(GenerationCore):
     def _chunk(self, index: int, text: str, logprobs: Sequence[Positioned] = (), finish_reason: str | None = None,
                **extra: Any) -> bytes:
         lp = legacy_logprobs(self._tok, logprobs) if self.want_logprobs and logprobs else None
+        return self._chunk_with(index, text, lp, finish_reason, **extra)
+
+    def _chunk_with(self, index: int, text: str, lp: dict | None, finish_reason: str | None = None,
+                    stepwise: bool = False, **extra: Any) -> bytes:
         return json_line({"id": self.id, "object": "text_completion", "created": self.created,
                           "model": self.model_name,
                           "choices": [{"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason}],
-                          **extra})
+                          **extra}, stepwise=stepwise)
+
+    def _echo_chunks(self) -> list[bytes]:
+        """Each choice's first chunk: the prompt, and its scored tokens when asked (the same columns)."""
+        lp = self._prompt_lp if self.want_logprobs and self._prompt_lp and self._prompt_lp["tokens"] else None
+        return [self._chunk_with(c.index, self.echo_text, lp, stepwise=self.large_answer) for c in self.choices]
 
     def _piece_chunk(self, piece: Piece) -> bytes:
         items = self._generated(piece.logprobs)
@@ -262,8 +309,8 @@ class CompletionGeneration(GenerationCore):
         """With echo, each choice's prompt first (and its logprobs); the text as it comes; each choice's
         finish chunk; then the optional usage chunk."""
         if self.creq.echo:
-            for c in self.choices:
-                yield self._chunk(c.index, self.echo_text, self._prompt_items)
+            yield from (bridge.call_in_thread(self._echo_chunks, name="pantheon-logprobs") if self.large_answer
+                        else self._echo_chunks())
         for piece in self.pump():
             yield self._piece_chunk(piece)
         if self.creq.include_usage:

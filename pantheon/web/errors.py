@@ -30,6 +30,7 @@ ERROR_TYPES = {
     431: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "invalid_request_error",  # a transfer coding the server does not implement: the request's to change
     503: "service_unavailable_error",
     507: "insufficient_storage_error",
 }

@@ -64,9 +64,20 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-def json_line(obj: dict) -> bytes:
-    """One server-sent event carrying `obj`."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+def json_line(obj: dict, stepwise: bool = False) -> bytes:
+    """One server-sent event carrying `obj` (`stepwise`: built by `json_text`, for a large one in a thread)."""
+    text = json_text(obj) if stepwise else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + text.encode("utf-8") + b"\n\n"
+
+
+def json_text(obj: Any, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    """`json.dumps(obj)` in the compact form, built by the pure-Python encoder.
+
+    Slower than the C encoder, but the C encoder holds the interpreter for the whole call, so a large
+    answer serialised in an OS thread would still stall the event loop; this one lets it run between
+    steps. For answers of many thousand log-probability entries (echoed prompts), in a thread."""
+    enc = json.JSONEncoder(ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=(",", ":"))
+    return "".join(enc.iterencode(obj))
 
 
 @dataclass
@@ -105,7 +116,9 @@ class GenerationCore(abc.ABC):
     id_prefix = "cmpl-"
 
     def __init__(self, registry: Any, entry: Any, environ: dict, metrics: Any = None, t0: float | None = None,
-                 watch: Any = None):
+                 watch: Any = None, settings: Any = None):
+        self.settings = settings  # the server's pantheon.config.Settings (None: unit tests, the defaults)
+        self.large_answer = False  # the non-streamed answer is serialised in an OS thread (see json_text)
         self.metrics = metrics  # pantheon.serving.metrics.Metrics, or None (unit tests)
         self.watch = watch  # the server's pantheon.runtime.memory.MemWatch (None: the process-wide one)
         self.t0 = time.perf_counter() if t0 is None else t0  # request arrival
@@ -287,7 +300,8 @@ class GenerationCore(abc.ABC):
         c.finished = True
         if c.done:
             return
-        yield from self._emit(c, c.emitter.feed(c.decoder.flush()) + c.emitter.finish())
+        cut = reason == "length" and not c.eos  # ended mid-text: a call being written goes out partial
+        yield from self._emit(c, c.emitter.feed(c.decoder.flush()) + c.emitter.finish(cut=cut))
         if c.emitter.finish_reason is not None:
             fr = c.emitter.finish_reason
         elif reason == "length" and not c.eos:

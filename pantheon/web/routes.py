@@ -23,7 +23,7 @@ from pantheon.web.body import parse_json, read_body
 from pantheon.web import bridge
 from pantheon.web.chat import Generation, cache_scope, parse_chat_request
 from pantheon.web.completions import CompletionGeneration, parse_completion_request
-from pantheon.web.generation import ClientGone, GenerationCore, SSEStream
+from pantheon.web.generation import ClientGone, GenerationCore, SSEStream, json_text
 from pantheon.web.security import presented_key
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,15 @@ def parse_for_root(raw: bytes, parse: Callable[[], Any], root_model: str | None)
     return req
 
 
+def json_answer(obj: Any, large: bool) -> Response:
+    """`jsonify(obj)`; when `large`, the same bytes written in an OS thread by the stepwise encoder
+    (pantheon.web.generation.json_text), so a response of many megabytes never holds the event loop."""
+    if not large:
+        return jsonify(obj)
+    text = bridge.call_in_thread(lambda: json_text(obj, ensure_ascii=True, sort_keys=True), name="pantheon-json")
+    return Response(text + "\n", mimetype="application/json")
+
+
 def serve_generation(parse_body: Callable[[Any, Any], Any], make: Callable[..., GenerationCore],
                      root_model: str | None) -> Response:
     """Parse with `parse_body(json, headers)`, take a model ref, start `make(...)`'s generation, and
@@ -143,7 +152,7 @@ def serve_generation(parse_body: Callable[[Any, Any], Any], make: Callable[..., 
     entry = registry.acquire(creq.model, creq.session_id)
     try:
         gen = make(registry, entry, creq, request.environ, metrics=server().metrics, t0=t0,
-                   watch=server().memwatch)
+                   watch=server().memwatch, settings=server().settings)
     except BaseException:
         registry.release(entry)
         raise
@@ -160,7 +169,7 @@ def serve_generation(parse_body: Callable[[Any, Any], Any], make: Callable[..., 
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                  INSTANCE_HEADER: entry.instance_id})
     try:
-        resp = jsonify(gen.complete())
+        resp = json_answer(gen.complete(), gen.large_answer)
         resp.headers[INSTANCE_HEADER] = entry.instance_id
         return resp
     except ClientGone:

@@ -44,7 +44,7 @@ TOP_LOGPROBS_MAX = 20  # gen_types.MAX_TOP_LOGPROBS
 LOGIT_BIAS_MAX = 300  # entries in one logit_bias object (gen_types.MAX_LOGIT_BIAS)
 LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LIMIT, LIMIT] (gen_types.LOGIT_BIAS_RANGE)
 EMBED_INPUTS_MAX = 2048  # inputs in one /v1/embeddings call (OpenAI's limit)
-DETOKENIZE_MAX = 1 << 20  # token ids in one /detokenize call
+TOKENS_MAX = 1 << 18  # token ids one /detokenize call takes and one /tokenize call returns (a long context)
 ADMIN_NAME_CHARS = 4096  # admin string fields (paths, names)
 ADMIN_DIES_MAX = 64
 UNLOAD_TIMEOUT_MAX_S = 86400
@@ -306,8 +306,10 @@ COMPLETION_REQUEST: Schema = _object(_optional({
     "stream": _bool(False),
     "stream_options": {**_object({"include_usage": nullable(_bool())}),
                        "description": "only with stream: true", "examples": [{"include_usage": True}]},
-    "logprobs": _int(0, TOP_LOGPROBS_MAX, 0, description="alternatives per position (0: the chosen token only)"),
-    "echo": _bool(False, description="put the prompt before the completion"),
+    "logprobs": _int(0, TOP_LOGPROBS_MAX, 0, description="alternatives per position (0: the chosen token only); "
+                     "with echo, n x prompt tokens x (logprobs + 1) is at most PANTHEON_MAX_ECHO_LOGPROBS "
+                     "(65536 by default), else 400"),
+    "echo": _bool(False, description="put the prompt before the completion (with logprobs: scored, within a cap)"),
     "stop": CHAT_REQUEST["properties"]["stop"],
     "presence_penalty": _num(-2.0, 2.0, 0.5),
     "frequency_penalty": _num(-2.0, 2.0, 0.5),
@@ -334,14 +336,14 @@ EMBEDDING_REQUEST: Schema = _object(_optional({
 
 # ---- tokenizer routes (llama.cpp's shapes) --------------------------------------------------------------
 TOKENIZE_REQUEST: Schema = _object({
-    "content": _str(None, "Hello world"),
+    "content": _str(None, "Hello world", description=f"a text of at most {TOKENS_MAX} tokens (more is a 400)"),
     "add_special": _bool(False, description="add the model's BOS/EOS the way it wants them"),
     "with_pieces": _bool(False, description="answer [{id, piece}, ...] instead of ids"),
     "model": CHAT_REQUEST["properties"]["model"],
 }, required=("content",))
 
 DETOKENIZE_REQUEST: Schema = _object({
-    "tokens": {**_token_list([72, 105]), "maxItems": DETOKENIZE_MAX,
+    "tokens": {**_token_list([72, 105]), "maxItems": TOKENS_MAX,
                "description": "ids of the model's vocabulary"},
     "model": CHAT_REQUEST["properties"]["model"],
 }, required=("tokens",))
@@ -440,7 +442,8 @@ EMBEDDING_LIST: Schema = {"type": "object", "properties": {
 _PIECE = {"type": "object", "properties": {"id": {"type": "integer"}, "piece": {"type": "string"}},
           "required": ["id", "piece"]}
 TOKENIZE_RESPONSE: Schema = {"type": "object", "properties": {"tokens": {"anyOf": [
-    {"type": "array", "items": {"type": "integer"}}, {"type": "array", "items": _PIECE}]}}, "required": ["tokens"]}
+    {"type": "array", "items": {"type": "integer"}, "maxItems": TOKENS_MAX},
+    {"type": "array", "items": _PIECE, "maxItems": TOKENS_MAX}]}}, "required": ["tokens"]}
 
 DETOKENIZE_RESPONSE: Schema = {"type": "object", "properties": {"content": {"type": "string"}},
                                "required": ["content"]}

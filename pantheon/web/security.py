@@ -21,7 +21,7 @@ from flask import Flask, Response, request
 
 from pantheon.config import Settings
 from pantheon.errors import RequestError
-from pantheon.web.body import announced_length, shown
+from pantheon.web.body import announced_length, check_transfer_coding, shown
 
 CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Session-Id, X-SMG-Routing-Key"
 CORS_METHODS = "GET, POST, OPTIONS"
@@ -137,6 +137,7 @@ def init_app(app: Flask, settings: Settings) -> None:
     def _gate() -> Response | None:
         if request.method == "OPTIONS":
             return Response("{}", status=200, mimetype="application/json")  # preflight: before any auth
+        check_transfer_coding(request.environ)  # 501 before any auth: a body we would misread
         announced_length(request.environ, settings.max_body_bytes)  # 413 before any auth
         check_access(settings)
         return None

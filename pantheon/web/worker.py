@@ -159,7 +159,8 @@ class PantheonWorker(GeventWorker):
         else:
             self.log.warning("invalid request from %s: %s", (addr or ("",))[0], exc)
             detail = str(exc)[:200] or type(exc).__name__
-            message, code = f"malformed HTTP request: {type(exc).__name__}: {detail}", "invalid_request_error"
+            message = f"malformed HTTP request: {type(exc).__name__}: {detail}"
+            code = "unsupported_transfer_coding" if status == 501 else "invalid_request_error"
         try:
             util.write_nonblock(client, json_error_response(status, message, code))
         except Exception:  # noqa: BLE001 - the client may be gone; nothing left to tell it

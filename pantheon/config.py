@@ -103,6 +103,18 @@ class Settings:
     num_processes: int = 1
     process_id: int = 0
     cluster_timeout_s: float = 120.0  # start-up wait for every process to join (and their loads' acks)
+    # Structured outputs (pantheon.text.structured, pantheon.web.bridge.WorkPool): grammars compile in at
+    # most grammar_threads OS threads with grammar_queue more waiting (past that 429); a request waits at
+    # most grammar_timeout_s for its grammar (503). A schema past grammar_max_nodes (subschemas + enum
+    # values) or with an object of more than grammar_max_properties optional properties is refused (400)
+    # before any compile: compile time grows with both (docs/http-api.md has the measured curve). One grammar
+    # mask row may take grammar_mask_ms; a request whose row takes longer fails alone (400).
+    grammar_threads: int = 2
+    grammar_queue: int = 8
+    grammar_timeout_s: float = 10.0
+    grammar_max_nodes: int = 5000
+    grammar_max_properties: int = 400
+    grammar_mask_ms: float = 200.0
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -155,6 +167,12 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         num_processes=max(1, _int(env, "PANTHEON_NUM_PROCESSES", 1)),
         process_id=_int(env, "PANTHEON_PROCESS_ID", 0),
         cluster_timeout_s=max(1.0, _float(env, "PANTHEON_CLUSTER_TIMEOUT_S", 120.0)),
+        grammar_threads=max(1, _int(env, "PANTHEON_GRAMMAR_THREADS", 2)),
+        grammar_queue=max(0, _int(env, "PANTHEON_GRAMMAR_QUEUE", 8)),
+        grammar_timeout_s=max(0.1, _float(env, "PANTHEON_GRAMMAR_TIMEOUT_S", 10.0)),
+        grammar_max_nodes=max(1, _int(env, "PANTHEON_GRAMMAR_MAX_NODES", 5000)),
+        grammar_max_properties=max(1, _int(env, "PANTHEON_GRAMMAR_MAX_PROPERTIES", 400)),
+        grammar_mask_ms=max(1.0, _float(env, "PANTHEON_GRAMMAR_MASK_MS", 200.0)),
     )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import pantheon
+import pantheon.text
 from pantheon import osthread
 from pantheon.config import Settings
 from pantheon.errors import BusyError
@@ -178,18 +178,18 @@ def stub_grammar(monkeypatch):
 
     class Grammar:
         @staticmethod
-        def from_response_format(rf, tokenizer):
+        def from_response_format(rf, tokenizer, limits=None):
             calls.append(("response_format", rf))
             return None if rf.get("type") == "text" else ("grammar", rf["type"])
 
         @staticmethod
-        def for_tools(tools, choice, tokenizer, parallel=True):
+        def for_tools(tools, choice, tokenizer, parallel=True, limits=None):
             calls.append(("tools", [t["function"]["name"] for t in tools], choice, parallel))
             return ("grammar", "tools")
 
-    mod = types.SimpleNamespace(Grammar=Grammar)
+    mod = types.SimpleNamespace(Grammar=Grammar, SchemaLimits=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "pantheon.text.structured", mod)
-    monkeypatch.setattr(pantheon, "structured", mod, raising=False)
+    monkeypatch.setattr(pantheon.text, "structured", mod, raising=False)
     return calls
 
 

@@ -46,6 +46,13 @@ class Settings:
     body_min_rate: float = 1024.0
     max_connections: int = 1000
     max_echo_logprobs: int = 65536
+    grammar_threads: int = 2
+    grammar_queue: int = 8
+    grammar_timeout_s: float = 10.0
+    grammar_max_nodes: int = 5000
+    grammar_max_properties: int = 400
+    grammar_mask_ms: float = 200.0
+    embed_max_tokens: int = 65536
     dtype: str = "auto"
     max_seq: int = 2048
     forbid_compile: bool = False
@@ -283,6 +290,26 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PANTHEON_MAX_ECHO_LOGPROBS", "max_echo_logprobs", _integer(low=0),
             doc="legacy completions with `echo` and `logprobs`: at most this many prompt log-probability "
                 "entries in one answer (n x prompt tokens x (logprobs + 1)); more is a 400 naming `logprobs`"),
+    # -- structured outputs (pantheon.text.structured, pantheon.web.bridge.WorkPool, pantheon.scheduler.masks)
+    Setting("PANTHEON_GRAMMAR_THREADS", "grammar_threads", _integer(low=1),
+            doc="structured-output grammars compiling at once (OS threads started on demand, `pantheon-grammar-<i>`)"),
+    Setting("PANTHEON_GRAMMAR_QUEUE", "grammar_queue", _integer(low=0),
+            doc="grammars waiting for a compile thread; past it 429"),
+    Setting("PANTHEON_GRAMMAR_TIMEOUT_S", "grammar_timeout_s", _number(low=0.1),
+            doc="longest a request waits for its grammar (queue and compile), then 503"),
+    Setting("PANTHEON_GRAMMAR_MAX_NODES", "grammar_max_nodes", _integer(low=1),
+            doc="subschemas plus enum values a structured-output schema may have (the forced tools together), "
+                "else 400 `schema_too_large`"),
+    Setting("PANTHEON_GRAMMAR_MAX_PROPERTIES", "grammar_max_properties", _integer(low=1),
+            doc="optional properties one object of such a schema may have, else 400 `schema_too_large` "
+                "(docs/http-api.md has the measured compile-time curve)"),
+    Setting("PANTHEON_GRAMMAR_MASK_MS", "grammar_mask_ms", _number(low=1.0),
+            doc="longest one grammar mask row may take in a step; a request whose row is later fails alone "
+                "(400 `grammar_too_complex`)"),
+    # -- embeddings (pantheon.web.embeddings, pantheon.scheduler.embed)
+    Setting("PANTHEON_EMBED_MAX_TOKENS", "embed_max_tokens", _integer(low=1),
+            doc="tokens one `/v1/embeddings` request may hold, summed over its inputs; more is a 400 naming both "
+                "figures"),
     # -- the engine
     Setting("PANTHEON_DTYPE", "dtype", _text,
             doc="compute dtype: `auto` (f32 on CPU, bf16 on GPU), `float32`, `bfloat16`"),

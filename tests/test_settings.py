@@ -213,8 +213,9 @@ def _environment_reads(tree: ast.AST) -> set[str]:
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and named(node.slice):
             found.add(node.slice.value)
         elif isinstance(node, ast.Compare) and named(node.left) and any(
-                isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
-            found.add(node.left.value)
+                isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and any(
+                "env" in ast.unparse(c).lower() for c in node.comparators):
+            found.add(node.left.value)  # `NAME in env` (not `NAME in message`: a test naming a setting)
     return found
 
 

@@ -567,3 +567,107 @@ def test_a_grammar_compiled_in_one_thread_drives_matchers_in_another(tok):
 def test_the_llguidance_tokenizer_is_built_once_per_tokenizer(tok):
     t = tok("smollm2-135m")
     assert structured.prepare(t) is structured.prepare(t)
+
+
+# --- size and time bounds (issue 31) ----------------------------------------------------------------------------
+
+
+def optional_props(n: int, prefix: str = "prop") -> dict:
+    """An object of `n` optional string properties: llguidance's compile time grows with the square of n."""
+    return {"type": "object", "properties": {f"{prefix}_{i:05d}": {"type": "string"} for i in range(n)}}
+
+
+@pytest.fixture()
+def compiles(monkeypatch):
+    """How many grammars reached llguidance (a refusal by size must cost none)."""
+    seen: list[str] = []
+    real = structured._matcher_of
+
+    def counting(grammar, tokenizer):
+        seen.append(grammar)
+        return real(grammar, tokenizer)
+
+    monkeypatch.setattr(structured, "_matcher_of", counting)
+    return seen
+
+
+def test_the_issues_10k_property_schema_is_refused_before_it_compiles(tok, compiles):
+    """10k optional properties (340 kB) took ~9 CPU-seconds to compile (108 s in a loaded server); the
+    per-object cap sits well below that, and the refusal names the limit and its setting."""
+    with pytest.raises(structured.SchemaTooLarge) as e:
+        Grammar.from_response_format(json_schema_rf(optional_props(10_000)), tok("smollm2-135m"))
+    assert e.value.status == 400 and e.value.code == "schema_too_large"
+    assert e.value.param == "response_format.json_schema.schema"
+    assert "10000 optional properties" in str(e.value) and "PANTHEON_GRAMMAR_MAX_PROPERTIES" in str(e.value)
+    assert compiles == []
+
+
+def test_many_small_objects_are_refused_by_the_node_cap(tok, compiles):
+    """The total counts too: 60 objects of 100 properties each stay under the per-object cap but not
+    under the subschema cap (compile time grows with the whole schema)."""
+    schema = {"type": "object", "properties": {f"o{j}": optional_props(100, f"o{j}") for j in range(60)}}
+    with pytest.raises(structured.SchemaTooLarge) as e:
+        Grammar.from_response_format(json_schema_rf(schema), tok("smollm2-135m"))
+    assert "PANTHEON_GRAMMAR_MAX_NODES" in str(e.value) and compiles == []
+
+
+def test_enum_values_and_pattern_properties_count(tok, compiles):
+    t = tok("smollm2-135m")
+    with pytest.raises(structured.SchemaTooLarge):
+        Grammar.from_json_schema({"enum": [f"v{i}" for i in range(6000)]}, t)
+    pats = {"type": "object", "patternProperties": {f"^k{i}[a-z]+$": {"type": "integer"} for i in range(101)}}
+    with pytest.raises(structured.SchemaTooLarge) as e:
+        Grammar.from_json_schema(pats, t)
+    assert "patternProperties" in str(e.value) and compiles == []
+
+
+def test_forced_tools_are_counted_together(tok, compiles):
+    """Each tool may be small; the grammar holds all of them."""
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": optional_props(300, f"t{i}")}}
+             for i in range(20)]
+    with pytest.raises(structured.SchemaTooLarge) as e:
+        Grammar.for_tools(tools, "required", tok("smollm2-135m"))
+    assert e.value.param == "tools" and compiles == []
+
+
+def test_the_limits_are_the_callers(tok):
+    t = tok("smollm2-135m")
+    small = structured.SchemaLimits(max_nodes=50, max_properties=10)
+    with pytest.raises(structured.SchemaTooLarge):
+        Grammar.from_json_schema(optional_props(11), t, limits=small)
+    Grammar.from_json_schema(optional_props(10), t, limits=small)
+    required = {**optional_props(30), "required": [f"prop_{i:05d}" for i in range(25)]}
+    Grammar.from_json_schema(required, t, limits=small)  # 5 optional: only those grow as a square
+    with pytest.raises(structured.SchemaTooLarge):
+        Grammar.from_json_schema({**required, "required": required["required"][:19]}, t, limits=small)
+    with pytest.raises(structured.SchemaTooLarge):
+        Grammar.for_tools([{"type": "function", "function": {"name": "f", "parameters": optional_props(11)}}],
+                          "required", t, limits=small)
+
+
+def test_the_largest_schema_within_the_caps_compiles_and_generates(tok):
+    """Twelve objects of 400 optional properties each (4813 subschemas, 150 kB): inside every default
+    cap, at the top of the measured range (~0.3 CPU-seconds here). It compiles and its output is valid."""
+    t = tok("smollm2-135m")
+    schema = {"type": "object", "properties": {f"o{j}": optional_props(400, f"o{j}") for j in range(12)},
+              "required": ["o0"], "additionalProperties": False}
+    g = Grammar.from_response_format(json_schema_rf(schema), t)
+    text, _ = generate(g.matcher(stops_of(t), t.vocab_size), t, stops_of(t), t.vocab_size, 0)
+    assert jsonschema_rs.is_valid(schema, json.loads(text))
+
+
+def test_an_object_past_llguidances_row_limit_fails_at_its_opening_brace_with_a_message(tok):
+    """Why the default per-object cap is 400, not higher: llguidance's parser allows 2000 items in a row
+    (4 per optional property, plus a few), so with the cap raised, 499 optional properties compile but
+    the opening brace is refused with that reason (which the scheduler reports as the request's error);
+    498 still work. With the default cap 499 is refused up front."""
+    t = tok("smollm2-135m")
+    brace = t.encode("{")[0]
+    with pytest.raises(structured.SchemaTooLarge):
+        Grammar.from_response_format(json_schema_rf(optional_props(499)), t)
+    raised = structured.SchemaLimits(max_properties=600)
+    ok = Grammar.from_response_format(json_schema_rf(optional_props(498)), t, raised).matcher(stops_of(t), t.vocab_size)
+    assert ok.consume(brace) and ok.error is None
+    m = Grammar.from_response_format(json_schema_rf(optional_props(499)), t, raised).matcher(stops_of(t), t.vocab_size)
+    assert not m.consume(brace)
+    assert "max is 2000" in m.error and m.done

@@ -178,16 +178,16 @@ def stub_grammar(monkeypatch):
 
     class Grammar:
         @staticmethod
-        def from_response_format(rf, tokenizer):
+        def from_response_format(rf, tokenizer, limits=None):
             calls.append(("response_format", rf))
             return None if rf.get("type") == "text" else ("grammar", rf["type"])
 
         @staticmethod
-        def for_tools(tools, choice, tokenizer, parallel=True):
+        def for_tools(tools, choice, tokenizer, parallel=True, limits=None):
             calls.append(("tools", [t["function"]["name"] for t in tools], choice, parallel))
             return ("grammar", "tools")
 
-    mod = types.SimpleNamespace(Grammar=Grammar)
+    mod = types.SimpleNamespace(Grammar=Grammar, SchemaLimits=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "pantheon.text.structured", mod)
     # `from pantheon.text import structured` reads the package's attribute once the real module was imported
     monkeypatch.setattr(pantheon.text, "structured", mod, raising=False)

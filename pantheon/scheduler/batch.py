@@ -5,7 +5,9 @@ Lifecycle of a request:
 1. `submit` (request greenlet, never blocks) appends it to the FIFO admission queue, or refuses it:
    queue full -> 429 Retry-After 5 (503 under CRITICAL memory pressure); shutting down or failed ->
    503. With `immediate=True` (the single-user setting, PANTHEON_BATCH_SLOTS=0: one slot, no queue) a
-   request that finds no free slot is refused at once with 429 Retry-After 1.
+   request that finds no free slot is refused at once with 429 Retry-After 1. A request that must
+   prepare first (compile its grammar) takes a place with `reserve` before it starts, so it is refused
+   before that work rather than after, and its place counts in the queue's bound while it prepares.
 2. The driver admits queued requests into IDLE slots, preferring the slot that holds the request's
    session, else the idle slot whose committed history shares the longest prefix with the prompt (its
    KV is reused: only the new suffix is prefilled). Reuse never crosses a cache scope
@@ -31,6 +33,10 @@ Threads and locks (docs/architecture.md has the whole map):
   `cancelled` flag and the stats. It is held only for bookkeeping, never across a device call or a
   wait on the device; `_work` (a condition on `_mu`) wakes the driver: new job, cancel or close.
 - sinks are called outside `_mu` (they only hand the event to a greenlet).
+
+Grammar masks (GenRequest.constraint) are built by `pantheon.scheduler.masks.MaskBuilder`'s threads
+with a deadline (PANTHEON_GRAMMAR_MASK_MS): a request whose mask row is late, or whose grammar stops on
+an error of its own, fails alone (400 `grammar_too_complex`); the step goes on for every other row.
 
 Failure is loud: a failed step fails its requests (500) and rebuilds the state with every slot's
 prefix history cleared (the cache it described is gone); an exception anywhere else in the driver
@@ -59,10 +65,25 @@ from pantheon.runtime.engine import Chunk, Model, StepHandle, StepPlan
 from pantheon.errors import BusyError, ModelFailed, RequestError
 from pantheon.types import Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
 from pantheon.scheduler.embed import PRESSURE_CRITICAL, EmbedDriver
+from pantheon.scheduler.masks import MaskBuilder
 
 # A slot of an n > 1 request is FORK once the prompt (but its last token) is in its cache, and
 # FORKWAIT while it waits for that copy (a sibling choice). Both are neither idle nor stepping.
 IDLE, PREFILL, DECODE, FORK, FORKWAIT = "IDLE", "PREFILL", "DECODE", "FORK", "FORKWAIT"
+
+
+class Reservation:
+    """A place in the admission queue held by a request still preparing (`BatchScheduler.reserve`).
+
+    Give it to `submit` (which takes it over) or `release` it; either is safe from any thread, and
+    releasing a used or released one does nothing."""
+
+    def __init__(self, sched: "BatchScheduler"):
+        self._sched = sched
+        self.held = True  # the scheduler's _mu
+
+    def release(self) -> None:
+        self._sched._unreserve(self)
 
 
 class _Handle:
@@ -84,6 +105,7 @@ class _Job:
     enqueued_at: float
     cancelled: bool = False  # guarded by the scheduler's _mu
     cancelled_choices: set[int] = field(default_factory=set)  # _mu: choices stopped alone (n > 1)
+    error: Exception | None = None  # _mu: the job failed alone (its grammar); it leaves like a cancel, as "error"
 
 
 @dataclass(eq=False)
@@ -170,6 +192,7 @@ class BatchScheduler(EmbedDriver):
         self._work = osthread.Condition(self._mu)
         self._slots = [_Slot(i) for i in range(self.n_slots)]
         self._queue: deque[_Job] = deque()
+        self._reserved = 0  # _mu: places held by Reservations (counted as queued by the admission rule)
         self._closed = False
         self.failure: str | None = None  # set once when the driver dies; the registry and health read it
         self.stats = SchedulerStats()
@@ -177,17 +200,47 @@ class BatchScheduler(EmbedDriver):
         self._inflight: _InFlight | None = None  # driver-only: the dispatched step not yet read
         self._state = model.new_state()  # driver-only after start: the donated device state
         self._embed_queue, self._embed_jobs = deque(), []  # _mu: embeddings jobs waiting / started (.embed)
+        # grammar mask rows: workers start with the first constrained step; up to n_slots more may be
+        # held by abandoned (late) rows while n_slots stay free for new steps
+        self._mask_builder = MaskBuilder(f"mask-{model.name}", settings.grammar_mask_ms / 1000.0,
+                                         live=self.n_slots, spare=self.n_slots)
         if settings.warmup if warmup is None else warmup:
             self._state = model.warmup(self._state, mixed=self.mixed)
         self._thread = osthread.start_thread(self._drive, name=f"driver-{model.name}")
 
     # ---- called from request greenlets --------------------------------------------------------
-    def submit(self, req: GenRequest, sink: Sink) -> _Handle:
+    def reserve(self) -> Reservation:
+        """Hold a place in the admission queue for a request that must prepare before it can be
+        submitted (compile its grammar): refused now, by the same rule as `submit`, if it could not be
+        queued, so no preparation is spent on a request that would get 429; while held, the place
+        counts in the queue's bound. `submit(..., reservation=)` uses it, `Reservation.release` drops it."""
+        with self._mu:
+            self._admission_locked()
+            self._reserved += 1
+        return Reservation(self)
+
+    def _unreserve(self, r: Reservation) -> None:
+        with self._mu:
+            if r.held:
+                r.held = False
+                self._reserved -= 1
+
+    def submit(self, req: GenRequest, sink: Sink, reservation: Reservation | None = None) -> _Handle:
+        """Queue `req`. With a held `reservation` its place is used (no capacity check: it was made when
+        the place was taken); without one the admission rule decides now."""
         job = _Job(req=req, sink=sink, enqueued_at=time.monotonic())
         if req.n > self.n_slots:
             raise RequestError(f"n: at most {self.n_slots} choices (the model's slots), got {req.n}", param="n")
         with self._mu:
-            self._admission_locked()
+            if reservation is not None and reservation.held and reservation._sched is self:
+                reservation.held = False
+                self._reserved -= 1
+                if self.failure is not None:
+                    raise ModelFailed(f"model {self.model.name!r} failed: {self.failure}")
+                if self._closed:
+                    raise BusyError("server is shutting down", status=503)
+            else:
+                self._admission_locked()
             self._queue.append(job)
             self._work.notify_all()
         return _Handle(self, job)
@@ -201,7 +254,7 @@ class BatchScheduler(EmbedDriver):
         if self._closed:
             raise BusyError("server is shutting down", status=503)
         free = self._free_slots_locked()
-        waiting = len(self._queue) + len(self._embed_queue)
+        waiting = len(self._queue) + len(self._embed_queue) + self._reserved
         if self.immediate and (free == 0 or waiting):
             raise BusyError("a request is already in progress on this model; retry shortly", status=429, retry_after=1)
         if waiting >= self.queue_depth + free:
@@ -222,6 +275,7 @@ class BatchScheduler(EmbedDriver):
         with self._mu:
             s = dataclasses.asdict(self.stats)
             s.update(mode="single" if self.immediate else "batch", slots=self.n_slots, queued=len(self._queue),
+                     reserved=self._reserved,
                      running=sum(1 for sl in self._slots if sl.state != IDLE),
                      native_kernels=int(bool(getattr(self.model, "native_matmul", False))),
                      failure=self.failure)
@@ -232,6 +286,7 @@ class BatchScheduler(EmbedDriver):
             self._closed = True
             self._work.notify_all()
         self._thread.join(timeout)
+        self._mask_builder.close()
 
     def _free_slots_locked(self) -> int:
         return sum(1 for sl in self._slots if sl.state == IDLE)
@@ -310,9 +365,19 @@ class BatchScheduler(EmbedDriver):
             if sl.state != IDLE and sl.job is not None and (sl.job.cancelled or sl.choice in sl.job.cancelled_choices):
                 if self.recurrent and id(sl) in inflight:
                     sl.hist, sl.scope = [], ""
-                events.append(self._release_locked(sl, "cancelled"))
+                err = sl.job.error
+                events.append(self._release_locked(sl, "error", err) if err is not None
+                              else self._release_locked(sl, "cancelled"))
                 out.append(sl)
         return out
+
+    def _fail_job_locked(self, job: _Job, error: Exception) -> None:
+        """`job` fails alone: its slots leave at the next turn of the loop, with Finished("error"), the
+        way a cancelled job's do; until then none of its rows' tokens is handed out."""
+        if job.error is None:
+            job.error = error
+        job.cancelled = True
+        self._work.notify_all()
 
     def _reap_queue_locked(self, events: list[tuple[_Job, Event]]) -> None:
         self._queue = self._reap_locked(self._queue, events, lambda job: [
@@ -540,14 +605,44 @@ class BatchScheduler(EmbedDriver):
     def _masks(self, rows: list[_Row]) -> np.ndarray:
         """The grammar masks of a step's rows, built while its forward runs: first the step before it
         is read (its tokens advance the matchers), then each constrained row's allowed tokens (all
-        ones for the others)."""
+        ones for the others).
+
+        The rows are built by the mask workers (`pantheon.scheduler.masks`), and the driver waits for
+        them at most PANTHEON_GRAMMAR_MASK_MS: a row that is late (or whose `fill_mask` raised) fails
+        its request alone -- its matcher is dropped at once (a worker may still be inside it), its row
+        stays all ones (the token it samples is never handed out) and the job leaves as "error" at the
+        next turn of the loop -- while every other row of the step keeps its mask."""
         self._collect_inflight()
         words = np.full((len(rows), self.model.mask_words), -1, np.int32)
-        for i, r in enumerate(rows):
-            m = r.slot.matcher
-            if r.emits and m is not None and r.slot.job is r.job:
-                m.fill_mask(words[i])  # (a finished or failed matcher allows only the stop ids)
+        todo = [(i, r) for i, r in enumerate(rows)  # (job.error is written by this thread only)
+                if r.emits and r.slot.matcher is not None and r.slot.job is r.job and r.job.error is None]
+        if not todo:
+            return words
+        built = self._mask_builder.build([r.slot.matcher for _, r in todo], self.model.mask_words)
+        failed: list[tuple[_Job, Exception]] = []
+        for (i, r), row in zip(todo, built):
+            if isinstance(row, np.ndarray):
+                words[i] = row  # (a finished or failed matcher allows only the stop ids)
+                continue
+            r.slot.matcher = None  # late: a worker may still be inside it; never touched again
+            failed.append((r.job, self._mask_error(r.job, row)))
+        if failed:
+            with self._mu:
+                for job, err in failed:
+                    self._fail_job_locked(job, err)
         return words
+
+    def _mask_error(self, job: _Job, raised: BaseException | None) -> Exception:
+        """The error a request fails with when its mask row was late (`raised` None) or raised."""
+        param = getattr(job.req.constraint, "param", None)
+        if raised is None:
+            ms = self._mask_builder.bound_s * 1000
+            return RequestError(f"structured outputs: computing the tokens the grammar allows next took longer "
+                                f"than {ms:g} ms (PANTHEON_GRAMMAR_MASK_MS); the grammar is too complex to follow",
+                                param=param, code="grammar_too_complex")
+        if isinstance(raised, Exception):
+            return raised
+        return RuntimeError(f"grammar mask failed: {type(raised).__name__}: {raised}")
 
     def _logprobs(self, done: _InFlight) -> tuple[np.ndarray, np.ndarray] | None:
         if not any(r.job.req.logprobs is not None and r.emits for r in done.rows):
@@ -567,8 +662,8 @@ class BatchScheduler(EmbedDriver):
         with self._mu:
             for i, (r, (tok, flag)) in enumerate(zip(done.rows, packed.tolist())):
                 sl = r.slot
-                if sl.job is not r.job or sl.state == IDLE:
-                    continue  # finished or cancelled since: a dead row
+                if sl.job is not r.job or sl.state == IDLE or r.job.error is not None:
+                    continue  # finished, cancelled or failed since: a dead row
                 if r.part:
                     sl.hist.extend(r.part)
                     if not r.final:
@@ -585,8 +680,14 @@ class BatchScheduler(EmbedDriver):
                     lp, top = lps
                     entry = (TokenLogprob(tok, float(lp[i, 0]),
                                           tuple((int(top[i, j]), float(lp[i, 1 + j])) for j in range(k))),)
-                if sl.matcher is not None:
-                    sl.matcher.consume(tok)  # a rejected token (not under the mask) leaves only the stop ids
+                if sl.matcher is not None and not sl.matcher.consume(tok):
+                    # the token was under the mask, so the grammar stopped on an error of its own (one of
+                    # llguidance's limits): the request fails with that error rather than ending silently
+                    why = getattr(sl.matcher, "error", None) or f"token {tok} was not accepted"
+                    self._fail_job_locked(r.job, RequestError(
+                        f"structured outputs could not follow the grammar: {why}",
+                        param=getattr(r.job.req.constraint, "param", None), code="grammar_too_complex"))
+                    continue
                 events.append((r.job, Tokens((tok,), choice=sl.choice, logprobs=entry)))
                 if flag in decode_state.FINISH_REASONS:
                     events.append(self._release_locked(sl, decode_state.FINISH_REASONS[flag]))
@@ -630,6 +731,7 @@ class BatchScheduler(EmbedDriver):
         message = f"{type(exc).__name__}: {exc}"
         print(f"[bs] driver of {self.model.name} failed: {message}", file=sys.stderr, flush=True)
         err = ModelFailed(f"model {self.model.name!r} failed: {message}", status=500)
+        self._mask_builder.close()
         events: list[tuple[_Job, Event]] = []
         with self._mu:
             self.failure = message
@@ -643,6 +745,7 @@ class BatchScheduler(EmbedDriver):
         self._deliver(events)
 
     def _shutdown(self) -> None:
+        self._mask_builder.close()
         events: list[tuple[_Job, Event]] = []
         err = BusyError("server is shutting down", status=503)
         with self._mu:

@@ -6,10 +6,18 @@ What it is not: it never touches the device; the scheduler copies the rows it fi
 
 Lifecycle (one request)::
 
-    g = Grammar.from_response_format(rf, tokenizer)     # request thread/greenlet; None for {"type": "text"}
-    g = Grammar.for_tools(tools, choice, tokenizer)     # or: a forced tool call (None for "auto"/"none")
-    m = g.matcher(stop_ids, vocab)                      # driver thread, one per choice
-    loop: m.fill_mask(rows[i]); ...sample...; m.consume(token)   until m.done (or the token limit)
+    g = Grammar.from_response_format(rf, tokenizer, limits)   # a compile-pool thread; None for {"type": "text"}
+    g = Grammar.for_tools(tools, choice, tokenizer, limits=)  # or: a forced tool call (None for "auto"/"none")
+    m = g.matcher(stop_ids, vocab)                            # driver thread, one per choice
+    loop: m.fill_mask(rows[i]) (a mask worker); ...sample...; m.consume(token) (driver)   until m.done
+
+Bounds (issue 31): a schema past `SchemaLimits` is refused before llguidance sees it (`SchemaTooLarge`,
+400), because a compile cannot be interrupted and its time grows steeply with a schema's size; the web
+layer compiles in a bounded pool with a deadline and cancels a compile whose client left
+(`pantheon.web.chat.Generation._compile_constraint`); the compile also computes the first mask, so
+matchers start warm; and the scheduler builds mask rows in worker threads with a per-row deadline
+(`pantheon.scheduler.masks`), failing a request whose row is late, or whose matcher stops on one of
+llguidance's own limits, alone.
 
 Mask layout: one int32 word per 32 tokens, ``mask_words(vocab) = (vocab + 31) // 32``; bit ``t % 32`` of word
 ``t // 32`` set means token ``t`` may come next (the engine's `apply_mask` layout). Bits at positions >= vocab
@@ -60,8 +68,11 @@ random sampler driving a 5-property schema (nested object, array, pattern, email
   152k (80 us for free-form ``json_object``); 90th percentile 60-110 us / 80-190 us; the 99th percentile
   and the rare slow steps (a long lexeme, a fresh lexer state) take 0.2-5 ms, up to ~10 ms on a loaded CPU.
 * Compiling (`Grammar.from_response_format` for that schema): 0.7-1 ms median, ~1.5 ms the first time;
-  the two-tool grammar 1-2 ms. The first mask of a fresh matcher: 30-170 us. `Grammar.matcher` (a deep copy
-  of the compiled prototype): ~40 us. Large schemas take longer to compile (llguidance's limits cap them).
+  the two-tool grammar 1-2 ms. `Grammar.matcher` (a deep copy of the compiled prototype): ~40 us. Large
+  schemas take longer: ~9 CPU-seconds for one object of 10k optional properties, which `SchemaLimits`
+  refuses (its docstring and docs/http-api.md have the measured curve). The first mask is computed
+  while compiling (a 3000-property grammar: 80 ms cold; 0.1 ms on a matcher copied from the warmed
+  prototype).
 * The first grammar for a tokenizer also builds llguidance's token trie: ~0.15 s for SmolLM2, ~0.5 s for
   Qwen (152k), ~3 s for Gemma 3 (262k). It is cached per tokenizer object; `prepare(tokenizer)` builds it
   ahead (at model load, in a thread).
@@ -71,10 +82,11 @@ leap-second syntax), which strict validators reject except at 23:59:60Z. Tokens 
 (Qwen's ``[PAD...]`` fillers) are ordinary text to the grammar, as they are to the detokenizer.
 
 Threads: a `Grammar` is immutable once built and may be shared; `Grammar.matcher` may be called from any
-thread. A `Matcher` belongs to one thread at a time (the driver); llguidance releases the GIL while it
-computes a mask. Compiling holds no lock; llguidance releases the GIL while it compiles, but a gevent
-greenlet still blocks the hub for that time, so big schemas are better compiled via
-`pantheon.web.bridge.call_in_thread`. Two threads building the same tokenizer's trie at once both build
+thread. A `Matcher` belongs to one thread at a time (a mask worker while it fills a row, the driver
+while it consumes; the hand-over goes through the mask builder's lock); llguidance releases the GIL
+while it computes a mask. Compiling holds no lock; llguidance releases the GIL while it compiles, but a
+gevent greenlet would still block the hub for that time, so the server compiles in its pool
+(`pantheon.web.bridge.WorkPool`). Two threads building the same tokenizer's trie at once both build
 it; one result is kept.
 """
 
@@ -84,6 +96,7 @@ import functools
 import json
 import re
 import weakref
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import llguidance as llg
@@ -103,6 +116,13 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for response_fo
 _MAX_MESSAGE = 400  # llguidance's messages can quote the schema; a client gets the first characters
 # verbose_errors=False: error messages say what is wrong without dumping parser state and grammar.
 _LIMITS = llg.LLParserLimits(verbose_errors=False)
+
+
+class SchemaTooLarge(RequestError):
+    """A schema past `SchemaLimits` (400 ``schema_too_large``), refused before llguidance sees it."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(f"{param}: {message}", param=param, code="schema_too_large")
 
 
 class UnsupportedSchema(RequestError):
@@ -221,6 +241,64 @@ def _unknown_format_nodes(schema: dict) -> list[dict]:
     return found
 
 
+@dataclass(frozen=True)
+class SchemaLimits:
+    """How large a schema may be before it is refused uncompiled (`SchemaTooLarge`).
+
+    Why these three: llguidance's compile time (which cannot be interrupted) grows with the schema's
+    subschemas, with the square of one object's optional properties, and steeply with
+    patternProperties; its own cap (50k compiled nodes) sits far above the range where a compile takes
+    seconds. Measured on SmolLM2's tokenizer (docs/http-api.md, "Structured outputs: limits"): one
+    object of 10k optional string properties (340 kB) takes ~8.6 CPU-seconds to compile, 5k 1.8 s, 2k
+    0.28 s, 1k 0.08 s, 500 0.02 s; 10k required ones 0.86 s; 10k spread over objects of 100 0.56 s;
+    200 patternProperties 0.4 s (400: 6 s). Within these defaults the worst compile measured is ~0.3
+    CPU-seconds. They also keep a schema generatable: an object of more than ~498 optional properties
+    compiles, but llguidance's 2000-item parser row refuses its opening brace.
+    """
+
+    max_nodes: int = 5000  # subschemas (every JSON object in the schema) plus enum values
+    max_properties: int = 400  # optional properties (not in `required`) of one object
+    max_pattern_properties: int = 100  # patternProperties entries, the whole schema together
+
+
+DEFAULT_LIMITS = SchemaLimits()
+
+
+def check_size(schema: Any, limits: SchemaLimits, param: str) -> None:
+    """Raise `SchemaTooLarge` when `schema` is past `limits` (iterative, and it stops at the first
+    limit passed, so a huge schema costs no more than the limit to refuse)."""
+    nodes = patterns = 0
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        nodes += 1
+        if isinstance(node.get("enum"), list):
+            nodes += len(node["enum"])
+        props = node.get("properties")
+        if isinstance(props, dict) and len(props) > limits.max_properties:
+            required = node.get("required")
+            optional = len(set(props) - set(r for r in required if isinstance(r, str))) \
+                if isinstance(required, list) else len(props)
+            if optional > limits.max_properties:
+                raise SchemaTooLarge(f"an object with {optional} optional properties; structured outputs take at "
+                                     f"most {limits.max_properties} in one object (PANTHEON_GRAMMAR_MAX_PROPERTIES): "
+                                     "compiling the grammar takes time that grows with the square of that count "
+                                     "(list them in `required`, or split the object)", param)
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += len(node["patternProperties"])
+            if patterns > limits.max_pattern_properties:
+                raise SchemaTooLarge(f"more than {limits.max_pattern_properties} patternProperties entries; "
+                                     "structured outputs take at most that many in one schema (compiling them "
+                                     "takes time that grows steeply with their count)", param)
+        if nodes > limits.max_nodes:
+            raise SchemaTooLarge(f"more than {limits.max_nodes} subschemas and enum values; structured outputs "
+                                 f"take at most that many (PANTHEON_GRAMMAR_MAX_NODES): compiling the grammar "
+                                 "takes time that grows with them", param)
+        stack.extend(_subschemas(node))
+
+
 def _prepare_schema(schema: dict, strict: bool, param: str) -> dict:
     """The schema llguidance gets: unknown formats dropped unless strict (a copy only when that changes it)."""
     if strict or not _unknown_format_nodes(schema):
@@ -256,6 +334,8 @@ class Grammar:
         self._llg_vocab = prepare(tokenizer).vocab_size
         self._llg_eos = tuple(prepare(tokenizer).eos_tokens)
         self.kind = kind  # "json_object" | "json_schema" | "tools"
+        # the request field a failure while generating is blamed on (the scheduler's error names it)
+        self.param = "tools" if kind == "tools" else "response_format"
         self.source = source  # the llguidance grammar (for logs and debugging)
         self.warnings: list[str] = list(proto.get_grammar_warnings())
 
@@ -263,17 +343,20 @@ class Grammar:
 
     @classmethod
     def _compile(cls, grammar: str, tokenizer: Any, kind: str, param: str) -> "Grammar":
-        m = llg.LLMatcher(prepare(tokenizer), grammar, log_level=0, limits=_LIMITS)
+        m = _matcher_of(grammar, tokenizer)
         if m.is_error():
             raise UnsupportedSchema(m.get_error(), param)
         return cls(m, tokenizer, kind, grammar)
 
     @classmethod
     def from_json_schema(cls, schema: Any, tokenizer: Any, *, strict: bool = False,
-                         param: str = "response_format.json_schema.schema", kind: str = "json_schema") -> "Grammar":
-        """A grammar for JSON documents valid against `schema` (a JSON Schema object)."""
+                         param: str = "response_format.json_schema.schema", kind: str = "json_schema",
+                         limits: SchemaLimits = DEFAULT_LIMITS) -> "Grammar":
+        """A grammar for JSON documents valid against `schema` (a JSON Schema object); `SchemaTooLarge`
+        past `limits`."""
         if not isinstance(schema, dict):
             raise RequestError(f"{param} must be a JSON Schema object", param=param)
+        check_size(schema, limits, param)
         schema = _with_whitespace(_prepare_schema(schema, strict, param))
         try:
             grammar = llg.LLMatcher.grammar_from_json_schema(schema)
@@ -282,13 +365,14 @@ class Grammar:
         return cls._compile(grammar, tokenizer, kind, param)
 
     @classmethod
-    def from_response_format(cls, rf: Any, tokenizer: Any) -> "Grammar | None":
+    def from_response_format(cls, rf: Any, tokenizer: Any, limits: SchemaLimits = DEFAULT_LIMITS) -> "Grammar | None":
         """The grammar an OpenAI ``response_format`` asks for; None for ``{"type": "text"}``.
 
         ``{"type": "json_object"}``: any JSON object. ``{"type": "json_schema", "json_schema": {"name": ...,
         "schema": {...}, "strict": bool, "description": str}}``: a document valid against the schema.
         llama.cpp's ``{"type": "json_object", "schema": {...}}`` is accepted too. Raises RequestError
-        naming the field for a malformed value, UnsupportedSchema for a schema that cannot be enforced.
+        naming the field for a malformed value, UnsupportedSchema for a schema that cannot be enforced,
+        SchemaTooLarge for one past `limits`.
         """
         if not isinstance(rf, dict):
             raise RequestError("response_format must be an object", param="response_format")
@@ -307,7 +391,8 @@ class Grammar:
             schema = rf.get("schema")
             if schema is None:
                 schema = {"type": "object"}
-            return cls.from_json_schema(schema, tokenizer, param="response_format.schema", kind="json_object")
+            return cls.from_json_schema(schema, tokenizer, param="response_format.schema", kind="json_object",
+                                        limits=limits)
         js = rf.get("json_schema")
         p = "response_format.json_schema"
         if not isinstance(js, dict):
@@ -326,17 +411,19 @@ class Grammar:
             raise RequestError(f"{p}.strict must be true or false", param=f"{p}.strict")
         if "schema" not in js:
             raise RequestError(f"{p}.schema is required", param=f"{p}.schema")
-        return cls.from_json_schema(js["schema"], tokenizer, strict=bool(strict), param=f"{p}.schema")
+        return cls.from_json_schema(js["schema"], tokenizer, strict=bool(strict), param=f"{p}.schema", limits=limits)
 
     @classmethod
-    def for_tools(cls, tools: Any, choice: Any, tokenizer: Any, *, parallel: bool = True) -> "Grammar | None":
+    def for_tools(cls, tools: Any, choice: Any, tokenizer: Any, *, parallel: bool = True,
+                  limits: SchemaLimits = DEFAULT_LIMITS) -> "Grammar | None":
         """The grammar of a forced tool call: ``choice`` ``"required"`` (one or more calls to declared tools,
         exactly one when not `parallel`) or ``{"type": "function", "function": {"name": N}}`` (one call to
         N). None for ``"auto"``/``"none"`` (nothing is forced). `tools` are OpenAI tool objects; each
         call's arguments must match its tool's ``parameters`` (no parameters: an empty object).
 
         Raises RequestError for malformed tools or an unknown name, UnsupportedSchema (param
-        ``tools[i].function.parameters``) for parameters that cannot be enforced.
+        ``tools[i].function.parameters``) for parameters that cannot be enforced, SchemaTooLarge (param
+        ``tools``) when the forced tools' parameters together are past `limits`.
         """
         if choice in ("auto", "none", None):
             return None
@@ -365,14 +452,14 @@ class Grammar:
             params = params if "$id" in params else {"$id": f"urn:pantheon:tools:{i}", **params}
             calls.append(_call_schema(name, params))
         body = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        check_size(body, limits, "tools")
         grammar = _tool_grammar(_with_whitespace(body), single)
         try:
             return cls._compile(grammar, tokenizer, "tools", "tools")
         except UnsupportedSchema:
             # Name the tool whose parameters are at fault, when one alone fails.
             for i, call in zip(wanted, calls):
-                probe = llg.LLMatcher(prepare(tokenizer), _tool_grammar(_with_whitespace(call), True),
-                                      log_level=0, limits=_LIMITS)
+                probe = _matcher_of(_tool_grammar(_with_whitespace(call), True), tokenizer)
                 if probe.is_error():
                     raise UnsupportedSchema(probe.get_error(), f"tools[{i}].function.parameters") from None
             raise
@@ -389,6 +476,23 @@ class Grammar:
         if not stops:
             raise ValueError("a structured matcher needs at least one stop id below the vocabulary size")
         return Matcher(self._proto.deep_copy(), stops, vocab, self._llg_vocab, self._llg_eos)
+
+
+def _matcher_of(grammar: str, tokenizer: Any) -> llg.LLMatcher:
+    """llguidance's matcher for `grammar`, with its first mask already computed (check `is_error()`).
+
+    Why the first mask here: a fresh grammar's first mask builds its lexer states, which for a large
+    schema takes milliseconds to a tenth of a second; computed on the prototype in the compile thread,
+    every matcher `Grammar.matcher` copies from it starts warm (measured: a 3000-property schema's first
+    mask 80 ms cold, 0.1 ms on a copy of the warmed prototype), so the scheduler's first row for the
+    request costs what any row does. A grammar that fails at its very first mask fails here, as a 400.
+    """
+    lt = prepare(tokenizer)
+    m = llg.LLMatcher(lt, grammar, log_level=0, limits=_LIMITS)
+    if not m.is_error():
+        row = np.zeros(mask_words(lt.vocab_size), np.int32)
+        m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    return m
 
 
 def _tool_specs(tools: Any) -> list[tuple[str, dict, bool]]:
@@ -435,7 +539,7 @@ def _tool_grammar(call_schema: dict, single: bool) -> str:
 class Matcher:
     """One choice's position in a grammar: fills mask rows and follows the sampled tokens.
 
-    Not thread-safe: one thread (the driver) at a time.
+    Not thread-safe: one thread at a time (a mask worker fills a row, then the driver consumes).
     """
 
     def __init__(self, m: llg.LLMatcher, stops: list[int], vocab: int, llg_vocab: int, llg_eos: tuple[int, ...]):

@@ -44,6 +44,8 @@ class ServerState:
     # pantheon.serving.registration.Registration when PANTHEON_REGISTRY_URL is set, else None (no router traffic)
     registration: Any = field(default=None, repr=False)
     _throughput: Any = field(default=None, repr=False)  # pantheon.web.router_api's per-model token rates
+    # pantheon.web.bridge.WorkPool of the structured-output grammar compiles (threads start on demand)
+    grammars: Any = field(default=None, repr=False)
 
 
 def _configure_logging() -> None:
@@ -150,6 +152,9 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         except ValueError as exc:
             raise SystemExit(f"pantheon: bad PANTHEON_MODELS entry: {exc}") from None
     state = ServerState(settings=settings, registry=registry or Registry(settings))
+    from pantheon.web import bridge
+    state.grammars = bridge.WorkPool("pantheon-grammar", settings.grammar_threads, settings.grammar_queue,
+                                     "too many structured-output grammars are compiling; retry shortly")
     app = Flask(__name__)
     app.json.sort_keys = False
     app.extensions["pantheon"] = state

@@ -23,7 +23,7 @@ from typing import Any
 
 from pantheon.runtime import memory
 from pantheon.text.emitter import Delta, Emitter, merge_deltas
-from pantheon.errors import PantheonError, RequestError
+from pantheon.errors import BusyError, PantheonError, RequestError
 from pantheon.types import GenRequest
 from pantheon.web import bridge
 from pantheon.web.body import shown
@@ -598,9 +598,11 @@ class Generation(GenerationCore):
     id_prefix = "chatcmpl-"
 
     def __init__(self, registry: Any, entry: Any, creq: ChatRequest, environ: dict, metrics: Any = None,
-                 t0: float | None = None, watch: Any = None, settings: Any = None):
+                 t0: float | None = None, watch: Any = None, settings: Any = None, *,
+                 grammars: bridge.WorkPool):
         super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch, settings=settings)
         self.creq = creq
+        self.grammars = grammars  # the server's grammar-compile pool (ServerState.grammars)
         self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
 
     # -- setup --------------------------------------------------------------------------------------------
@@ -624,12 +626,47 @@ class Generation(GenerationCore):
         self.capped = self.prompt_capped
         max_tokens = self.budget(card, len(ids), creq.max_tokens)
         self.observe_admission("capped" if self.capped else "fit")
-        # After admission (a prompt that cannot run compiles no grammar), and off the hub: the first
-        # grammar of a tokenizer builds llguidance's token table (0.15 s SmolLM2, 3 s Gemma 3), and a
-        # large schema takes a while to compile.
-        constraint = None
+        constraint, reservation = None, None
         if creq.response_format is not None or creq.forces_tool_call:
-            constraint = bridge.call_in_thread(self._constraint, tok, name="pantheon-grammar")
+            reservation, constraint = self._compile_constraint(tok)
+        try:
+            self._launch(card, rendered, ids, max_tokens, constraint, reservation)
+        finally:
+            if reservation is not None:
+                reservation.release()  # (a no-op once submit took it over)
+
+    def _compile_constraint(self, tok: Any) -> tuple[Any, Any]:
+        """(the model's queue reservation or None, the compiled grammar), for a request that needs one.
+
+        After prompt admission, and only with a place in the model's queue (`reserve`, where the
+        backend offers it): a request the model cannot take is refused (429/503) before any compile, and
+        a compiling request counts in the queue's bound. The compile runs in the server's bounded pool
+        (`ServerState.grammars`: PANTHEON_GRAMMAR_THREADS running, PANTHEON_GRAMMAR_QUEUE waiting, past
+        that 429), off the hub; the request waits at most PANTHEON_GRAMMAR_TIMEOUT_S for it (then 503),
+        and a client that leaves cancels it (a compile still waiting never runs; a running one's result
+        is dropped). The first grammar of a tokenizer also builds llguidance's token table (0.15 s
+        SmolLM2, 3 s Gemma 3).
+        """
+        wait_s = self.registry.settings.grammar_timeout_s
+        reserve = getattr(self.entry.backend, "reserve", None)
+        reservation = reserve() if reserve is not None else None
+        try:
+            constraint = self.grammars.call(lambda: self._constraint(tok), timeout=wait_s, check=self.check_client)
+        except BaseException as exc:  # refused, invalid, timed out, client gone: the place goes back
+            if reservation is not None:
+                reservation.release()
+            if isinstance(exc, bridge.Timeout):
+                raise BusyError(f"the structured-output grammar did not compile within {wait_s:g} s "
+                                "(PANTHEON_GRAMMAR_TIMEOUT_S): the server is busy, or the schema is too complex",
+                                status=503, retry_after=5) from None
+            raise
+        return reservation, constraint
+
+    def _launch(self, card: Any, rendered: str, ids: list[int], max_tokens: int, constraint: Any,
+                reservation: Any) -> None:
+        """Build the GenRequest and submit it (into `reservation`'s place when there is one)."""
+        creq = self.creq
+        tok = card.tokenizer
         stop_ids = frozenset() if creq.ignore_eos else frozenset(tok.eot_ids)
         ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
@@ -641,7 +678,7 @@ class Generation(GenerationCore):
                          stop_ids=stop_ids, session_id=session, cache_scope=creq.cache_scope,
                          request_id=self.id, n=creq.n, logprobs=creq.logprobs, logit_bias=creq.logit_bias,
                          constraint=constraint)
-        self.launch(req, emitters)
+        self.launch(req, emitters, reservation=reservation)
 
     def _constraint(self, tok: Any) -> Any:
         """The grammar the output must follow: a response_format's JSON, or a forced tool call; None."""
@@ -650,9 +687,12 @@ class Generation(GenerationCore):
             return None
         from pantheon.text import structured  # the grammar engine (llguidance) loads only when a request needs it
 
+        st = self.registry.settings
+        limits = structured.SchemaLimits(max_nodes=st.grammar_max_nodes, max_properties=st.grammar_max_properties)
         if creq.response_format is not None:
-            return structured.Grammar.from_response_format(creq.response_format, tok)
-        return structured.Grammar.for_tools(creq.tools, creq.tool_choice, tok, parallel=creq.parallel_tool_calls)
+            return structured.Grammar.from_response_format(creq.response_format, tok, limits=limits)
+        return structured.Grammar.for_tools(creq.tools, creq.tool_choice, tok, parallel=creq.parallel_tool_calls,
+                                            limits=limits)
 
     def _render(self, card: Any, messages: list[dict] | None = None) -> str:
         """The chat template applied to `messages` (default: the request's) and the request's tools."""

@@ -188,11 +188,13 @@ class GenerationCore(abc.ABC):
         self.capped = self.capped or (want is not None and want > room)
         return room if want is None else min(want, room)
 
-    def launch(self, req: GenRequest, emitters: Sequence[Emitter], continuation: bool = False) -> None:
+    def launch(self, req: GenRequest, emitters: Sequence[Emitter], continuation: bool = False,
+               reservation: Any = None) -> None:
         """Submit `req` (one emitter per choice) and wait for the backend's first event.
 
         `continuation`: the generated text continues the prompt's (legacy completions), so the first
-        token's SentencePiece space is text, not the prefix a detokenizer drops at the start of a text."""
+        token's SentencePiece space is text, not the prefix a detokenizer drops at the start of a text.
+        `reservation`: the queue place the backend's `reserve` gave this request, which it then takes."""
         tok = self.entry.card.tokenizer
         self._tok = tok
         self._stop_ids = req.stop_ids
@@ -202,7 +204,10 @@ class GenerationCore(abc.ABC):
             (lambda: tok.stream(skip_special=False))
         self.choices = [Choice(i, em, decoder()) for i, em in enumerate(emitters)]
         t_submit = time.perf_counter()
-        self.handle = self.entry.backend.submit(req, self.channel.put)
+        if reservation is None:
+            self.handle = self.entry.backend.submit(req, self.channel.put)
+        else:
+            self.handle = self.entry.backend.submit(req, self.channel.put, reservation=reservation)
         first = self._next_event()
         if isinstance(first, Started):
             self.started = first
@@ -216,16 +221,20 @@ class GenerationCore(abc.ABC):
             raise first.error
         self._replay.append(first)  # no Started (a backend may skip it): pump() sees it first
 
+    def check_client(self) -> None:
+        """Raise ClientGone when the client closed its connection (a poll, at most every CHECK_GAP_S)."""
+        now = time.monotonic()
+        if now - self._last_check >= CHECK_GAP_S:
+            self._last_check = now
+            if bridge.client_gone(self.environ):
+                raise ClientGone()
+
     def _next_event(self) -> Any:
         """The next backend event; checks (at most every CHECK_GAP_S) that the client is still connected."""
         if self._replay:
             return self._replay.pop(0)
         while True:
-            now = time.monotonic()
-            if now - self._last_check >= CHECK_GAP_S:
-                self._last_check = now
-                if bridge.client_gone(self.environ):
-                    raise ClientGone()
+            self.check_client()
             try:
                 return self.channel.get(timeout=POLL_S)
             except bridge.Timeout:

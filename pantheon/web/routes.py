@@ -10,6 +10,7 @@ response names the instance (replica) that served it in `X-Pantheon-Instance`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -104,7 +105,7 @@ def completions() -> Response:
 def handle_chat(root_model: str | None = None) -> Response:
     """One chat completion. `root_model`: the request came in under that model's own root
     (`/m/<model>/...`, pantheon.web.router_api), which serves that model only."""
-    return serve_generation(parse_chat_request, Generation, root_model)
+    return serve_generation(parse_chat_request, functools.partial(Generation, grammars=server().grammars), root_model)
 
 
 def handle_completion(root_model: str | None = None) -> Response:

@@ -81,6 +81,10 @@ class Settings:
     prefill_chunk: int = 128
     queue_depth: int = 32
     queue_wait_s: float = 30.0
+    # Tokens one embeddings request may carry, its inputs summed; beyond it, 400 (pantheon.web.embeddings).
+    # Why a cap: it bounds one request's work, memory and answer (a 2048-input request of ~1M tokens
+    # held the model's slots for minutes); a client splits larger work over several requests.
+    embed_max_tokens: int = 65536
     bs_stats: bool = False
     bs_mixed: bool = True
     die_budget_mb: int = 0
@@ -138,6 +142,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         prefill_chunk=max(1, _int(env, "QWEN35_BS_PREFILL_CHUNK", 128)),
         queue_depth=max(0, _int(env, "BS_QUEUE_DEPTH", 32)),
         queue_wait_s=_float(env, "PANTHEON_QUEUE_WAIT_S", 30.0),
+        embed_max_tokens=max(1, _int(env, "PANTHEON_EMBED_MAX_TOKENS", 65536)),
         bs_stats=_flag(env, "QWEN35_BS_STATS", False),
         bs_mixed=_flag(env, "PANTHEON_BS_MIXED", True),
         die_budget_mb=_int(env, "PANTHEON_DIE_BUDGET_MB", 0),

@@ -13,17 +13,19 @@ import base64
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
 from conftest import Collector, tiny_model, wait_until
 from fake_engine import FakeModel
-from pantheon.config import Settings
+from pantheon.config import Settings, load_settings
 from pantheon.errors import BusyError, RequestError
-from pantheon.types import EmbedRequest, Embedded, Finished, GenRequest, ModelCard, SamplingParams
+from pantheon.types import EmbedRequest, Embedded, Finished, GenRequest, ModelCard, SamplingParams, Tokens
 from pantheon.runtime.pooling import EmbedRun, normalize
 from pantheon.web.embeddings import encode_vector, parse_embeddings_request
 
@@ -44,12 +46,16 @@ def expected(ids: list[int], pooling: str = "mean") -> np.ndarray:
 
 
 class CharTokenizer:
-    """One token per character (what the web layer's fake needs of a tokenizer)."""
+    """One token per character (what the web layer's fake needs of a tokenizer); records what it encoded."""
 
     add_bos, bos_id, vocab_size = False, None, 0x110000
     eot_ids = frozenset({0})
 
+    def __init__(self) -> None:
+        self.encoded: list[str] = []
+
     def encode(self, text: str, add_special: bool = False) -> list[int]:
+        self.encoded.append(text)
         return [ord(c) for c in text]
 
 
@@ -65,13 +71,23 @@ class EmbedFake(FakeModel):
         self.weight_bytes = 1000
         self.card = ModelCard(name=name, path="", arch="fake", context_length=max_seq, n_slots=n_slots,
                               tokenizer=CharTokenizer(), template=None)
+        self.log: list[tuple[str, Any]] = []  # ("step", plan) and ("embed", tokens fed), in the driver's order
+        self.on_embed: Callable[[int], None] | None = None  # called with the call's number (1, 2, ...) first
+
+    def step(self, state, plan, want_logits=False, mask=None):
+        out = super().step(state, plan, want_logits, mask)
+        self.log.append(("step", plan))
+        return out
 
     def embed(self, state, rows, slots, starts, pooling="mean"):
+        if self.on_embed is not None:
+            self.on_embed(len(self.calls) + 1)
         if self.fail is not None:
             raise self.fail
         kinds = [pooling] * len(rows) if isinstance(pooling, str) else list(pooling)
         assert len(set(slots)) == len(slots) and all(len(r) <= self.chunk for r in rows)
         self.calls.append(([list(r) for r in rows], list(slots), list(starts)))
+        self.log.append(("embed", sum(len(r) for r in rows)))
         out = []
         for toks, s, start, kind in zip(rows, slots, starts, kinds):
             state[s].hist = state[s].hist[:start] + list(toks)
@@ -270,6 +286,63 @@ def test_generation_and_embeddings_interleave_without_disturbing_each_other(fake
         assert c.done.wait(10) and c.ids == fake.generate_alone(p, 12)
 
 
+def choice_ids(c: Collector, choice: int) -> list[int]:
+    return [i for ev in c.events if isinstance(ev, Tokens) and ev.choice == choice for i in ev.ids]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_chat_arriving_while_embeddings_hold_every_slot_waits_at_most_one_embed_call(fake, sched, n):
+    """Every slot holds an input of a large request (eight chunks each) when a chat (n choices) arrives:
+    it takes slots back at the next driver iteration, after at most one more embed call, instead of
+    waiting for the inputs' remaining chunks (issue 31: chats timed out behind one embeddings request).
+    The inputs it took start over, so every vector is still exact."""
+    inputs = [list(range(100 + 60 * k, 160 + 60 * k)) for k in range(8)]  # 60 tokens: 8 chunks of 8
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(call: int) -> None:
+        if call == 2:  # the driver is inside the request's second call: every slot is an input's
+            inside.set()
+            assert release.wait(30)
+
+    fake.on_embed = hold
+    big = submit_embed(sched, inputs)
+    assert inside.wait(10)
+    assert sched.load_info()["running"] == 4
+    chat = Collector()
+    sched.submit(GenRequest(prompt_ids=[1, 2, 3], params=GREEDY, max_tokens=3, n=n), chat)
+    release.set()
+    assert chat.done.wait(10)
+    for c in range(n):
+        assert choice_ids(chat, c) == fake.generate_alone([1, 2, 3], 3)
+    np.testing.assert_allclose(big.result.vectors, [expected(x) for x in inputs], atol=1e-6)
+    embeds = [i for i, (kind, _) in enumerate(fake.log) if kind == "embed"]
+    first_step = next(i for i, (kind, _) in enumerate(fake.log) if kind == "step")  # the chat's prompt
+    assert sum(1 for i in embeds if embeds[1] < i < first_step) <= 1
+
+
+def test_a_running_stream_decodes_every_step_behind_at_most_one_chunk_of_embedding_work(fake, sched):
+    """While a chat streams, each embed call feeds at most one prefill chunk's worth of tokens (here
+    8), so a decode step never waits behind more embedding work than behind a long prompt's chunk;
+    the embeddings still make progress between the chat's steps and finish exact."""
+    fake.gate = threading.Event()  # hold the driver in the chat's first step while the embeddings queue
+    prompt = [7, 8, 9, 10]
+    chat = Collector()
+    sched.submit(GenRequest(prompt_ids=prompt, params=GREEDY, max_tokens=40), chat)
+    wait_until(lambda: sched.load_info()["running"] == 1, 10, "the chat to be admitted")
+    inputs = [list(range(300 + 40 * k, 340 + 40 * k)) for k in range(6)]  # 40 tokens: 5 chunks of 8
+    big = submit_embed(sched, inputs)
+    fake.gate.set()
+    assert chat.done.wait(10) and chat.ids == fake.generate_alone(prompt, 40)
+    np.testing.assert_allclose(big.result.vectors, [expected(x) for x in inputs], atol=1e-6)
+    steps = [i for i, (kind, _) in enumerate(fake.log) if kind == "step"]
+    plans = [fake.log[i][1] for i in steps]
+    slot = plans[0].chunk.slot
+    assert all(p.decode == (slot,) and p.chunk is None for p in plans[1:])  # a token every step
+    between = [sum(x for kind, x in fake.log[a + 1:b] if kind == "embed") for a, b in zip(steps, steps[1:])]
+    assert max(between) <= fake.chunk, between
+    assert sum(between) > 0  # embedding work ran while the chat streamed
+
+
 def test_a_full_queue_is_429_and_a_busy_single_user_model_refuses_at_once(fake):
     from pantheon.scheduler.batch import BatchScheduler
     fake.gate = threading.Event()
@@ -421,6 +494,31 @@ def test_route_takes_2048_inputs_in_a_large_body(client):
         np.testing.assert_allclose(vec, expected(inputs[i]), atol=1e-6)
 
 
+def test_route_encodes_a_large_answer_off_the_hub(client, monkeypatch):
+    """An answer of more than BIG_ANSWER_FLOATS floats is built in an OS thread (`pantheon-encode`), a
+    vector at a time, so the hub's other streams go on meanwhile (one json.dumps of 2048 x 576 floats
+    held the GIL for over a second); a small one is built in place. Both are OpenAI's shape."""
+    from pantheon.web import embeddings
+    threads: list[str] = []
+    real = embeddings.bridge.call_in_thread
+    monkeypatch.setattr(embeddings.bridge, "call_in_thread",
+                        lambda fn, *a, name="": (threads.append(name), real(fn, *a, name=name))[1])
+    monkeypatch.setattr(embeddings, "BIG_ANSWER_FLOATS", 4 * D)
+    for inputs, fmt, off_hub in (([[1, 2]] * 4, "float", []), ([[1, 2]] * 5, "float", ["pantheon-encode"]),
+                                 ([[3]] * 5, "base64", ["pantheon-encode"])):
+        threads.clear()
+        r = client.post("/v1/embeddings", json={"input": inputs, "encoding_format": fmt, "model": "m"})
+        assert r.status_code == 200 and r.mimetype == "application/json"
+        assert threads == off_hub
+        body = r.get_json()
+        n = sum(map(len, inputs))
+        assert (body["object"], body["model"], body["usage"]) == ("list", "m", {"prompt_tokens": n, "total_tokens": n})
+        assert [d["index"] for d in body["data"]] == list(range(len(inputs)))
+        got = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") if fmt == "base64" else d["embedding"]
+               for d in body["data"]]
+        np.testing.assert_allclose(got, [expected(x) for x in inputs], atol=1e-6)
+
+
 def test_route_400s_share_the_error_shape(client):
     for body, param, code in (({"input": "x", "dimensions": 8}, "dimensions", "invalid_request_error"),
                               ({"input": "x" * 65}, "input", "context_length_exceeded"),
@@ -431,6 +529,83 @@ def test_route_400s_share_the_error_shape(client):
         err = r.get_json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
+
+
+def test_route_refuses_more_tokens_than_the_per_request_budget_naming_it(tmp_path):
+    """PANTHEON_EMBED_MAX_TOKENS caps a request's tokens, its inputs summed: at the cap it is served,
+    past it a 400 naming both figures; texts stop being tokenized at the input that passes it."""
+    from pantheon.scheduler.batch import BatchScheduler
+    from test_web_app import registry_app
+    assert Settings(home=tmp_path).embed_max_tokens == 65536
+    assert load_settings({"PANTHEON_EMBED_MAX_TOKENS": "20"}).embed_max_tokens == 20
+    (tmp_path / "models").mkdir()
+    settings = Settings(home=tmp_path, model_dir=(tmp_path / "models").resolve(), batch_slots=4, prefill_chunk=8,
+                        embed_max_tokens=20)
+    model = EmbedFake(name="m")
+    app, reg = registry_app(settings, lambda p, n, d, s: model, lambda m, s: BatchScheduler(m, s, warmup=False))
+    client = app.test_client()
+    try:
+        r = client.post("/v1/embeddings", json={"input": ["a" * 10, "b" * 10]})
+        assert r.status_code == 200 and r.get_json()["usage"]["prompt_tokens"] == 20
+        for body, figure in (({"input": ["a" * 10, "b" * 11]}, "21 tokens"),
+                             ({"input": [[5] * 21]}, "21 tokens"),
+                             ({"input": ["a" * 15, "b" * 15, "c" * 15, "d" * 15]}, "at least 30 tokens")):
+            model.card.tokenizer.encoded.clear()
+            r = client.post("/v1/embeddings", json=body)
+            assert r.status_code == 400, r.get_data(as_text=True)
+            err = r.get_json()["error"]
+            assert (err["param"], err["type"]) == ("input", "invalid_request_error")
+            assert figure in err["message"] and "at most 20" in err["message"], err["message"]
+        assert model.card.tokenizer.encoded == ["a" * 15, "b" * 15]  # the last request stopped at its 2nd input
+        assert len(model.calls) == 2  # only the request within the budget reached the model (one call, two rows)
+    finally:
+        reg.close()
+
+
+def test_route_cancels_the_job_when_its_client_goes_away(tmp_path):
+    """A client that leaves while its inputs are being fed cancels the job: the route answers 499
+    (for the log), no further chunk of its inputs is fed, and the slots go back to serve others."""
+    import socket
+    from pantheon.scheduler.batch import BatchScheduler
+    from test_web_app import registry_app
+    (tmp_path / "models").mkdir()
+    settings = Settings(home=tmp_path, model_dir=(tmp_path / "models").resolve(), batch_slots=4, prefill_chunk=8)
+    model = EmbedFake(name="m")
+    app, reg = registry_app(settings, lambda p, n, d, s: model, lambda m, s: BatchScheduler(m, s, warmup=False))
+    entry = reg.acquire("m")
+    sched = entry.backend
+    reg.release(entry)
+    inside, cancelled = threading.Event(), threading.Event()
+    cancel = sched._cancel
+    sched._cancel = lambda job, *a: (cancel(job, *a), cancelled.set())
+
+    def hold(call: int) -> None:
+        if call == 1:
+            inside.set()
+            assert cancelled.wait(30)
+
+    model.on_embed = hold
+    ours, peer = socket.socketpair()
+    out: dict = {}
+    inputs = [[1 + k] * 60 for k in range(8)]  # 8 chunks each: far more calls than the one held
+    t = threading.Thread(target=lambda: out.update(r=app.test_client().post(
+        "/v1/embeddings", json={"input": inputs}, environ_base={"gunicorn.socket": ours})))
+    try:
+        t.start()
+        assert inside.wait(10)
+        peer.close()  # the client goes away while the first call runs
+        t.join(30)
+        assert not t.is_alive(), "the request did not end"
+        assert out["r"].status_code == 499
+        wait_until(lambda: sched.load_info()["running"] == 0, 10, "the slots to go back")
+        assert len(model.calls) == 1
+        model.on_embed = None
+        r = app.test_client().post("/v1/embeddings", json={"input": "again"})
+        assert r.status_code == 200
+    finally:
+        cancelled.set()
+        ours.close()
+        reg.close()
 
 
 def test_route_needs_the_api_key(tmp_path):

@@ -312,6 +312,7 @@ class BatchScheduler(EmbedDriver):
                     break
                 released = self._take_cancelled_locked(events)
                 self._reap_queue_locked(events)
+                self._embed_yield_locked()  # generation first: it may take slots back from embedding inputs
                 admitted = self._admit_locked(events)
                 embeds = self._embed_admit_locked(events)
                 work = any(sl.state != IDLE for sl in self._slots)

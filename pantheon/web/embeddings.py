@@ -11,22 +11,27 @@ most MAX_INPUTS items, none empty), `model`, `encoding_format` ("float" | "base6
 little-endian float32 bytes), `dimensions` (only the model's own size: vectors are not truncated),
 `user` (accepted, unused), `pooling`. Texts are tokenized with the model's BOS/EOS as its file asks
 (`Tokenizer.encode(add_special=True)`); token ids are taken as given. An input longer than the
-model's context window is a 400 `context_length_exceeded`, as in chat.
+model's context window is a 400 `context_length_exceeded`, as in chat. A request carries at most
+`PANTHEON_EMBED_MAX_TOKENS` tokens in all (its inputs summed): beyond it, a 400 naming both figures.
+Texts are tokenized one by one and the count stops at the first input past the budget, so a refused
+request never costs more tokenizing than the budget plus one input.
 
 The inputs go to the model's scheduler as one `EmbedRequest`: they are batched with each other and with
-concurrent requests' (pantheon.scheduler.embed), and the request greenlet waits cooperatively for the
-result, noticing a client that went away (the job is then cancelled).
+concurrent requests' (pantheon.scheduler.embed, which also keeps them from starving generation), and
+the request greenlet waits cooperatively for the result, noticing a client that went away (the job is
+then cancelled). A large answer is encoded off the hub, in an OS thread, a vector at a time.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flask import Blueprint, Response, jsonify, request
+from flask import Blueprint, Response, request
 
 from pantheon.errors import RequestError
 from pantheon.types import EMBED_POOLINGS, EmbedRequest, Embedded, Finished
@@ -45,6 +50,7 @@ FIELDS = fields(EMBEDDING_REQUEST)  # pantheon.web.schema describes the body
 ENCODINGS = ("float", "base64")
 MAX_INPUTS = EMBED_INPUTS_MAX  # items one request may carry (OpenAI's limit)
 MAX_ID_CHARS = 256
+BIG_ANSWER_FLOATS = 1 << 16  # answers with more floats are encoded off the hub, in an OS thread (~0.1 s of work)
 CANCEL_WAIT_S = 5.0  # how long a request whose client left waits for the scheduler to let go of its slots
 
 
@@ -128,10 +134,21 @@ def _too_long(index: int, n: str, window: int) -> RequestError:
                         f"{n} tokens; shorten it", param="input", code="context_length_exceeded")
 
 
-def tokenize_inputs(card: Any, ereq: EmbeddingsRequest) -> list[list[int]]:
-    """Each input's token ids, checked against the model's vocabulary and context window (400s)."""
+def _over_budget(total: str, budget: int) -> RequestError:
+    return _bad("input", f"the inputs have {total} tokens in all; one embeddings request may carry at most {budget} "
+                         "(PANTHEON_EMBED_MAX_TOKENS): split them over several requests")
+
+
+def tokenize_inputs(card: Any, ereq: EmbeddingsRequest, budget: int) -> list[list[int]]:
+    """Each input's token ids, checked against the model's vocabulary and context window and their sum
+    against `budget` (400s). Cheap checks come first: token ids are counted before any id is looked at;
+    texts are refused by their lower bound before tokenizing, and tokenizing stops at the input that
+    passes the budget (the count is then "at least")."""
     tok, window = card.tokenizer, int(card.context_length)
     if ereq.token_inputs is not None:
+        total = sum(len(ids) for ids in ereq.token_inputs)
+        if total > budget:
+            raise _over_budget(str(total), budget)
         vocab = int(tok.vocab_size)
         for i, ids in enumerate(ereq.token_inputs):
             bad = next((t for t in ids if t >= vocab), None)
@@ -140,16 +157,28 @@ def tokenize_inputs(card: Any, ereq: EmbeddingsRequest) -> list[list[int]]:
             if len(ids) > window:
                 raise _too_long(i, str(len(ids)), window)
         return ereq.token_inputs
-    out = []
+    texts = ereq.texts or []
     bound = getattr(tok, "min_tokens", None)
-    for i, text in enumerate(ereq.texts or []):
-        if callable(bound) and bound(text) > window:  # provably too long: refused before tokenizing it
-            raise _too_long(i, f"at least {bound(text)}", window)
+    if callable(bound):  # provably too many: refused before tokenizing anything
+        least = 0
+        for i, text in enumerate(texts):
+            n = bound(text)
+            if n > window:
+                raise _too_long(i, f"at least {n}", window)
+            least += n
+        if least > budget:
+            raise _over_budget(f"at least {least}", budget)
+    out = []
+    total = 0
+    for i, text in enumerate(texts):
         ids = tok.encode(text, add_special=True)
         if not ids:
             raise _bad(f"input[{i}]", "has no tokens")
         if len(ids) > window:
             raise _too_long(i, str(len(ids)), window)
+        total += len(ids)
+        if total > budget:
+            raise _over_budget(str(total) if i == len(texts) - 1 else f"at least {total}", budget)
         out.append(ids)
     return out
 
@@ -169,12 +198,17 @@ def encode_vector(vec: np.ndarray, fmt: str) -> list[float] | str:
     return v.tolist()
 
 
-def response_body(vectors: np.ndarray, fmt: str, model: str, prompt_tokens: int) -> dict:
-    return {"object": "list",
-            "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, fmt)}
-                     for i, v in enumerate(vectors)],
-            "model": model,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+def response_json(vectors: np.ndarray, fmt: str, model: str, prompt_tokens: int) -> str:
+    """The answer's JSON text, built a vector at a time. Why not one json.dumps of the whole answer:
+    that is one C call holding the GIL throughout (2048 vectors of 576 floats: about 1.5 s), which
+    stalls every stream on the hub and the model's driver thread; between per-vector pieces the
+    thread building it gives the GIL up whenever another thread asks."""
+    compact = (",", ":")
+    items = (json.dumps({"object": "embedding", "index": i, "embedding": encode_vector(v, fmt)}, separators=compact)
+             for i, v in enumerate(vectors))
+    usage = json.dumps({"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}, separators=compact)
+    return (f'{{"object":"list","data":[{",".join(items)}],"model":{json.dumps(model)},'
+            f'"usage":{usage}}}')
 
 
 def _wait(channel: bridge.Channel, environ: dict) -> Any:
@@ -236,7 +270,7 @@ def handle_embeddings(root_model: str | None = None) -> Response:
         if ereq.dimensions is not None and dims is not None and ereq.dimensions != dims:
             raise _bad("dimensions", f"this model's embeddings have {dims} dimensions (they cannot be shortened)")
         chars = sum(len(t) for t in ereq.texts or [])
-        work = lambda: tokenize_inputs(entry.card, ereq)  # noqa: E731
+        work = lambda: tokenize_inputs(entry.card, ereq, st.settings.embed_max_tokens)  # noqa: E731
         inputs = bridge.call_in_thread(work, name="pantheon-tokenize") if chars > BIG_PROMPT_CHARS else work()
         try:
             done = _run(entry, inputs, ereq.pooling, request.environ)
@@ -248,7 +282,10 @@ def handle_embeddings(root_model: str | None = None) -> Response:
                                      "shortened)")
         if st.metrics is not None:
             st.metrics.add_tokens(entry.name, done.prompt_tokens, 0)
-        resp = jsonify(response_body(vectors, ereq.encoding_format, entry.name, done.prompt_tokens))
+        answer = lambda: response_json(vectors, ereq.encoding_format, entry.name, done.prompt_tokens)  # noqa: E731
+        big = vectors.size > BIG_ANSWER_FLOATS
+        resp = Response(bridge.call_in_thread(answer, name="pantheon-encode") if big else answer(),
+                        mimetype="application/json")
         resp.headers[INSTANCE_HEADER] = entry.instance_id
         return resp
     finally:

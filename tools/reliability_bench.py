@@ -1488,7 +1488,25 @@ def phase_slow_body(b: Bench) -> dict[str, Any]:
 
 
 # ---- phase 3: large bodies ----------------------------------------------------------------------------------
-class BackgroundStreams:
+class _StreamThreads:
+    """The threads of a set of background streams: started on entering (returning once the first chunk
+    arrived, or after hang_s), told to stop and joined (bounded) on leaving. Subclasses fill
+    `_threads`, `stop`, `first_chunk` and `b`."""
+
+    def __enter__(self) -> "_StreamThreads":
+        self.t0 = time.monotonic()
+        for t in self._threads:
+            t.start()
+        self.first_chunk.wait(self.b.cfg.hang_s)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(self.b.cfg.hang_s + 5)
+
+
+class BackgroundStreams(_StreamThreads):
     """Streams started back to back in `n` threads until stopped: the longest gap between SSE chunks
     shows whether a big request stalls the generation of others."""
 
@@ -1509,17 +1527,6 @@ class BackgroundStreams:
             k += 1
             if res.outcome not in ("done", "stopped"):
                 self.stop.wait(0.5)  # a failing server: do not spin
-
-    def __enter__(self) -> "BackgroundStreams":
-        for t in self._threads:
-            t.start()
-        self.first_chunk.wait(self.b.cfg.hang_s)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(self.b.cfg.hang_s + 5)
 
     def summary(self) -> dict[str, Any]:
         rs = list(self.results)
@@ -1943,7 +1950,7 @@ def calibrate(b: Bench) -> tuple[int, float]:
     return b.context_tokens, b.chars_per_token
 
 
-class Witness:
+class Witness(_StreamThreads):
     """A plain streaming chat beside an attack, restarted back to back, and a small plain chat every
     NEWCOMER_S.
 
@@ -1982,18 +1989,6 @@ class Witness:
                 return
             self.newcomers.append(self.b.request("POST", CHAT, self.b.chat_body(f"Newcomer {k}: say hello.", 4,
                                                                                temperature=0)))
-
-    def __enter__(self) -> "Witness":
-        self.t0 = time.monotonic()
-        for t in self._threads:
-            t.start()
-        self.first_chunk.wait(self.b.cfg.hang_s)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(self.b.cfg.hang_s + 5)
 
     def summary(self) -> dict[str, Any]:
         return witness_summary(list(self.streams), list(self.newcomers), self.t0)

@@ -10,13 +10,11 @@ import numpy as np
 import pytest
 
 def _find_fixtures() -> Path:
-    """$PANTHEON_FIXTURES, else ../shared/fixtures beside the checkout (where CI puts it), else /work/shared."""
+    """$PANTHEON_FIXTURES when set (another copy, e.g. while fixtures are being rebuilt), else the copy in
+    the repository (tests/fixtures, see its PROVENANCE.md): the suite reads nothing outside the checkout."""
     if os.environ.get("PANTHEON_FIXTURES"):
         return Path(os.environ["PANTHEON_FIXTURES"])
-    for cand in (Path(__file__).resolve().parents[2] / "shared" / "fixtures", Path("/work/shared/fixtures")):
-        if cand.is_dir():
-            return cand
-    raise RuntimeError("oracle fixtures not found: set PANTHEON_FIXTURES to the shared/fixtures directory")
+    return Path(__file__).resolve().parent / "fixtures"
 
 
 FIXTURES = _find_fixtures()

@@ -19,8 +19,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from conftest import wait_until
 from pantheon.ops import native
 from pantheon import osthread
 from pantheon.serving.metrics import Metrics
@@ -119,19 +121,32 @@ def test_enable_reports_a_failing_compiler_and_keeps_xla(tmp_path, monkeypatch):
 def test_a_hung_compiler_is_killed_with_its_children_and_leaves_nothing(tmp_path, monkeypatch):
     """The compiler's own children (cc1plus, as, ld) would otherwise write the output after the temp
     was removed: how the subprocess build left an orphan `tmp*.so` behind."""
-    _fake_compiler(tmp_path / "bin", textwrap.dedent("""\
+    pids = tmp_path / "pids"
+    # The fake compiler records its pid and its background child's, whose job is to write the output
+    # 3 s later, after the 2 s build timeout; then it hangs (sleep 60). Those sleeps are the test's
+    # input, not a wait.
+    _fake_compiler(tmp_path / "bin", textwrap.dedent(f"""\
         while [ "$#" -gt 1 ]; do [ "$1" = -o ] && out=$2; shift; done
-        ( sleep 1.5; echo late > "$out" ) &
+        ( sleep 3; echo late > "$out" ) &
+        echo $$ $! > {str(pids)!r}
         sleep 60
     """))
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 2.0)
     cache = tmp_path / "native"
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="timed out"):
         native._compile(cache / "lib.so")
-    assert time.monotonic() - t0 < 10
-    time.sleep(2.0)  # past the moment the background child would have written
+    compiler, writer = (int(p) for p in pids.read_text().split())
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    # Killed, not left to finish: the hung compiler would live 60 s, past this hang guard. A writer
+    # that survived would have written by the time it is gone, which the listing below would show.
+    wait_until(lambda: gone(compiler) and gone(writer), 30, "the compiler and its child to be killed")
     assert list(cache.iterdir()) == []
 
 

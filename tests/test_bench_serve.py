@@ -29,6 +29,7 @@ class FakeServer:
         self.on_request = None  # called after each streamed request (a stand-in scheduler's counters)
         self.reported: list[tuple[int, int]] = []
         self.bodies: list[dict] = []
+        self.streaming = self.peak_streaming = 0  # streams open now, and the most ever open at once
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.httpd.daemon_threads = True
@@ -81,6 +82,24 @@ class FakeServer:
                 with fake.lock:
                     fake.bodies.append(body)
                     fake.reported.append((prompt, completion))
+                    fake.streaming += 1
+                    fake.peak_streaming = max(fake.peak_streaming, fake.streaming)
+                try:
+                    self._stream(body, prompt, completion)
+                finally:
+                    with fake.lock:
+                        fake.streaming -= 1
+                # after [DONE], like a server that counts a request once its stream is closed: the
+                # bench must wait for the request count to settle before trusting the deltas
+                time.sleep(0.05)
+                if fake.on_request is not None:
+                    fake.on_request()
+                if fake.metrics is not None:
+                    fake.metrics.add_tokens(body["model"], prompt, completion)
+                    fake.metrics.add_tokens("other-model", 1000, 1000)
+                    fake.metrics.observe_request("/v1/chat/completions", 200)
+
+            def _stream(self, body: dict, prompt: int, completion: int) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -93,7 +112,7 @@ class FakeServer:
                 base = {"id": "x", "object": "chat.completion.chunk", "model": body["model"]}
                 send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
                 for i in range(completion):
-                    time.sleep(fake.delay)
+                    time.sleep(fake.delay)  # the test's input: a server that takes this long per token
                     send({**base, "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]})
                 send({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
                 if fake.usage and body.get("stream_options", {}).get("include_usage"):
@@ -101,15 +120,6 @@ class FakeServer:
                         "prompt_tokens": prompt, "completion_tokens": completion,
                         "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": 1}}})
                 send("[DONE]")
-                # after [DONE], like a server that counts a request once its stream is closed: the
-                # bench must wait for the request count to settle before trusting the deltas
-                time.sleep(0.05)
-                if fake.on_request is not None:
-                    fake.on_request()
-                if fake.metrics is not None:
-                    fake.metrics.add_tokens(body["model"], prompt, completion)
-                    fake.metrics.add_tokens("other-model", 1000, 1000)
-                    fake.metrics.observe_request("/v1/chat/completions", 200)
 
         return Handler
 
@@ -214,7 +224,9 @@ def test_compare_gives_ratios(capsys):
     ratio = comp["ratio"]
     for key in ("request_throughput", "output_tok_s", "ttft_ms.median", "itl_ms.median", "e2e_ms.median"):
         assert ratio[key] is not None and ratio[key] > 0, key
-    assert ratio["itl_ms.median"] > 1.5 and ratio["e2e_ms.median"] > 1 and ratio["output_tok_s"] < 1
+    # b sleeps 10x longer per chunk: it is the slower one (an ordering; the sizes are figures, not criteria)
+    print("b / a:", {k: ratio[k] for k in ("itl_ms.median", "e2e_ms.median", "output_tok_s")})
+    assert ratio["itl_ms.median"] > 1 and ratio["e2e_ms.median"] > 1 and ratio["output_tok_s"] < 1
     assert ratio["goodput_req_s"] is None  # no SLO given
     med = sorted(r["e2e_ms"]["median"] for r in runs if r["server"] == "a")
     assert comp["a"]["e2e_ms.median"] == pytest.approx((med[0] + med[1]) / 2, abs=1e-3)
@@ -339,7 +351,8 @@ def test_several_levels_give_each_rounds_scaling_against_the_first_level(capsys)
     tok = {(r["concurrency"], r["round"]): r["output_tok_s"] for r in out["results"]}
     assert two["vs_first_level"] == [pytest.approx(tok[2, k] / tok[1, k], abs=1e-4) for k in (0, 1)]
     assert two["vs_first_level.median"] == pytest.approx(sum(two["vs_first_level"]) / 2, abs=1e-4)
-    assert two["vs_first_level.median"] > 1.3  # two streams of a server that sleeps per chunk overlap
+    print("c=2 vs c=1 output tok/s by round:", two["vs_first_level"])  # a figure, not a criterion
+    assert srv.peak_streaming == 2  # the c=2 level really kept two streams open at once, never more
 
 
 def test_extra_body_is_merged_into_every_request(capsys):

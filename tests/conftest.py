@@ -91,6 +91,31 @@ def load_real(real_model_path):
     return get
 
 
+@pytest.fixture(scope="session")
+def shared_server():
+    """shared_server(models, env=None, via_cli=False, timeout=240.0) -> a running server_util.Server.
+
+    One server per configuration and pytest run: modules asking for the same models, environment and
+    start path get the same process (server_util names the configurations modules share). Tests using
+    one must leave it as they found it: no admin loads or unloads, no kills. All stop at the session's end.
+    """
+    from server_util import start_server
+
+    servers: dict[tuple, object] = {}
+
+    def get(models: list[str], env: dict[str, str] | None = None, via_cli: bool = False, timeout: float = 240.0):
+        key = (tuple(models), tuple(sorted((env or {}).items())), via_cli)
+        if key not in servers:
+            servers[key] = start_server(list(models), dict(env or {}), via_cli, timeout)
+        srv = servers[key]
+        assert srv.proc.poll() is None, f"the shared server {key} has exited:\n{srv.log_tail()}"
+        return srv
+
+    yield get
+    for srv in servers.values():
+        srv.stop()
+
+
 def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
     """Poll `cond()` until it is true; fail the test (never hang) if `timeout` seconds pass first."""
     import time

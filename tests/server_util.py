@@ -1,7 +1,11 @@
 """Start a real `gunicorn -k gevent` Pantheon server on a free local port for end-to-end tests.
 
-Each test module starts its own server once (module-scoped fixture) and stops it at the end; the server
-runs in its own process group so stopping it also stops the worker, and it dies with the test process
+A server is started once per configuration and pytest run where test modules can share it: conftest's
+session fixture `shared_server(**CONFIG)` keys servers by (models, env, via_cli), and the configurations
+several modules use are named below (SMOL, TINY_BATCHED). A module whose tests change what a server
+holds for good, or own its lifetime (kill it, unload its model, start it in a special home or with a
+special environment), starts its own with `start_server` and says why. Either way the server runs in
+its own process group so stopping it also stops the worker, and it dies with the test process
 (PR_SET_PDEATHSIG) when the run is killed before it could stop it. Its log goes to a file whose tail
 is shown when it fails to come up.
 """
@@ -34,6 +38,16 @@ BASE_ENV = {"JAX_PLATFORMS": "cpu", "QWEN35_MAX_SEQ": "128", "QWEN35_BS_PREFILL_
 _CLEARED = ("PANTHEON_API_KEY", "PANTHEON_ADMIN_KEY", "PANTHEON_MODEL_DIR", "PANTHEON_CORS_ORIGINS",
             "PANTHEON_DIE_BUDGET_MB", "PANTHEON_MAX_BODY_BYTES", "QWEN35_BATCH_SLOTS", "PANTHEON_MODELS",
             "XLA_FLAGS")
+
+
+# ---- configurations shared by several modules (conftest.shared_server starts each once per run) ----------
+# The real default model: batching on (8 slots), room for a 1024-token prompt, and an API key, which the
+# clients of every module using it send (test_embeddings checks that a wrong one is refused).
+SMOL_KEY = "smol-key"
+SMOL = {"models": ["smol=smollm2-135m"], "timeout": 400.0,
+        "env": {"QWEN35_MAX_SEQ": "1024", "QWEN35_BATCH_SLOTS": "8", "PANTHEON_API_KEY": SMOL_KEY}}
+# The tiny llama on the continuous-batching path (8 slots), no keys: streams, cancels and bench runs.
+TINY_BATCHED = {"models": [f"tiny={LLAMA}"], "env": {"QWEN35_BATCH_SLOTS": "8"}}
 
 
 def die_with_parent() -> None:

@@ -23,6 +23,8 @@ ADMIN = "fuzz-admin"
 BASE = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
+# Its own server: no other module runs this configuration (the admin API over an empty model folder,
+# a 200 kB body cap), and a fuzzed request that broke a server must not break another module's tests.
 @pytest.fixture(scope="module")
 def srv():
     with tempfile.TemporaryDirectory() as empty:

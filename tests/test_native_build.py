@@ -193,6 +193,7 @@ def test_native_kernels_gauge_takes_the_max_over_replicas():
 def test_first_serve_on_an_empty_home_builds_and_uses_the_kernels(tmp_path):
     """A real gunicorn gevent server with nothing in $PANTHEON_HOME: the model's steps use the kernels,
     /metrics says so, and the cache holds the library and no temp file."""
+    # its own server: an empty home is the point (no kernels, no compile cache), so nothing can be shared
     srv = start_server([f"tiny={LLAMA}"], env={"PANTHEON_HOME": str(tmp_path), "PANTHEON_WARMUP": "0"})
     try:
         body = srv.get("/metrics").text

@@ -120,6 +120,8 @@ def routed_chats(server: Server) -> float:
     return metric(server, "pantheon_http_requests_total", 'route="/m/<path:model>/v1/chat/completions"')
 
 
+# Their own servers: three instances registered with one router (two of them alike on purpose: the
+# router must spread requests over distinct processes).
 @pytest.fixture(scope="module")
 def fleet():
     router = Router()

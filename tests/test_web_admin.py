@@ -25,6 +25,8 @@ LLAMA_BYTES = estimate_load_bytes(LLAMA, OPTS).total_bytes
 QWEN2_BYTES = estimate_load_bytes(QWEN2, OPTS).total_bytes
 
 
+# Its own server: the tests load and unload models through the admin API (state no other module may
+# see), and it is the one started through `pantheon serve`.
 @pytest.fixture(scope="module")
 def srv():
     s = start_server([f"base={LLAMA}"], via_cli=True,

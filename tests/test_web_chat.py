@@ -23,6 +23,8 @@ MAX_BODY = 65536
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
 
+# Its own server: no other module runs this configuration (the single-user path, an API key, a body
+# cap, CORS and no admin API), so conftest.shared_server would save no start.
 @pytest.fixture(scope="module")
 def srv():
     s = start_server([f"llama={LLAMA}", f"qwen2={QWEN2}"],

@@ -191,6 +191,8 @@ EST_QWEN2 = estimate_load_bytes(QWEN2, OPTS)
 BUDGET = 150 * MiB  # two tiny models (about 66 MiB each, mostly scratch) fit a die, three do not
 
 
+# Its own server: four forced CPU dies (XLA_FLAGS) and admin loads placed on them, which change what
+# the server holds.
 @pytest.fixture(scope="module")
 def srv():
     s = start_server([f"base={LLAMA}@0"],
@@ -373,6 +375,7 @@ def test_dies_unchanged_after_everything(srv, start_dies):
 
 # ---- a server under forced CRITICAL memory pressure --------------------------------------------------
 def test_critical_pressure_denies_chat_with_503():
+    # its own server: the forced pressure (PANTHEON_TEST_PRESSURE) refuses every other module's requests
     s = start_server([f"base={LLAMA}"], env={"PANTHEON_TEST_PRESSURE": "3", "PANTHEON_WARMUP": "0",
                                               "PANTHEON_ADMIN_KEY": ADMIN})
     try:

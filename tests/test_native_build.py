@@ -35,18 +35,37 @@ needs_build = pytest.mark.skipif(not native._cpu_supported() or not (shutil.whic
 # OS thread (as pantheon.web's loader does) and use them once. With "watcher", the hub's thread first
 # runs a gevent subprocess, which installs gevent's SIGCHLD handler: from then on it reaps every child,
 # the build's compiler included, and the hub keeps running while the build waits.
+# The children build at -O0 (what is tested is how two builds meet, not the code's speed: -O3 costs
+# 17 CPU-seconds a build), and each waits for the other at a file barrier before it builds, so that
+# the two compiles really run at once; each reports when its compile ran (CLOCK_MONOTONIC, one clock
+# for every process of the host).
 _GEVENT_BUILD = textwrap.dedent("""
     from gevent import monkey; monkey.patch_all()
-    import json, subprocess, sys
+    import json, os, subprocess, sys, time
     from pathlib import Path
     import gevent
     from pantheon import osthread
     from pantheon.ops import native
+    native._FLAGS = tuple("-O0" if f == "-O3" else f for f in native._FLAGS)
     if sys.argv[2] == "watcher":
         subprocess.run(["true"], check=True)
     out = {}
+    compile_one = native._compile
+    def timed_compile(path):
+        start = time.monotonic()
+        try:
+            compile_one(path)
+        finally:
+            out["compiled"] = [start, time.monotonic()]
+    native._compile = timed_compile
     def build():
         try:
+            barrier = Path(sys.argv[3])
+            (barrier / sys.argv[2]).touch()
+            deadline = time.monotonic() + 300
+            while len(os.listdir(barrier)) < 2:  # both children are here (hang guard: 300 s)
+                assert time.monotonic() < deadline, "the other child never arrived"
+                osthread.original("time", "sleep")(0.01)  # poll interval; this OS thread has no hub
             out["ok"] = native.enable(Path(sys.argv[1]))
             out["reason"] = native.unavailable_reason()
             if out["ok"]:
@@ -65,21 +84,27 @@ _GEVENT_BUILD = textwrap.dedent("""
 
 
 @needs_build
-def test_two_gevent_patched_processes_build_from_os_threads_at_once(tmp_path):
+def test_two_gevent_patched_processes_build_from_os_threads_at_once(tmp_path, monkeypatch):
     """Both builds run at once into one empty directory, one of them with gevent's SIGCHLD handler
     reaping its compiler: both load a working library, and exactly that library remains."""
-    cache = tmp_path / "native"
+    cache, barrier = tmp_path / "native", tmp_path / "barrier"
+    barrier.mkdir()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, "-c", _GEVENT_BUILD, str(cache), mode], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", _GEVENT_BUILD, str(cache), mode, str(barrier)], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for mode in ("plain", "watcher")]
+    spans = []
     for proc in procs:
         log, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, log[-3000:]
         line = next((ln for ln in log.splitlines() if ln.startswith("RESULT ")), None)
         assert line, log[-3000:]
         result = json.loads(line[len("RESULT "):])
+        spans.append(result.pop("compiled"))
         assert result == {"ok": True, "reason": None, "matmul_ok": True}, log[-3000:]
+    print("compiles ran (monotonic s):", spans)
+    assert max(a for a, _ in spans) < min(b for _, b in spans), spans  # the two compiles overlapped
+    monkeypatch.setattr(native, "_FLAGS", tuple("-O0" if f == "-O3" else f for f in native._FLAGS))  # as built
     assert [p.name for p in cache.iterdir()] == [native._library_path(cache).name]
 
 

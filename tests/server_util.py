@@ -79,6 +79,9 @@ class Server:
         self.seen_statuses: list[tuple[int, dict]] = []  # (HTTP status, body) of every / poll
 
     def start(self) -> "Server":
+        if os.environ.get("PANTHEON_TEST_TIER") == "quick":  # set by `make test-quick`
+            raise RuntimeError("a server process in the quick tier: mark the test (or its module) "
+                               "@pytest.mark.slow, or test it on the Flask test client")
         if self.via_cli:
             cmd = [sys.executable, "-m", "pantheon.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
             for m in self.models:

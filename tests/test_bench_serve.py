@@ -312,6 +312,7 @@ def test_unreachable_server_and_deadline(capsys):
 
 
 # ---- a real Pantheon server -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_against_real_pantheon(capsys, shared_server):
     """4 short requests on the tiny llama through gunicorn; /metrics deltas agree when the route exists."""
     from server_util import TINY_BATCHED

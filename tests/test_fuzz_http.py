@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from pantheon.web.chat import TOP_FIELDS
 from server_util import LLAMA, start_server
 
+pytestmark = pytest.mark.slow  # a real server process (make test-quick leaves it out)
+
 ADMIN = "fuzz-admin"
 BASE = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 

@@ -31,6 +31,8 @@ from conftest import TINY, centered, tiny_fixture
 from server_util import LLAMA, ROOT, Server, die_with_parent, free_port
 from pantheon.runtime import reference
 
+pytestmark = pytest.mark.slow  # several processes (make test-quick leaves it out)
+
 TOL = 1e-3  # the oracle parity tolerance (tests/test_oracle_parity.py)
 JOB = Path(__file__).resolve().parent / "multihost_job.py"
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}

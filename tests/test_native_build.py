@@ -83,6 +83,7 @@ _GEVENT_BUILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @needs_build
 def test_two_gevent_patched_processes_build_from_os_threads_at_once(tmp_path, monkeypatch):
     """Both builds run at once into one empty directory, one of them with gevent's SIGCHLD handler
@@ -214,6 +215,7 @@ def test_native_kernels_gauge_takes_the_max_over_replicas():
     assert re.search(r'^pantheon_running_requests\{model="a"\} 1\.0$', body, re.M), body
 
 
+@pytest.mark.slow
 @needs_build
 def test_first_serve_on_an_empty_home_builds_and_uses_the_kernels(tmp_path):
     """A real gunicorn gevent server with nothing in $PANTHEON_HOME: the model's steps use the kernels,

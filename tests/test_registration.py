@@ -252,6 +252,7 @@ def test_unset_registry_url_opens_no_connection(tmp_path, monkeypatch):
     assert attempts == []
 
 
+@pytest.mark.slow
 def test_sigterm_drains_then_deregisters(router):
     """A real server: registered once ready; on SIGTERM its in-flight stream completes, then its
     worker is deleted at the router and the process exits."""

@@ -34,6 +34,8 @@ import requests
 
 from server_util import LLAMA, QWEN2, ROOT, Server, die_with_parent, free_port, sse_events
 
+pytestmark = pytest.mark.slow  # a router and three server processes (make test-quick leaves it out)
+
 KEY = "router-control-key"
 API_KEY = "instance-api-key"  # the instances want it; the router presents it (registered with each worker)
 SLOTS = 2

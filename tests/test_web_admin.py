@@ -15,6 +15,8 @@ from pantheon.serving.dies import estimate_load_bytes
 from pantheon.runtime.engine import LoadOptions
 from server_util import LLAMA, QWEN2, TINY, assert_error, start_server
 
+pytestmark = pytest.mark.slow  # a real server process (make test-quick leaves it out)
+
 ADMIN = "adm-key"
 HELLO = [{"role": "user", "content": "Hi"}]
 LLAMA_WEIGHTS, QWEN2_WEIGHTS = 854272, 725248  # f32 weights of the tiny fixtures

@@ -18,6 +18,8 @@ import requests
 
 from server_util import LLAMA, QWEN2, assert_error, sse_events, start_server
 
+pytestmark = pytest.mark.slow  # a real server process (make test-quick leaves it out)
+
 KEY = "test-key-123"
 MAX_BODY = 65536
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]

@@ -18,6 +18,8 @@ import requests
 from conftest import wait_until
 from server_util import TINY_BATCHED
 
+pytestmark = pytest.mark.slow  # a real server process (make test-quick leaves it out)
+
 HELLO = [{"role": "user", "content": "Tell me a story"}]
 N_STREAMS = 8
 TOKENS = 60

@@ -22,6 +22,16 @@ TINY = FIXTURES / "tiny"
 REAL = FIXTURES / "real"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    """A test that loads a catalog model (`load_real`: its weights, its compiles) is `real`, marked or not.
+    Reading only a catalog model's tokenizer or metadata (`real_model_path`) is not: it costs a download
+    into PANTHEON_HOME once, then milliseconds."""
+    for item in items:
+        if "load_real" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real)
+
+
 def pytest_configure(config):
     from pantheon.runtime import compile_guard
     from pantheon.config import load_settings

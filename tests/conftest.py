@@ -111,19 +111,26 @@ def shared_server():
     """
     from server_util import start_server
 
-    servers: dict[tuple, object] = {}
+    servers: dict[tuple, object] = {}  # a Server, or the exception its start raised (not retried)
 
     def get(models: list[str], env: dict[str, str] | None = None, via_cli: bool = False, timeout: float = 240.0):
         key = (tuple(models), tuple(sorted((env or {}).items())), via_cli)
         if key not in servers:
-            servers[key] = start_server(list(models), dict(env or {}), via_cli, timeout)
+            try:
+                servers[key] = start_server(list(models), dict(env or {}), via_cli, timeout)
+            except Exception as exc:
+                servers[key] = exc
+                raise
         srv = servers[key]
+        if isinstance(srv, Exception):
+            raise RuntimeError(f"the shared server {key} failed to start earlier in this run") from srv
         assert srv.proc.poll() is None, f"the shared server {key} has exited:\n{srv.log_tail()}"
         return srv
 
     yield get
     for srv in servers.values():
-        srv.stop()
+        if not isinstance(srv, Exception):
+            srv.stop()
 
 
 def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:

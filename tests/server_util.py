@@ -2,7 +2,8 @@
 
 A server is started once per configuration and pytest run where test modules can share it: conftest's
 session fixture `shared_server(**CONFIG)` keys servers by (models, env, via_cli), and the configurations
-several modules use are named below (SMOL, TINY_BATCHED). A module whose tests change what a server
+several modules use are named below (SMOL, TINY_BATCHED), each with a conftest fixture of its own
+(`smol_server`, `tiny_batched_server`) that stops its server after the last test using it. A module whose tests change what a server
 holds for good, or own its lifetime (kill it, unload its model, start it in a special home or with a
 special environment), starts its own with `start_server` and says why. Either way the server runs in
 its own process group so stopping it also stops the worker, and it dies with the test process
@@ -40,7 +41,7 @@ _CLEARED = ("PANTHEON_API_KEY", "PANTHEON_ADMIN_KEY", "PANTHEON_MODEL_DIR", "PAN
             "XLA_FLAGS")
 
 
-# ---- configurations shared by several modules (conftest.shared_server starts each once per run) ----------
+# ---- configurations shared by several modules (conftest: smol_server, tiny_batched_server) ---------------
 # The real default model: batching on (8 slots), room for a 1024-token prompt, and an API key, which the
 # clients of every module using it send (test_embeddings checks that a wrong one is refused).
 SMOL_KEY = "smol-key"

@@ -313,11 +313,9 @@ def test_unreachable_server_and_deadline(capsys):
 
 # ---- a real Pantheon server -------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_against_real_pantheon(capsys, shared_server):
+def test_against_real_pantheon(capsys, tiny_batched_server):
     """4 short requests on the tiny llama through gunicorn; /metrics deltas agree when the route exists."""
-    from server_util import TINY_BATCHED
-
-    srv = shared_server(**TINY_BATCHED)
+    srv = tiny_batched_server  # shared with test_web_concurrency (server_util.TINY_BATCHED)
     rc, out = run_json(capsys, "--url", srv.url, "--model", "tiny", "--concurrency", "2", "--requests", "4",
                        "--prompt-len", "16", "--gen", "4", "--shared-prefix", "8")
     metrics = srv.get("/metrics")

@@ -576,10 +576,10 @@ def test_embeddings_do_not_disturb_a_concurrent_generation(smol, smol_sched):
 
 
 @pytest.mark.real
-def test_openai_client_against_a_live_server(shared_server):
+def test_openai_client_against_a_live_server(smol_server):
     import openai
-    from server_util import SMOL, SMOL_KEY
-    srv = shared_server(**SMOL)  # the run's shared SmolLM2 server (its API key is set)
+    from server_util import SMOL_KEY
+    srv = smol_server  # the run's shared SmolLM2 server (server_util.SMOL: its API key is set)
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key=SMOL_KEY, max_retries=0, timeout=300)
     out = client.embeddings.create(model="smol", input=TEXTS[:3])  # the client asks for base64 by default
     floats = client.embeddings.create(model="smol", input=TEXTS[:3], encoding_format="float")

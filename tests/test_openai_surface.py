@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from server_util import SMOL, SMOL_KEY
+from server_util import SMOL_KEY
 
 pytestmark = pytest.mark.real
 
@@ -34,8 +34,8 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def srv(shared_server):
-    return shared_server(**SMOL)  # shared with test_tool_format and test_embeddings; nothing here changes it
+def srv(smol_server):
+    return smol_server  # shared with test_tool_format and test_embeddings; nothing here changes it
 
 
 @pytest.fixture(scope="module")

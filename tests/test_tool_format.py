@@ -268,11 +268,9 @@ def test_bad_function_fields_are_400_naming_the_field(body, param):
 
 
 @pytest.fixture(scope="module")
-def smol(shared_server):
+def smol(smol_server):
     """A server with SmolLM2 (its template has no tools branch): the run's shared one (server_util.SMOL)."""
-    from server_util import SMOL
-
-    return shared_server(**SMOL)
+    return smol_server
 
 
 def prompt_tokens(srv, messages: list[dict], **body) -> int:

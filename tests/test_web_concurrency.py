@@ -16,7 +16,6 @@ import pytest
 import requests
 
 from conftest import wait_until
-from server_util import TINY_BATCHED
 
 pytestmark = pytest.mark.slow  # a real server process (make test-quick leaves it out)
 
@@ -31,8 +30,8 @@ def counts(usage: dict) -> tuple[int, int, int]:
 
 
 @pytest.fixture(scope="module")
-def srv(shared_server):
-    return shared_server(**TINY_BATCHED)  # test_bench_serve's real-server test uses the same one
+def srv(tiny_batched_server):
+    return tiny_batched_server  # test_bench_serve's real-server test uses the same one
 
 
 def stream_once(srv, chunks: list | None = None) -> tuple[int, list]:

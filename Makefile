@@ -1,4 +1,5 @@
-# Two entry points for a fresh machine: `make serve` and `make test`.
+# Entry points for a fresh machine: `make serve`, `make test` (the full suite, CI's command) and
+# `make test-quick` (the edit loop: no real models, no server or other processes).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -6,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= smollm2-135m
 
-.PHONY: venv dev serve test clean
+.PHONY: venv dev serve test test-quick clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +25,9 @@ serve: venv
 
 test: dev
 	$(BIN)/python -m pytest -q tests
+
+test-quick: dev
+	PANTHEON_TEST_TIER=quick $(BIN)/python -m pytest -q -m "not real and not slow" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

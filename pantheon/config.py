@@ -88,6 +88,7 @@ class Settings:
     cluster_trusted_network: bool = False
     test_pressure: int | None = None
     fixtures: Path | None = None
+    test_tier: str = "full"
 
 
 # ---- parsers: the text of a set (non-empty) variable -> its value; None means "as if unset" --------------
@@ -200,6 +201,13 @@ def _pressure(raw: str) -> int | None:
     if level is not None and not 0 <= level <= 3:
         raise ValueError("must be 0..3")
     return level
+
+
+def _test_tier(raw: str) -> str:
+    tier = raw.strip().lower()
+    if tier not in ("quick", "full"):
+        raise ValueError("must be quick or full")
+    return tier
 
 
 def _fixtures(raw: str) -> Path:
@@ -404,9 +412,12 @@ SETTINGS: tuple[Setting, ...] = (
             doc="pin the memory-pressure level (0 OK, 1 ELEVATED, 2 HIGH, 3 CRITICAL) instead of measuring "
                 "it, so tests can force admission denials"),
     Setting("PANTHEON_FIXTURES", "fixtures", _fixtures, for_tests=True,
-            shown_default="`../shared/fixtures` beside the checkout, else `/work/shared/fixtures`",
+            shown_default="`tests/fixtures` in the checkout (a copy of the oracle fixtures, see its PROVENANCE.md)",
             doc="the oracle fixtures directory (`tiny/`, `real/`) the tests and tools/make_random_qwen35moe.py "
                 "read"),
+    Setting("PANTHEON_TEST_TIER", "test_tier", _test_tier, for_tests=True,
+            doc="`quick` (what `make test-quick` sets): the test helpers refuse to start a server, so a server "
+                "test not marked `slow` fails loudly instead of slowing the quick tier; `full`: everything runs"),
 )
 
 _FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}

@@ -9,20 +9,26 @@ import numpy as np
 import pytest
 
 def _find_fixtures() -> Path:
-    """$PANTHEON_FIXTURES, else ../shared/fixtures beside the checkout (where CI puts it), else /work/shared."""
+    """$PANTHEON_FIXTURES when set (another copy, e.g. while fixtures are being rebuilt), else the copy in
+    the repository (tests/fixtures, see its PROVENANCE.md): the suite reads nothing outside the checkout."""
     from pantheon.config import load_settings
     configured = load_settings().fixtures
-    if configured is not None:
-        return configured
-    for cand in (Path(__file__).resolve().parents[2] / "shared" / "fixtures", Path("/work/shared/fixtures")):
-        if cand.is_dir():
-            return cand
-    raise RuntimeError("oracle fixtures not found: set PANTHEON_FIXTURES to the shared/fixtures directory")
+    return configured if configured is not None else Path(__file__).resolve().parent / "fixtures"
 
 
 FIXTURES = _find_fixtures()
 TINY = FIXTURES / "tiny"
 REAL = FIXTURES / "real"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    """A test that loads a catalog model (`load_real`: its weights, its compiles) is `real`, marked or not.
+    Reading only a catalog model's tokenizer or metadata (`real_model_path`) is not: it costs a download
+    into PANTHEON_HOME once, then milliseconds."""
+    for item in items:
+        if "load_real" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real)
 
 
 def pytest_configure(config):
@@ -92,6 +98,87 @@ def load_real(real_model_path):
         return _loaded[key]
 
     return get
+
+
+_shared_servers: dict[tuple, object] = {}  # key -> a Server, or the exception its start raised (not retried)
+
+
+def _server_key(models, env=None, via_cli: bool = False, timeout: float = 0.0) -> tuple:
+    return tuple(models), tuple(sorted((env or {}).items())), via_cli
+
+
+def _stop_shared(key: tuple) -> None:
+    srv = _shared_servers.pop(key, None)
+    if srv is not None and not isinstance(srv, Exception):
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_server():
+    """shared_server(models, env=None, via_cli=False, timeout=240.0) -> a running server_util.Server.
+
+    One server per configuration and pytest run: modules asking for the same models, environment and
+    start path get the same process. Tests using one must leave it as they found it: no admin loads or
+    unloads, no kills. The configurations several modules share have a fixture of their own below.
+    """
+    from server_util import start_server
+
+    def get(models: list[str], env: dict[str, str] | None = None, via_cli: bool = False, timeout: float = 240.0):
+        key = _server_key(models, env, via_cli)
+        if key not in _shared_servers:
+            try:
+                _shared_servers[key] = start_server(list(models), dict(env or {}), via_cli, timeout)
+            except Exception as exc:
+                _shared_servers[key] = exc
+                raise
+        srv = _shared_servers[key]
+        if isinstance(srv, Exception):
+            raise RuntimeError(f"the shared server {key} failed to start earlier in this run") from srv
+        assert srv.proc.poll() is None, f"the shared server {key} has exited:\n{srv.log_tail()}"
+        return srv
+
+    yield get
+    for key in list(_shared_servers):
+        _stop_shared(key)
+
+
+# The shared configurations by name (server_util.SMOL, server_util.TINY_BATCHED). Asking for one by its
+# fixture lets the run stop its server right after the last test that uses it (pytest_runtest_teardown
+# below), rather than keep it for the rest of the session.
+_NAMED_SERVERS = {"smol_server": "SMOL", "tiny_batched_server": "TINY_BATCHED"}
+_last_users: dict[str, list[str]] = {}  # node id of a server's last test -> the fixture names it ends
+
+
+@pytest.fixture(scope="session")
+def smol_server(shared_server):
+    """The real default model's server (server_util.SMOL), shared by every module that asks."""
+    from server_util import SMOL
+    return shared_server(**SMOL)
+
+
+@pytest.fixture(scope="session")
+def tiny_batched_server(shared_server):
+    """The tiny llama on the batched path (server_util.TINY_BATCHED), shared by every module that asks."""
+    from server_util import TINY_BATCHED
+    return shared_server(**TINY_BATCHED)
+
+
+def pytest_collection_finish(session):
+    last: dict[str, str] = {}
+    for item in session.items:  # the run's order, after deselection
+        for name in _NAMED_SERVERS:
+            if name in getattr(item, "fixturenames", ()):
+                last[name] = item.nodeid
+    _last_users.clear()
+    for name, nodeid in last.items():
+        _last_users.setdefault(nodeid, []).append(name)
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    import server_util
+    for name in _last_users.get(item.nodeid, ()):
+        _stop_shared(_server_key(**getattr(server_util, _NAMED_SERVERS[name])))
 
 
 def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:

@@ -1,7 +1,12 @@
 """Start a real `gunicorn -k gevent` Pantheon server on a free local port for end-to-end tests.
 
-Each test module starts its own server once (module-scoped fixture) and stops it at the end; the server
-runs in its own process group so stopping it also stops the worker, and it dies with the test process
+A server is started once per configuration and pytest run where test modules can share it: conftest's
+session fixture `shared_server(**CONFIG)` keys servers by (models, env, via_cli), and the configurations
+several modules use are named below (SMOL, TINY_BATCHED), each with a conftest fixture of its own
+(`smol_server`, `tiny_batched_server`) that stops its server after the last test using it. A module whose tests change what a server
+holds for good, or own its lifetime (kill it, unload its model, start it in a special home or with a
+special environment), starts its own with `start_server` and says why. Either way the server runs in
+its own process group so stopping it also stops the worker, and it dies with the test process
 (PR_SET_PDEATHSIG) when the run is killed before it could stop it. Its log goes to a file whose tail
 is shown when it fails to come up.
 """
@@ -23,7 +28,7 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 from conftest import FIXTURES  # noqa: E402  (one place decides where the oracle fixtures live)
 
-from pantheon.config import setting  # noqa: E402
+from pantheon.config import load_settings, setting  # noqa: E402
 from pantheon.web.launch import gunicorn_argv  # noqa: E402  (the same command line `pantheon serve` runs)
 
 TINY = FIXTURES / "tiny"
@@ -44,6 +49,16 @@ def _names_of(name: str) -> tuple[str, ...]:
     except KeyError:
         return (name,)
     return (row.name, *row.aliases)
+
+
+# ---- configurations shared by several modules (conftest: smol_server, tiny_batched_server) ---------------
+# The real default model: batching on (8 slots), room for a 1024-token prompt, and an API key, which the
+# clients of every module using it send (test_embeddings checks that a wrong one is refused).
+SMOL_KEY = "smol-key"
+SMOL = {"models": ["smol=smollm2-135m"], "timeout": 400.0,
+        "env": {"QWEN35_MAX_SEQ": "1024", "QWEN35_BATCH_SLOTS": "8", "PANTHEON_API_KEY": SMOL_KEY}}
+# The tiny llama on the continuous-batching path (8 slots), no keys: streams, cancels and bench runs.
+TINY_BATCHED = {"models": [f"tiny={LLAMA}"], "env": {"QWEN35_BATCH_SLOTS": "8"}}
 
 
 def die_with_parent() -> None:
@@ -78,6 +93,9 @@ class Server:
         self.seen_statuses: list[tuple[int, dict]] = []  # (HTTP status, body) of every / poll
 
     def start(self) -> "Server":
+        if load_settings().test_tier == "quick":  # set by `make test-quick`
+            raise RuntimeError("a server process in the quick tier: mark the test (or its module) "
+                               "@pytest.mark.slow, or test it on the Flask test client")
         if self.via_cli:
             cmd = [sys.executable, "-m", "pantheon.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
             for m in self.models:

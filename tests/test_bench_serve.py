@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from conftest import wait_until
 from pantheon.bench import serve as bench_serve
 from pantheon.serving.metrics import Metrics
 
@@ -29,6 +30,8 @@ class FakeServer:
         self.on_request = None  # called after each streamed request (a stand-in scheduler's counters)
         self.reported: list[tuple[int, int]] = []
         self.bodies: list[dict] = []
+        self.streaming = self.peak_streaming = 0  # streams open now, and the most ever open at once
+        self.cut_short = 0  # streams whose client hung up before the end
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.httpd.daemon_threads = True
@@ -67,7 +70,8 @@ class FakeServer:
                 try:
                     self._post()
                 except (BrokenPipeError, ConnectionResetError):
-                    pass  # the bench gave up on this request (deadline tests)
+                    with fake.lock:
+                        fake.cut_short += 1  # the bench gave up on this request (deadline tests)
 
             def _post(self) -> None:
                 if self.path == "/redirect/v1/chat/completions":
@@ -81,6 +85,24 @@ class FakeServer:
                 with fake.lock:
                     fake.bodies.append(body)
                     fake.reported.append((prompt, completion))
+                    fake.streaming += 1
+                    fake.peak_streaming = max(fake.peak_streaming, fake.streaming)
+                try:
+                    self._stream(body, prompt, completion)
+                finally:
+                    with fake.lock:
+                        fake.streaming -= 1
+                # after [DONE], like a server that counts a request once its stream is closed: the
+                # bench must wait for the request count to settle before trusting the deltas
+                time.sleep(0.05)
+                if fake.on_request is not None:
+                    fake.on_request()
+                if fake.metrics is not None:
+                    fake.metrics.add_tokens(body["model"], prompt, completion)
+                    fake.metrics.add_tokens("other-model", 1000, 1000)
+                    fake.metrics.observe_request("/v1/chat/completions", 200)
+
+            def _stream(self, body: dict, prompt: int, completion: int) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -93,7 +115,7 @@ class FakeServer:
                 base = {"id": "x", "object": "chat.completion.chunk", "model": body["model"]}
                 send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
                 for i in range(completion):
-                    time.sleep(fake.delay)
+                    time.sleep(fake.delay)  # the test's input: a server that takes this long per token
                     send({**base, "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]})
                 send({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
                 if fake.usage and body.get("stream_options", {}).get("include_usage"):
@@ -101,15 +123,6 @@ class FakeServer:
                         "prompt_tokens": prompt, "completion_tokens": completion,
                         "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": 1}}})
                 send("[DONE]")
-                # after [DONE], like a server that counts a request once its stream is closed: the
-                # bench must wait for the request count to settle before trusting the deltas
-                time.sleep(0.05)
-                if fake.on_request is not None:
-                    fake.on_request()
-                if fake.metrics is not None:
-                    fake.metrics.add_tokens(body["model"], prompt, completion)
-                    fake.metrics.add_tokens("other-model", 1000, 1000)
-                    fake.metrics.observe_request("/v1/chat/completions", 200)
 
         return Handler
 
@@ -214,7 +227,9 @@ def test_compare_gives_ratios(capsys):
     ratio = comp["ratio"]
     for key in ("request_throughput", "output_tok_s", "ttft_ms.median", "itl_ms.median", "e2e_ms.median"):
         assert ratio[key] is not None and ratio[key] > 0, key
-    assert ratio["itl_ms.median"] > 1.5 and ratio["e2e_ms.median"] > 1 and ratio["output_tok_s"] < 1
+    # b sleeps 10x longer per chunk: it is the slower one (an ordering; the sizes are figures, not criteria)
+    print("b / a:", {k: ratio[k] for k in ("itl_ms.median", "e2e_ms.median", "output_tok_s")})
+    assert ratio["itl_ms.median"] > 1 and ratio["e2e_ms.median"] > 1 and ratio["output_tok_s"] < 1
     assert ratio["goodput_req_s"] is None  # no SLO given
     med = sorted(r["e2e_ms"]["median"] for r in runs if r["server"] == "a")
     assert comp["a"]["e2e_ms.median"] == pytest.approx((med[0] + med[1]) / 2, abs=1e-3)
@@ -288,24 +303,22 @@ def test_unreachable_server_and_deadline(capsys):
                                "--prompt-len", "4", "--gen", "5", "--json", "--no-progress", "--warmup", "0",
                                "--timeout", "1"])
         elapsed = time.monotonic() - t0
+        # the bench hung up mid-stream at its deadline rather than reading the 2.5 s stream to its end
+        wait_until(lambda: srv.cut_short == 1, 30, "the fake server to see the bench hang up")
     r = json.loads(capsys.readouterr().out)["results"][0]
-    assert elapsed < 3
+    print(f"bench returned after {elapsed:.2f} s")  # a figure; the hang-up count is the criterion
     assert rc == 1 and r["completed"] == 0 and r["failed"] == 1 and r["not_sent"] == 2
     assert "deadline" in next(iter(r["errors"]))
 
 
 # ---- a real Pantheon server -------------------------------------------------------------------------------
-def test_against_real_pantheon(capsys):
+@pytest.mark.slow
+def test_against_real_pantheon(capsys, tiny_batched_server):
     """4 short requests on the tiny llama through gunicorn; /metrics deltas agree when the route exists."""
-    from server_util import LLAMA, start_server
-
-    srv = start_server([f"tiny={LLAMA}"], env={"PANTHEON_BATCH_SLOTS": "2"})
-    try:
-        rc, out = run_json(capsys, "--url", srv.url, "--model", "tiny", "--concurrency", "2", "--requests", "4",
-                           "--prompt-len", "16", "--gen", "4", "--shared-prefix", "8")
-        metrics = srv.get("/metrics")
-    finally:
-        srv.stop()
+    srv = tiny_batched_server  # shared with test_web_concurrency (server_util.TINY_BATCHED)
+    rc, out = run_json(capsys, "--url", srv.url, "--model", "tiny", "--concurrency", "2", "--requests", "4",
+                       "--prompt-len", "16", "--gen", "4", "--shared-prefix", "8")
+    metrics = srv.get("/metrics")
     r = out["results"][0]
     assert rc == 0, r["errors"]
     assert (r["completed"], r["failed"]) == (4, 0) and r["usage_reported"] == 4
@@ -339,7 +352,8 @@ def test_several_levels_give_each_rounds_scaling_against_the_first_level(capsys)
     tok = {(r["concurrency"], r["round"]): r["output_tok_s"] for r in out["results"]}
     assert two["vs_first_level"] == [pytest.approx(tok[2, k] / tok[1, k], abs=1e-4) for k in (0, 1)]
     assert two["vs_first_level.median"] == pytest.approx(sum(two["vs_first_level"]) / 2, abs=1e-4)
-    assert two["vs_first_level.median"] > 1.3  # two streams of a server that sleeps per chunk overlap
+    print("c=2 vs c=1 output tok/s by round:", two["vs_first_level"])  # a figure, not a criterion
+    assert srv.peak_streaming == 2  # the c=2 level really kept two streams open at once, never more
 
 
 def test_extra_body_is_merged_into_every_request(capsys):

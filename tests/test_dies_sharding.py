@@ -269,12 +269,14 @@ def multi_die():
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_a_mixed_step_on_two_dies_matches_one_die(multi_die):
     r = multi_die["mixed_two_dies"]
     assert r["supported"] and "mixed" in r["shapes"], r
     assert r["max_diff"] < 1e-4, r
 
 
+@pytest.mark.slow
 def test_two_dies_match_one_die(multi_die):
     assert multi_die["n_devices"] == 4
     for key, devs in (("llama@2", [1, 2]), ("qwen3moe@2", [2, 3])):
@@ -292,6 +294,7 @@ def test_two_dies_match_one_die(multi_die):
     assert ".embed" not in multi_die["llama@2"]["split"]
 
 
+@pytest.mark.slow
 def test_four_dies_replicate_what_does_not_divide(multi_die):
     r = multi_die["llama@4"]
     assert r["max_diff"] < 1e-4 and r["greedy_equal"]
@@ -300,6 +303,7 @@ def test_four_dies_replicate_what_does_not_divide(multi_die):
     assert ".layers.wk" not in r["split"] and ".layers.wq" in r["split"]
 
 
+@pytest.mark.slow
 def test_die_manager_over_four_devices(multi_die):
     assert multi_die["auto_two"] == [0, 1]
     assert multi_die["after_reserve"] == [2, 3]

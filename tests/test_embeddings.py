@@ -751,23 +751,21 @@ def test_embeddings_do_not_disturb_a_concurrent_generation(smol, smol_sched):
 
 
 @pytest.mark.real
-def test_openai_client_against_a_live_server():
+def test_openai_client_against_a_live_server(smol_server):
     import openai
-    from server_util import start_server
-    srv = start_server(["smol=smollm2-135m"], timeout=400, env={"PANTHEON_MAX_SEQ": "512", "PANTHEON_API_KEY": "k"})
-    try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0, timeout=300)
-        out = client.embeddings.create(model="smol", input=TEXTS[:3])  # the client asks for base64 by default
-        floats = client.embeddings.create(model="smol", input=TEXTS[:3], encoding_format="float")
-        assert [d.index for d in out.data] == [0, 1, 2] and out.model == "smol"
-        a, b = np.array([d.embedding for d in out.data]), np.array([d.embedding for d in floats.data])
-        assert a.shape == (3, 576)
-        np.testing.assert_allclose(a, b, atol=1e-6)
-        assert out.usage.prompt_tokens == out.usage.total_tokens > 3
-        with pytest.raises(openai.BadRequestError):
-            client.embeddings.create(model="smol", input="x", dimensions=8)
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).embeddings.create(
-                model="smol", input="x")
-    finally:
-        srv.stop()
+    from server_util import SMOL_KEY
+    srv = smol_server  # the run's shared SmolLM2 server (server_util.SMOL: its API key is set)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key=SMOL_KEY, max_retries=0, timeout=300)
+    out = client.embeddings.create(model="smol", input=TEXTS[:3])  # the client asks for base64 by default
+    floats = client.embeddings.create(model="smol", input=TEXTS[:3], encoding_format="float")
+    assert [d.index for d in out.data] == [0, 1, 2] and out.model == "smol"
+    a, b = np.array([d.embedding for d in out.data]), np.array([d.embedding for d in floats.data])
+    assert a.shape == (3, 576)
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    assert out.usage.prompt_tokens == out.usage.total_tokens > 3
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="smol", input="x", dimensions=8)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).embeddings.create(
+            model="smol", input="x")
+

@@ -19,10 +19,14 @@ from hypothesis import strategies as st
 from pantheon.web.chat import TOP_FIELDS
 from server_util import LLAMA, start_server
 
+pytestmark = pytest.mark.slow  # a real server process (make test-quick leaves it out)
+
 ADMIN = "fuzz-admin"
 BASE = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
+# Its own server: no other module runs this configuration (the admin API over an empty model folder,
+# a 200 kB body cap), and a fuzzed request that broke a server must not break another module's tests.
 @pytest.fixture(scope="module")
 def srv():
     with tempfile.TemporaryDirectory() as empty:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import wait_until
 from pantheon.runtime import memory
 from pantheon.errors import BusyError
 from pantheon.runtime.memory import (
@@ -153,10 +154,7 @@ def test_memwatch_thread_samples_and_swaps_snapshots():
         w.start()
         assert w.running and w.pressure() == OK  # the first sample is taken synchronously
         first = w.snapshot()
-        deadline = time.monotonic() + 5
-        while w.pressure() != CRITICAL and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert w.pressure() == CRITICAL
+        wait_until(lambda: w.pressure() == CRITICAL, 30, "the sampler to reach the CRITICAL reading")
         assert w.snapshot() is not first and first.host.used_fraction == 0.5  # immutable, swapped whole
         assert w.pressure_fn()() == CRITICAL
         assert admit(fake_model(bpt=1), 10, watch=w).outcome == DENIED

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from server_util import start_server
+from server_util import SMOL_KEY
 
 pytestmark = pytest.mark.real
 
@@ -34,16 +34,13 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def srv():
-    s = start_server([f"{MODEL}=smollm2-135m"], timeout=400,
-                     env={"PANTHEON_MAX_SEQ": "1024", "PANTHEON_BATCH_SLOTS": "8"})
-    yield s
-    s.stop()
+def srv(smol_server):
+    return smol_server  # shared with test_tool_format and test_embeddings; nothing here changes it
 
 
 @pytest.fixture(scope="module")
 def client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=SMOL_KEY, max_retries=0, timeout=300)
 
 
 def chat(client, stream: bool, **kw):
@@ -77,7 +74,7 @@ def lp_key(entries) -> list:
 
 def token_id(srv, text: str) -> int | None:
     """The id of the one token whose text is `text` (None when it does not tokenize to one token)."""
-    pieces = srv.post("/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    pieces = srv.post("/tokenize", {"content": text, "with_pieces": True}, key=SMOL_KEY).json()["tokens"]
     return pieces[0]["id"] if len(pieces) == 1 and pieces[0]["piece"] == text else None
 
 
@@ -164,7 +161,7 @@ def test_completion_echo_returns_the_prompts_logprobs(client, stream):
 
 def test_a_prompt_logprob_equals_the_same_token_generated(client, srv):
     """Scoring a prompt (prefill) and generating its last token (decode) give that token one logprob."""
-    ids = srv.post("/tokenize", {"content": "The capital of France is"}).json()["tokens"]
+    ids = srv.post("/tokenize", {"content": "The capital of France is"}, key=SMOL_KEY).json()["tokens"]
     gen = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, logprobs=1, temperature=0)
     tok, lp = gen.choices[0].logprobs.tokens[0], gen.choices[0].logprobs.token_logprobs[0]
     tid = token_id(srv, tok)

@@ -84,6 +84,7 @@ def test_snapshot_restore_round_trip():
     assert all(not np.asarray(v).any() for v in jax.tree.leaves(qwen35.snapshot_slot(cache, 1)))
 
 
+@pytest.mark.slow  # one of the few in-process tests over 10 s on 2 cores: left out of make test-quick
 def test_chunked_delta_rule_equals_recurrence():
     """The WY chunked form (with a padded last chunk) reproduces the token-by-token update."""
     ks = jax.random.split(jax.random.PRNGKey(0), 6)

@@ -70,6 +70,7 @@ def test_logits_finite_and_chunked_prefill_equals_whole(small):
     assert float(np.abs(chunked - whole).max()) < 1e-4
 
 
+@pytest.mark.slow  # one of the few in-process tests over 10 s on 2 cores: left out of make test-quick
 def test_greedy_generation(small):
     _, m = small
     out = list(reference.generate(m, PROMPT, GREEDY, max_tokens=8, stop_ids=[]))

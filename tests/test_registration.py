@@ -265,9 +265,13 @@ def test_keepalive_retries_until_the_router_comes_up(tmp_path):
     probe.close()  # nothing listens there now
     settings = Settings(home=tmp_path, registry_url=f"http://127.0.0.1:{port}", advertise_url=ADVERTISE,
                         registry_interval_s=0.2)
-    registration = Registration(settings, served=lambda: [Served("m", 2, 64)]).start()
+    client = RouterClient(settings.registry_url)
+    tries: list[int] = []
+    ask = client.workers
+    client.workers = lambda: (tries.append(1), ask())[1]  # each tick asks the router first: count them
+    registration = Registration(settings, served=lambda: [Served("m", 2, 64)], client=client).start()
     try:
-        time.sleep(0.5)  # several failed ticks: the thread must survive them
+        wait_for(lambda: len(tries) >= 3, what="three failed ticks")  # the thread must survive them
         late = FakeRouter(port=port)
         try:
             wait_for(lambda: ADVERTISE + "/m/m" in late.urls(), what="registration once the router is up")
@@ -375,10 +379,11 @@ def test_unset_registry_url_opens_no_connection(tmp_path, monkeypatch):
     assert c.post("/v1/chat/completions", json={"messages": HELLO}).status_code == 200
     assert admin(c, "/models/load", {"path": "ok.gguf", "name": "second"}).status_code == 200
     assert admin(c, "/models/unload", {"name": "second"}).status_code == 200
-    time.sleep(0.5)  # an idle moment in which a keep-alive, were there one, would have ticked
+    assert app.extensions["pantheon"].registration is None  # no keep-alive exists that could tick later
     assert attempts == []
 
 
+@pytest.mark.slow
 def test_sigterm_drains_then_deregisters(router):
     """A real server: registered once ready; on SIGTERM its in-flight stream completes, then its
     worker is deleted at the router and the process exits."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_until
 from pantheon.config import Settings, split_model_specs
 from pantheon.serving.dies import LoadEstimate
 from pantheon.errors import PantheonError, RequestError
@@ -263,7 +264,7 @@ def test_one_upload_at_a_time():
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
-        time.sleep(0.05)
+        time.sleep(0.05)  # the test's input: a load that takes a while, so two unserialized loads would overlap
         with lock:
             active[0] -= 1
         return FakeModel(p, n, d)
@@ -300,7 +301,8 @@ def test_unload_waits_for_refs_then_frees():
     done = {}
     t = threading.Thread(target=lambda: done.setdefault("r", reg.unload("a")))
     t.start()
-    time.sleep(0.1)
+    wait_until(lambda: [i["state"] for i in reg.snapshot() if i["name"] == "a"] == ["unloading"], 10,
+               "the unload to start draining")
     assert t.is_alive() and not backend.closed  # draining: the in-flight request keeps its model
     with pytest.raises(RequestError) as err:
         reg.acquire("a")  # no new work for an unloading model

@@ -36,6 +36,8 @@ import requests
 
 from server_util import LLAMA, QWEN2, ROOT, Server, die_with_parent, free_port, sse_events
 
+pytestmark = pytest.mark.slow  # a router and three server processes (make test-quick leaves it out)
+
 KEY = "router-control-key"
 API_KEY = "instance-api-key"  # the instances want it (or the router's key) on every call
 ROUTER_KEY = "key-for-the-router"  # what the router presents to the instances (registered with each worker)
@@ -123,6 +125,8 @@ def routed_chats(server: Server) -> float:
     return metric(server, "pantheon_http_requests_total", 'route="/m/<path:model>/v1/chat/completions"')
 
 
+# Their own servers: three instances registered with one router (two of them alike on purpose: the
+# router must spread requests over distinct processes).
 @pytest.fixture(scope="module")
 def fleet():
     router = Router()

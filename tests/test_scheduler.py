@@ -164,6 +164,7 @@ def test_compile_after_warmup_is_an_error_under_the_guard():
         s.close()
 
 
+@pytest.mark.slow  # one of the few in-process tests over 10 s on 2 cores: left out of make test-quick
 def test_hybrid_model_batches_and_reuses_only_its_committed_state():
     """qwen35moe (recurrent DeltaNet state): 8 concurrent greedy requests equal their single-request
     outputs; a session's second turn resumes from the slot's committed state and equals a cold run;

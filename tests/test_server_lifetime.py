@@ -16,8 +16,11 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from server_util import LLAMA
+
+pytestmark = pytest.mark.slow  # server processes (make test-quick leaves it out)
 
 HERE = Path(__file__).resolve().parent
 

@@ -268,19 +268,17 @@ def test_bad_function_fields_are_400_naming_the_field(body, param):
 
 
 @pytest.fixture(scope="module")
-def smol():
-    """One server with SmolLM2 (its template has no tools branch), started once for this module."""
-    from server_util import start_server
-
-    s = start_server(["smol=smollm2-135m"], timeout=400, env={"PANTHEON_BATCH_SLOTS": "0", "PANTHEON_MAX_SEQ": "1024"})
-    yield s
-    s.stop()
+def smol(smol_server):
+    """A server with SmolLM2 (its template has no tools branch): the run's shared one (server_util.SMOL)."""
+    return smol_server
 
 
 def prompt_tokens(srv, messages: list[dict], **body) -> int:
     """The prompt's token count, from one greedy token of the answer."""
+    from server_util import SMOL_KEY
+
     r = srv.post("/v1/chat/completions", {"model": "smol", "messages": messages, "max_tokens": 1,
-                                          "temperature": 0, **body})
+                                          "temperature": 0, **body}, key=SMOL_KEY)
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens"]
 

@@ -15,6 +15,8 @@ from pantheon.serving.dies import estimate_load_bytes
 from pantheon.runtime.engine import LoadOptions
 from server_util import LLAMA, QWEN2, TINY, assert_error, start_server
 
+pytestmark = pytest.mark.slow  # a real server process (make test-quick leaves it out)
+
 ADMIN = "adm-key"
 HELLO = [{"role": "user", "content": "Hi"}]
 LLAMA_WEIGHTS, QWEN2_WEIGHTS = 854272, 725248  # f32 weights of the tiny fixtures
@@ -25,6 +27,8 @@ LLAMA_BYTES = estimate_load_bytes(LLAMA, OPTS).total_bytes
 QWEN2_BYTES = estimate_load_bytes(QWEN2, OPTS).total_bytes
 
 
+# Its own server: the tests load and unload models through the admin API (state no other module may
+# see), and it is the one started through `pantheon serve`.
 @pytest.fixture(scope="module")
 def srv():
     s = start_server([f"base={LLAMA}"], via_cli=True,

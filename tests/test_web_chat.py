@@ -18,11 +18,15 @@ import requests
 
 from server_util import LLAMA, QWEN2, assert_error, sse_events, start_server
 
+pytestmark = pytest.mark.slow  # a real server process (make test-quick leaves it out)
+
 KEY = "test-key-123"
 MAX_BODY = 65536
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
 
+# Its own server: no other module runs this configuration (the single-user path, an API key, a body
+# cap, CORS and no admin API), so conftest.shared_server would save no start.
 @pytest.fixture(scope="module")
 def srv():
     s = start_server([f"llama={LLAMA}", f"qwen2={QWEN2}"],
@@ -327,16 +331,19 @@ def _open_stream(srv, max_tokens=90, ignore_eos=False):
     return r, lines
 
 
-def _until_ok(srv, deadline_s: float) -> float:
-    """Seconds until a short chat on llama succeeds (it may meet 429 while the lock is still held)."""
+def _until_ok(srv, hang_guard_s: float = 60.0) -> None:
+    """Poll until a short chat on llama succeeds (it meets 429 while the lock is still held); fail after
+    `hang_guard_s`. How long it took is printed, not asserted: the cancel count says the lock was freed
+    by a cancel rather than by the generation running to its end."""
     t0 = time.monotonic()
     while True:
         r = chat(srv, max_tokens=2)
         if r.status_code == 200:
-            return time.monotonic() - t0
+            print(f"lock free after {time.monotonic() - t0:.3f} s")
+            return
         assert r.status_code == 429, r.text
-        assert time.monotonic() - t0 < deadline_s, "the model's lock was not freed"
-        time.sleep(0.02)
+        assert time.monotonic() - t0 < hang_guard_s, "the model's lock was not freed"
+        time.sleep(0.02)  # poll interval
 
 
 def test_429_when_single_user_model_is_busy(srv):
@@ -375,7 +382,7 @@ def test_stream_disconnect_frees_the_lock(srv):
     while b"data: " not in got:  # the role chunk: the generation has started (tiny models finish in ~0.1 s)
         got += s.recv(65536)
     s.close()  # hang up mid-stream
-    assert _until_ok(srv, 2.0) < 2.0
+    _until_ok(srv)
     assert _cancels(srv) == before + 1  # the generation was cancelled, not run to its end
 
 
@@ -383,7 +390,7 @@ def test_nonstream_disconnect_frees_the_lock(srv):
     before = _cancels(srv)
     s = _raw_post(srv, {"model": "llama", "messages": HELLO, "max_tokens": 100, "temperature": 0})
     s.close()  # gone at once: the server still reads the request, starts it, and must notice
-    assert _until_ok(srv, 2.0) < 2.0
+    _until_ok(srv)
     assert _cancels(srv) == before + 1
     assert srv.get("/").status_code == 200
 
@@ -436,7 +443,7 @@ def test_metrics_move_when_requests_are_served_rejected_and_disconnected(srv):
     while b"data: " not in got:
         got += s.recv(65536)
     s.close()
-    _until_ok(srv, 5.0)
+    _until_ok(srv)
     after = _scrape(srv)
     route = "/v1/chat/completions"
     assert _delta(before, after, "pantheon_http_requests_total", route=route, status="200") >= 2

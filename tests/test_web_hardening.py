@@ -18,6 +18,8 @@ import requests
 
 from server_util import LLAMA, assert_error, sse_events, start_server
 
+pytestmark = pytest.mark.slow  # a real server process (make test-quick leaves it out)
+
 KEY = "hardening-key"
 ADMIN = "hardening-admin"
 MAX_CONNS = 24

@@ -191,6 +191,8 @@ EST_QWEN2 = estimate_load_bytes(QWEN2, OPTS)
 BUDGET = 150 * MiB  # two tiny models (about 66 MiB each, mostly scratch) fit a die, three do not
 
 
+# Its own server: four forced CPU dies (XLA_FLAGS) and admin loads placed on them, which change what
+# the server holds.
 @pytest.fixture(scope="module")
 def srv():
     s = start_server([f"base={LLAMA}@0"],
@@ -237,6 +239,7 @@ def assert_ledger(table: list[dict], loads: list[dict]) -> None:
         assert sorted(m["instance_id"] for m in d["models"]) == sorted(x["instance_id"] for x in mine)
 
 
+@pytest.mark.slow
 def test_startup_reservation(srv, start_dies):
     assert [d["die"] for d in start_dies] == [0, 1, 2, 3]
     assert all(d["budget_bytes"] == BUDGET and d["platform"] == "cpu" for d in start_dies)
@@ -247,6 +250,7 @@ def test_startup_reservation(srv, start_dies):
     assert body["memory"]["host"]["total_bytes"] > 0 and body["memory"]["pressure"] in memory.LEVEL_NAMES
 
 
+@pytest.mark.slow
 def test_auto_placement_picks_the_emptiest_die(srv, start_dies):
     base = {"instance_id": start_dies[0]["models"][0]["instance_id"], "dies": [0],
             "bytes": start_dies[0]["used_bytes"]}
@@ -264,6 +268,7 @@ def test_auto_placement_picks_the_emptiest_die(srv, start_dies):
     assert dies(srv) == start_dies
 
 
+@pytest.mark.slow
 def test_oversize_load_is_507_and_leaks_nothing(srv, start_dies):
     extra = load(srv, "llama.gguf", "extra", on=[0])  # die 0: 2 x 66.6 of 150 MiB
     before = dies(srv)
@@ -280,6 +285,7 @@ def test_oversize_load_is_507_and_leaks_nothing(srv, start_dies):
 HELLO = [{"role": "user", "content": "Tell me a story about a cat."}]
 
 
+@pytest.mark.slow
 def test_two_die_sharded_model_answers_like_one_die(srv):
     info = load(srv, "llama.gguf", "shard", on=[1, 2])
     assert info["dies"] == [1, 2] and info["bytes"] == EST_LLAMA.per_die(2) < EST_LLAMA.total_bytes
@@ -295,6 +301,7 @@ def test_two_die_sharded_model_answers_like_one_die(srv):
     unload(srv, name="shard")
 
 
+@pytest.mark.slow
 def test_replicas_split_sessions_and_sessions_stick(srv, start_dies):
     # "base" (die 0, already compiled) gets a second replica on die 1: two replicas on disjoint dies
     r1 = {"instance_id": start_dies[0]["models"][0]["instance_id"], "dies": [0], "bytes": start_dies[0]["used_bytes"]}
@@ -327,6 +334,7 @@ def long_conversation() -> list[dict]:
     return msgs + [{"role": "user", "content": "What is two plus two?"}]
 
 
+@pytest.mark.slow
 def test_overlong_prompt_is_capped_with_the_kept_conversations_answer(srv):
     msgs = long_conversation()
     # by default a conversation longer than the context is refused, as OpenAI refuses it
@@ -367,12 +375,15 @@ def test_overlong_prompt_is_capped_with_the_kept_conversations_answer(srv):
     assert err["code"] == "context_length_exceeded"
 
 
+@pytest.mark.slow
 def test_dies_unchanged_after_everything(srv, start_dies):
     assert dies(srv) == start_dies
 
 
 # ---- a server under forced CRITICAL memory pressure --------------------------------------------------
+@pytest.mark.slow
 def test_critical_pressure_denies_chat_with_503():
+    # its own server: the forced pressure (PANTHEON_TEST_PRESSURE) refuses every other module's requests
     s = start_server([f"base={LLAMA}"], env={"PANTHEON_TEST_PRESSURE": "3", "PANTHEON_WARMUP": "0",
                                               "PANTHEON_ADMIN_KEY": ADMIN})
     try:

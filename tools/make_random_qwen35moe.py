@@ -1,6 +1,6 @@
 """Write a random-weight `qwen35moe` (Qwen3.5 MoE hybrid) GGUF of any size, for benchmarks and tests.
 
-The file mirrors the tiny oracle fixture (shared/fixtures/tiny/qwen35moe.gguf, made by llama.cpp's
+The file mirrors the tiny oracle fixture (tests/fixtures/tiny/qwen35moe.gguf, made by llama.cpp's
 convert_hf_to_gguf.py): the same metadata keys with the same GGUF value types, the same tensor
 names, shapes (ggml order = numpy order reversed) and tensor order, only scaled up. Layers follow the
 published pattern (Gated DeltaNet, DeltaNet, DeltaNet, full attention, ...), every layer has routed
@@ -45,8 +45,7 @@ def find_template() -> Path | None:
     cands = []
     if os.environ.get("PANTHEON_FIXTURES"):
         cands.append(Path(os.environ["PANTHEON_FIXTURES"]) / "tiny" / TEMPLATE_NAME)
-    cands += [here / "shared" / "fixtures" / "tiny" / TEMPLATE_NAME,
-              here.parent / "shared" / "fixtures" / "tiny" / TEMPLATE_NAME]
+    cands.append(here / "tests" / "fixtures" / "tiny" / TEMPLATE_NAME)  # the repository's copy
     return next((p for p in cands if p.is_file()), None)
 
 

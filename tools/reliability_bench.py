@@ -8,7 +8,7 @@ attacks it phase by phase and reports what a client saw: answers by status, 5xx 
 exact inputs, shortened), non-JSON error bodies, how long `GET /` waited while each attack ran, the
 worker's RSS growth per 1000 requests, and whether greedy answers stayed identical.
 
-    .venv/bin/python tools/reliability_bench.py --quick --model /work/shared/fixtures/tiny/llama.gguf
+    .venv/bin/python tools/reliability_bench.py --quick --model tests/fixtures/tiny/llama.gguf
     .venv/bin/python tools/reliability_bench.py --json out.json --markdown       # smollm2-135m, ~35 min
 
 Phases (`--phases` picks a subset, in this order): fuzz, slow-body, large-body, disconnects, overflow,

@@ -90,7 +90,7 @@ def test_tensor_set_mirrors_the_tiny_fixture(small):
     j = json.loads(fixture.read_text())
     assert mine == j["gguf_tensors"]
     keys = [k for k in r.fields if not k.startswith("GGUF.")]
-    assert set(j["gguf_readerdata"]) <= set(keys)
+    assert set(j["gguf_metadata"]) <= set(keys)
 
 
 def test_q8_0_synthetic_tokenizer_and_padded_vocab(tmp_path):

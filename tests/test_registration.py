@@ -268,7 +268,7 @@ def test_keepalive_retries_until_the_router_comes_up(tmp_path):
     client = RouterClient(settings.registry_url)
     tries: list[int] = []
     ask = client.workers
-    client.workers = lambda: (tries.append(1), ask())[1]  # each tick asks the router first: count them
+    client.workers = lambda **call: (tries.append(1), ask(**call))[1]  # each tick asks the router first: count them
     registration = Registration(settings, served=lambda: [Served("m", 2, 64)], client=client).start()
     try:
         wait_for(lambda: len(tries) >= 3, what="three failed ticks")  # the thread must survive them

@@ -41,7 +41,7 @@ def tok(request):
             path = MODELS / f"{name}.gguf"
             if not path.exists():
                 path = request.getfixturevalue("real_model_path")(name)
-            _tokenizers[name] = Tokenizer.from_gguf_readerdata(read_metadata(open_reader(path)), str(path))
+            _tokenizers[name] = Tokenizer.from_gguf_metadata(read_metadata(open_reader(path)), str(path))
         return _tokenizers[name]
 
     return get

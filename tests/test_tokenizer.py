@@ -33,7 +33,7 @@ def real_tok(real_model_path):
     def get(name: str) -> Tokenizer:
         if name not in _cache:
             path = real_model_path(name)  # a failed pull fails the test: real models never skip
-            _cache[name] = Tokenizer.from_gguf_readerdata(read_metadata(open_reader(path)), str(path))
+            _cache[name] = Tokenizer.from_gguf_metadata(read_metadata(open_reader(path)), str(path))
         return _cache[name]
 
     return get
@@ -138,7 +138,7 @@ def test_stream_property(real_tok, name):
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_tiny_fixture_round_trip(name):
     path = FIXTURES / "tiny" / f"{name}.gguf"
-    tok = Tokenizer.from_gguf_readerdata(read_metadata(open_reader(path)), str(path))
+    tok = Tokenizer.from_gguf_metadata(read_metadata(open_reader(path)), str(path))
     text = "The quick brown fox jumps over the lazy dog. It's 42!"
     ids = tok.encode(text)
     assert 0 < len(ids) < len(text) and all(0 <= i < tok.vocab_size for i in ids)
@@ -172,13 +172,13 @@ def test_inconsistent_file_is_a_model_load_error(change, needle):
         else:
             meta[k] = v
     with pytest.raises(ModelLoadError, match=needle) as info:
-        Tokenizer.from_gguf_readerdata(meta, "/models/broken.gguf")
+        Tokenizer.from_gguf_metadata(meta, "/models/broken.gguf")
     assert info.value.path == "/models/broken.gguf"
 
 
 def test_from_hf_files(tmp_path):
     """An HF tokenizer.json (as in safetensors directories) loads with bos/eos from tokenizer_config."""
-    gguf_tok = Tokenizer.from_gguf_readerdata(_tiny_meta())
+    gguf_tok = Tokenizer.from_gguf_metadata(_tiny_meta())
     hf = gguf_tok._hf
     hf.decoder = decoders.ByteLevel()
     hf.save(str(tmp_path / "tokenizer.json"))

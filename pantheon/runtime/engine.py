@@ -838,7 +838,7 @@ def _tokenizer_and_template(path: Path, meta: dict[str, Any]):
         return tokenizer_and_template(path, meta)
     if "tokenizer.ggml.tokens" not in meta:
         raise ModelLoadError(path, "the file has no tokenizer (tokenizer.ggml.tokens missing)")
-    tok = Tokenizer.from_gguf_readerdata(meta, str(path))
+    tok = Tokenizer.from_gguf_metadata(meta, str(path))
     source = meta.get("tokenizer.chat_template")
     if source is not None and not isinstance(source, str):
         raise ModelLoadError(path, f"tokenizer.chat_template is {type(source).__name__}, not a string")

@@ -151,7 +151,7 @@ class Tokenizer:
     def __init__(self, hf: HFTokenizer, token_bytes: list[bytes], control_ids: frozenset[int], *,
                  bos_id: int | None, eos_id: int | None, eot_ids: Iterable[int], add_bos: bool, add_eos: bool,
                  strip_leading_space: bool, chat_template: str | None = None):
-        """Low-level constructor; use `from_gguf_readerdata` or `from_hf_files`."""
+        """Low-level constructor; use `from_gguf_metadata` or `from_hf_files`."""
         self._hf = hf
         self._bytes = token_bytes
         self._control = control_ids
@@ -174,7 +174,7 @@ class Tokenizer:
     # --- construction ------------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_readerdata(cls, meta: dict[str, Any], path: str = "") -> "Tokenizer":
+    def from_gguf_metadata(cls, meta: dict[str, Any], path: str = "") -> "Tokenizer":
         """Build the tokenizer described by a GGUF file's `tokenizer.ggml.*` keys.
 
         Raises ModelLoadError naming `path` for anything inconsistent, so a broken file fails at load time

@@ -123,7 +123,7 @@ class Entry:
     weight_bytes: int = 0  # the model's weight bytes once READY
     refs: int = 0
     model: Any = None
-    card: Any = None  # the model's gen_types.ModelCard: all the web layer reads of it
+    card: Any = None  # the model's pantheon.types.ModelCard: all the web layer reads of it
     backend: Any = None
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -1,5 +1,5 @@
 // Step kernels for x86 CPUs with AVX2 and FMA, called from jitted JAX code through XLA's FFI
-// (pantheon/native.py builds and registers them):
+// (pantheon/ops/native/__init__.py builds and registers them):
 //
 // * rows_matmul: y[m, n] = sum_k x[m, k] * w[n, k]. XLA:CPU hands an [8, K] x [K, N] product to a
 //   general GEMM that packs the weight panel on every call and reaches ~36 GFLOP/s here, so 8

@@ -193,7 +193,7 @@ def _tool_choice(body: Mapping, tools: list[dict] | None) -> tuple[Any, bool]:
     kind = tc.get("type")
     if kind not in ("auto", "any", "tool", "none"):
         raise bad("tool_choice.type", "must be auto, any, tool or none")
-    if kind == "none":
+    if kind == "none" or (kind == "auto" and not tools):
         return "none", True
     if not tools:
         raise bad("tool_choice", f"{kind!r} needs tools")
@@ -213,12 +213,14 @@ def _thinking(body: Mapping) -> bool | None:
         return None
     if not isinstance(th, dict):
         raise bad("thinking", "must be an object such as {\"type\": \"enabled\", \"budget_tokens\": 1024}")
-    extra = sorted(set(th) - {"type", "budget_tokens"})
+    extra = sorted(set(th) - {"type", "budget_tokens", "display"})
     if extra:
         raise bad(f"thinking.{extra[0]}", "is not supported")
     kind = th.get("type")
     if kind not in ("enabled", "disabled", "adaptive"):
         raise bad("thinking.type", "must be enabled, disabled or adaptive")
+    if th.get("display") is not None and th["display"] not in ("summarized", "omitted"):
+        raise bad("thinking.display", "must be summarized or omitted")
     integer(th, "budget_tokens", 1, 1 << 31)
     return {"enabled": True, "disabled": False}.get(kind)
 
@@ -234,6 +236,29 @@ def _stop(body: Mapping) -> tuple[str, ...]:
     if any(len(x) > 512 for x in s):
         raise bad("stop_sequences", "a stop sequence may have at most 512 characters")
     return tuple(x for x in s if x)
+
+
+def _output_format(body: Mapping) -> dict | None:
+    """`output_config.format` ({"type": "json_schema", "schema": ...}) as the chat response_format, which the
+    grammar path enforces; `effort` is refused (there is no effort knob here)."""
+    oc = body.get("output_config")
+    if oc is None:
+        return None
+    if not isinstance(oc, dict):
+        raise bad("output_config", "must be an object such as {\"format\": {\"type\": \"json_schema\", ...}}")
+    extra = sorted(set(oc) - {"format", "effort"})
+    if extra:
+        raise bad(f"output_config.{extra[0]}", "is not supported")
+    if oc.get("effort") is not None:
+        raise bad("output_config.effort", "is not supported (use thinking to switch reasoning on or off)")
+    fmt = oc.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or set(fmt) - {"type", "schema"}:
+        raise bad("output_config.format", "must be {\"type\": \"json_schema\", \"schema\": {...}}")
+    if not isinstance(fmt.get("schema"), dict):
+        raise bad("output_config.format.schema", "is required (a JSON Schema object)")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _request(body: dict, max_tokens: int | None, stream: bool) -> ChatRequest:
@@ -261,8 +286,17 @@ def parse_messages_request(body: Any, headers: Mapping[str, str]) -> ChatRequest
     stream = bool(boolean(body, "stream"))
     creq = _request(body, max_tokens, stream)
     number(body, "temperature", 0.0, 1.0)
+    integer(body, "top_k", 0, 1 << 30)
     creq.params = sampling_params({k: body[k] for k in ("temperature", "top_p", "top_k") if body.get(k) is not None})
     creq.stop = _stop(body)
+    creq.response_format = _output_format(body)
+    if creq.response_format is not None and creq.forces_tool_call:
+        raise bad("output_config.format", "cannot be combined with tool_choice any or tool (each constrains the "
+                                          "whole output)")
+    cc = body.get("cache_control")
+    if cc is not None and (not isinstance(cc, dict) or cc.get("type") != "ephemeral" or set(cc) - {"type", "ttl"}
+                           or cc.get("ttl") not in (None, "5m", "1h")):
+        raise bad("cache_control", "must be {\"type\": \"ephemeral\"} (with an optional ttl of 5m or 1h)")
     md = body.get("metadata")
     if md is not None:
         if not isinstance(md, dict) or set(md) - {"user_id"}:

@@ -640,8 +640,9 @@ class ResponsesGeneration(Generation):
         yield self._event({"type": "response.in_progress", "response": start})
         for ev in self._run():
             yield self._event(ev)
-        final = self._final()
-        yield self._event({"type": f"response.{final['status']}", "response": final})
+        # `response.completed` also when the status is "incomplete" (max_output_tokens hit): the openai SDK's
+        # stream helpers finish only on that event (a `response.incomplete` left get_final_response failing).
+        yield self._event({"type": "response.completed", "response": self._final()})
 
 
 # ---- routes ------------------------------------------------------------------------------------------------------

@@ -449,7 +449,8 @@ _ANTHROPIC_TOOL_CHOICE: Schema = {"type": "object", "properties": {
     "disable_parallel_tool_use": {"type": "boolean"}}, "required": ["type"],
     "description": "tool needs name, one of the tools", "examples": [{"type": "auto"}]}
 _THINKING: Schema = {"type": "object", "properties": {"type": {"enum": ["enabled", "disabled", "adaptive"]},
-                                                      "budget_tokens": {"type": "integer", "minimum": 1}},
+                                                      "budget_tokens": {"type": "integer", "minimum": 1},
+                                                      "display": {"enum": ["summarized", "omitted", None]}},
                      "required": ["type"], "description": "the chat template's thinking switch",
                      "examples": [{"type": "disabled"}]}
 _MESSAGES_COMMON: dict[str, Schema] = {
@@ -471,6 +472,14 @@ MESSAGES_REQUEST: Schema = _object(_optional({
     "top_p": _num(0.0, 1.0, 0.9, lo_open=True),
     "top_k": _int(0, TOP_K_MAX, 40),
     "metadata": {**_object({"user_id": nullable(_str())}), "examples": [{"user_id": "u-1"}]},
+    "output_config": {**_object({"format": nullable(_object({"type": {"const": "json_schema"},
+                                                             "schema": _JSON_SCHEMA_OBJECT},
+                                                            required=("type", "schema"))),
+                                 "effort": {"type": "null", "description": "not supported"}}),
+                      "description": "format: JSON valid for the schema, through the grammar path",
+                      "examples": [{"format": {"type": "json_schema", "schema": {"type": "object"}}}]},
+    "cache_control": {**_object({"type": {"const": "ephemeral"}, "ttl": {"enum": ["5m", "1h"]}}, required=("type",)),
+                      "description": "accepted; the prefix cache is automatic here", "examples": [{"type": "ephemeral"}]},
     "service_tier": _enum(("auto", "standard_only")),
 }, keep=("messages", "max_tokens")), required=("messages", "max_tokens"))
 COUNT_TOKENS_REQUEST: Schema = _object(_optional(_MESSAGES_COMMON, keep=("messages",)), required=("messages",))

@@ -284,11 +284,14 @@ CHAT_REQUEST: Schema = _object(_optional({
 
 # ---- completions (legacy) and embeddings ------------------------------------------------------------------
 _IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPTS_MAX = 64  # prompts in one /v1/completions call
 PROMPT: Schema = {
-    "anyOf": [{"type": "string"}, _IDS, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-              {"type": "array", "items": _IDS, "minItems": 1, "maxItems": 1}],
-    "description": "a text or token ids, or a list holding one of either (one prompt per request)",
-    "examples": ["Once upon a time", [1, 2, 3]],
+    "anyOf": [{"type": "string"}, _IDS,
+              {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": PROMPTS_MAX},
+              {"type": "array", "items": _IDS, "minItems": 1, "maxItems": PROMPTS_MAX}],
+    "description": "a text or token ids, or a list of texts or of token-id lists (not a mix): n choices each, "
+                   "choice i of prompt p at index p * n + i",
+    "examples": ["Once upon a time", [1, 2, 3], ["Once upon a time", "The end"]],
 }
 
 COMPLETION_REQUEST: Schema = _object(_optional({

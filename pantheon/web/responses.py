@@ -283,7 +283,8 @@ def _tool_choice(body: Mapping, tools: list[dict] | None) -> tuple[Any, Any]:
         return ("auto" if tools else "none"), "auto"
     if isinstance(tc, str):
         if tc not in ("none", "auto", "required"):
-            raise bad("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...}")
+            raise bad("tool_choice", "must be \"none\", \"auto\", \"required\" or "
+                                     "{\"type\": \"function\", \"name\": ...}")
         if tc != "none" and not tools:
             raise bad("tool_choice", f"{tc!r} needs function tools (only \"none\" is valid without them)")
         return tc, tc
@@ -531,7 +532,8 @@ class OutputItems:
         """The output as one assistant turn in chat form (what a later turn's history holds)."""
         text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
         reasoning = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
-        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+        calls = [{"id": i["call_id"], "type": "function",
+                  "function": {"name": i["name"], "arguments": _object_text(i["arguments"])}}
                  for i in self.items if i["type"] == "function_call"]
         msg: dict = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
@@ -539,6 +541,15 @@ class OutputItems:
         if reasoning:
             msg["reasoning_content"] = reasoning
         return msg
+
+
+def _object_text(args: str) -> str:
+    """A call's arguments as history keeps them: a call cut short (max_output_tokens) has partial JSON,
+    which a later turn's template could not read; it is kept as the empty object."""
+    try:
+        return args if isinstance(json.loads(args), dict) else "{}"
+    except ValueError:
+        return "{}"
 
 
 # ---- the generation ------------------------------------------------------------------------------------------

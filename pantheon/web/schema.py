@@ -482,7 +482,8 @@ MESSAGES_REQUEST: Schema = _object(_optional({
                       "description": "format: JSON valid for the schema, through the grammar path",
                       "examples": [{"format": {"type": "json_schema", "schema": {"type": "object"}}}]},
     "cache_control": {**_object({"type": {"const": "ephemeral"}, "ttl": {"enum": ["5m", "1h"]}}, required=("type",)),
-                      "description": "accepted; the prefix cache is automatic here", "examples": [{"type": "ephemeral"}]},
+                      "description": "accepted; the prefix cache is automatic here",
+                      "examples": [{"type": "ephemeral"}]},
     "service_tier": _enum(("auto", "standard_only")),
 }, keep=("messages", "max_tokens")), required=("messages", "max_tokens"))
 COUNT_TOKENS_REQUEST: Schema = _object(_optional(_MESSAGES_COMMON, keep=("messages",)), required=("messages",))

@@ -276,3 +276,13 @@ def test_anthropic_shape_for_route_errors_too(client):
     assert client.post("/v1/messages", data=b"{", content_type="application/json").get_json()["type"] == "error"
     r = client.post("/v1/chat/completions", data=b"{", content_type="application/json")
     assert set(r.get_json()) == {"error"}  # the OpenAI routes keep theirs
+
+
+def test_a_prompt_past_the_context_names_each_routes_own_fields(client):
+    r = respond(client, input="x" * 1100)
+    err = r.get_json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "input"
+    assert '"truncation": "auto"' in err["message"] and "truncate" not in err["message"].replace("truncation", "")
+    r = message(client, messages=[{"role": "user", "content": "x" * 1100}])
+    assert r.status_code == 400 and r.get_json()["error"]["message"].startswith("messages: ")
+    assert "truncat" not in r.get_json()["error"]["message"]

@@ -26,6 +26,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
+from pantheon.errors import RequestError
 from pantheon.text.emitter import Delta
 from pantheon.web import bridge
 from pantheon.web.chat import BIG_PROMPT_CHARS, ChatRequest, Generation, check_arguments, prompt_ids, render_prompt
@@ -325,6 +326,16 @@ class MessagesGeneration(Generation):
         super().__init__(*args, **kwargs)
         self.blocks: list[dict] = []
         self._open: dict | None = None
+
+    def start(self) -> None:
+        try:
+            super().start()
+        except RequestError as exc:  # chat's advice names a field this route does not have
+            hint = '; shorten them, or send "truncate": "oldest" to have the oldest turns dropped'
+            if hint not in str(exc):
+                raise
+            raise RequestError(str(exc).replace(hint, "; shorten them"), param=exc.param, status=exc.status,
+                               code=exc.code) from None
 
     def usage(self) -> dict:
         return {"input_tokens": self.prompt_tokens - self.cached_tokens, "output_tokens": self.completion_tokens,

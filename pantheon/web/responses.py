@@ -592,8 +592,8 @@ class ResponsesGeneration(Generation):
                                    param="text.format" + param[len("response_format"):].replace(".json_schema", ""),
                                    status=exc.status, code=exc.code) from None
             if param == "messages":
-                raise RequestError(str(exc).replace("messages:", "input:", 1), param="input", status=exc.status,
-                                   code=exc.code) from None
+                text = str(exc).replace("messages:", "input:", 1).replace('"truncate": "oldest"', '"truncation": "auto"')
+                raise RequestError(text, param="input", status=exc.status, code=exc.code) from None
             raise
 
     # -- shapes -------------------------------------------------------------------------------------------

@@ -386,7 +386,12 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
     max_output = integer(body, "max_output_tokens", 1, 1 << 31)
     temperature = number(body, "temperature", 0.0, 2.0)
     top_p = number(body, "top_p", 0.0, 1.0, lo_open=True)
-    params = sampling_params({k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None})
+    # top_k, min_p and repetition_penalty: the sampling extensions chat takes too (the SMG router adds them,
+    # at their neutral values, to every Responses request it forwards)
+    params = sampling_params({k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                              if body.get(k) is not None})
+    if integer(body, "priority", 0, 0):  # SGLang's request priority (SMG sends 0): no priority scheduling here
+        raise bad("priority", "must be 0")
     stream = bool(boolean(body, "stream"))
     so = body.get("stream_options")
     if so is not None:

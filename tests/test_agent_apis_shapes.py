@@ -286,3 +286,13 @@ def test_a_prompt_past_the_context_names_each_routes_own_fields(client):
     r = message(client, messages=[{"role": "user", "content": "x" * 1100}])
     assert r.status_code == 400 and r.get_json()["error"]["message"].startswith("messages: ")
     assert "truncat" not in r.get_json()["error"]["message"]
+
+
+def test_the_store_bound_is_a_setting(tmp_path):
+    (tmp_path / "models").mkdir()
+    settings = Settings(home=tmp_path, model_dir=(tmp_path / "models").resolve(), responses_store=1)
+    app, _ = registry_app(settings, lambda p, n, d, s: RoomyModel(n, n_slots=SLOTS), lambda m, s: ChoicesBackend(m))
+    c = app.test_client()
+    first, second = (respond(c, key="k").get_json()["id"] for _ in range(2))
+    assert c.get(f"/v1/responses/{first}", headers={"X-Api-Key": "k"}).status_code == 404  # evicted
+    assert c.get(f"/v1/responses/{second}", headers={"X-Api-Key": "k"}).status_code == 200

@@ -10,7 +10,8 @@ shapes: a `response` object, or the typed event stream the `openai` SDK parses (
 metrics and the model roots are the chat route's, unchanged.
 
 Conversation state. With `store` (the default, as OpenAI's) a finished response is kept in a bounded
-in-process store (`ResponseStore`: the oldest go first past `STORE_MAX_ENTRIES` or `STORE_MAX_CHARS`)
+in-process store (`ResponseStore`: the oldest go first past PANTHEON_RESPONSES_STORE responses or
+PANTHEON_RESPONSES_STORE_MB of conversation)
 together with the conversation it ended; `previous_response_id` continues that conversation, so its
 prompt starts with the same tokens and the prefix cache serves them (`cached_tokens`). A stored response
 belongs to the API key that made it (its hash; the key is never kept) and to the request's cache scope
@@ -46,8 +47,8 @@ bp = Blueprint("responses", __name__)
 TOP_FIELDS = fields(RESPONSES_REQUEST)
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
-STORE_MAX_ENTRIES = 1024  # stored responses kept per server process (the oldest go first)
-STORE_MAX_CHARS = 64 << 20  # and the characters of their conversations, all together
+STORE_MAX_ENTRIES = 1024  # stored responses kept per server process (PANTHEON_RESPONSES_STORE)
+STORE_MAX_CHARS = 64 << 20  # and the characters of their conversations (PANTHEON_RESPONSES_STORE_MB)
 
 
 # ---- the store ----------------------------------------------------------------------------------------------
@@ -666,7 +667,7 @@ def store() -> ResponseStore:
     from pantheon.web.routes import server
     st = server()
     if st.responses is None:
-        st.responses = ResponseStore()
+        st.responses = ResponseStore(st.settings.responses_store, int(st.settings.responses_store_mb * (1 << 20)))
     return st.responses
 
 

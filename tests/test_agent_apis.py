@@ -2,7 +2,8 @@
 (smollm2-135m): OpenAI's Responses API (`openai` responses.create / .stream / .parse, function tools,
 previous_response_id with the prefix cache, the response store and its key isolation, the `openai-agents`
 Runner) and Anthropic's Messages API (`anthropic` messages.create / .stream, system prompts, tool_use /
-tool_result, stop_sequences, count_tokens, errors in Anthropic's shape). Forced tool calls go through the
+tool_result, stop_sequences, count_tokens, errors in Anthropic's shape), and the two chat/completions gaps
+(a list of prompts on /v1/completions, malformed tool-call arguments in a history). Forced tool calls go through the
 grammar path, which the 135M model follows; it is never asked to call a tool on its own.
 
 The validators and the answer shapes on a scripted backend are covered by tests/test_openapi.py (the fuzz
@@ -298,3 +299,32 @@ def test_the_model_root_serves_both_routes(srv):
 def test_the_new_routes_are_counted_in_the_metrics(srv):
     text = requests.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {SMOL_KEY}"}, timeout=30).text
     assert 'route="/v1/responses"' in text and 'route="/v1/messages"' in text
+
+
+# ---- chat/completions gaps -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_list_of_prompts_is_one_choice_per_prompt_and_n(oai, stream):
+    prompts = ["The capital of France is", "One, two, three,"]
+    alone = [oai.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in prompts]
+    kw = dict(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    texts: dict[int, str] = {}
+    if stream:
+        for chunk in oai.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+    else:
+        r = oai.completions.create(**kw)
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        texts = {c.index: c.text for c in r.choices}
+    assert [texts[i] for i in range(4)] == [alone[0], alone[0], alone[1], alone[1]]
+
+
+def test_a_malformed_arguments_string_in_the_history_is_a_400_naming_it(oai):
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": "{\"city\": \"Par"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=history, max_tokens=4)
+    assert err.value.body["param"] == "messages[1].tool_calls[0].function.arguments"

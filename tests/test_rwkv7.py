@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import Collector, centered, tiny_fixture, tiny_model
+from conftest import Collector, centered, tiny_fixture, tiny_model, wait_until
 from pantheon.config import Settings
 from pantheon.formats.gguf_loader import open_gguf
 from pantheon.jax_models import rwkv7
@@ -23,6 +23,7 @@ from pantheon.runtime.sampler import SamplingParams
 from pantheon.scheduler import GenRequest
 from pantheon.scheduler.batch import BatchScheduler
 from pantheon.text.tokenizer import ByteTrie, unescape_rwkv
+from pantheon.types import Finished, Tokens
 
 NAMES = ["rwkv7", "rwkv7.q8_0"]
 TOL = 1e-3
@@ -189,7 +190,7 @@ def _submit(s: BatchScheduler, prompt: list[int], n: int, session: str | None = 
 def test_scheduler_batches_and_reuses_only_committed_state():
     """8 concurrent greedy requests equal their single-request outputs; a session's second turn resumes
     from the slot's committed state and equals a cold run; a prompt diverging inside a slot's history
-    is prefilled cold (recurrent state cannot roll back)."""
+    is prefilled cold (recurrent state cannot roll back); n = 2 choices forked from one prefill equal it."""
     path, j, _ = tiny_fixture("rwkv7")
     m = engine.load(path, engine.LoadOptions(n_slots=8, max_seq=96, prefill_chunk=16))
     base = j["prompt_ids"]
@@ -209,5 +210,11 @@ def test_scheduler_batches_and_reuses_only_committed_state():
         div = _submit(s, ps[7][:-2] + [9, 9, 9], 5, session="s7")
         assert div.done.wait(60) and div.started.reused_tokens == 0
         assert div.ids == list(reference.generate(m, ps[7][:-2] + [9, 9, 9], GREEDY, max_tokens=5, stop_ids=[]))
+        forked = Collector()  # n = 2: both choices start from one slot's state copied before the last token
+        s.submit(GenRequest(prompt_ids=ps[4], params=GREEDY, max_tokens=6, n=2), forked)
+        wait_until(lambda: sum(isinstance(e, Finished) for e in list(forked.events)) == 2, 60, "both choices")
+        for choice in (0, 1):
+            assert [i for e in forked.events if isinstance(e, Tokens) and e.choice == choice
+                    for i in e.ids] == alone[4][:6]
     finally:
         s.close()

@@ -139,7 +139,7 @@ def test_config_takes_the_wkv_heads_for_the_missing_attention_heads():
     assert (cfg.arch, cfg.n_layers, cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.ffn, cfg.vocab) == (
         "rwkv7", 3, 128, 64, 2, 256, 512)
     d = rwkv7.rwkv_dims(cfg)
-    assert d.gated and d.ln_eps == pytest.approx(1e-5)
+    assert (d.n_heads, d.head_size, d.ln_eps) == (2, 64, pytest.approx(1e-5))
     assert rwkv7.state_bytes_per_token(cfg) == 0
     assert rwkv7.state_bytes_per_sequence(cfg) == 3 * (2 * 128 + 2 * 64 * 64) * 4
 

@@ -68,7 +68,6 @@ class RwkvDims:
     n_heads: int
     head_size: int
     ln_eps: float
-    gated: bool  # the time mix has its output gate (g1/g2): six lerp rows instead of five
 
 
 def rwkv_dims(cfg: ModelConfig) -> RwkvDims:
@@ -78,8 +77,7 @@ def rwkv_dims(cfg: ModelConfig) -> RwkvDims:
     if hs <= 0 or cfg.hidden % hs:
         raise ValueError(f"rwkv7: wkv.head_size {hs} does not divide embedding_length {cfg.hidden}")
     eps = float(ex.get("attention.layer_norm_epsilon", 1e-5) or 1e-5)
-    gated = int(ex.get("attention.gate_lora_rank", 1) or 0) > 0
-    return RwkvDims(n_heads=cfg.hidden // hs, head_size=hs, ln_eps=eps, gated=gated)
+    return RwkvDims(n_heads=cfg.hidden // hs, head_size=hs, ln_eps=eps)
 
 
 # ---- parameters ------------------------------------------------------------------------------------
@@ -140,9 +138,10 @@ def _vec(src: TensorSource, name: str, n: int) -> np.ndarray:
     return a.reshape(n)
 
 
-def _layer(src: TensorSource, i: int, cfg: ModelConfig, d: RwkvDims) -> dict[str, Any]:
+def _layer(src: TensorSource, i: int, cfg: ModelConfig) -> dict[str, Any]:
     H, p = cfg.hidden, f"blk.{i}."
-    n_lerp = 6 if d.gated else 5
+    gated = src.has(p + "time_mix_g1.weight")  # as in llama.cpp: the gate exists when its LoRA does
+    n_lerp = 6 if gated else 5
     lerp = src.get(p + "time_mix_lerp_fused.weight")
     if lerp.size != n_lerp * H:
         raise ModelLoadError(src.path, f"{p}time_mix_lerp_fused.weight has {lerp.size} values, "
@@ -169,7 +168,7 @@ def _layer(src: TensorSource, i: int, cfg: ModelConfig, d: RwkvDims) -> dict[str
     if i > 0:
         out["v1"] = src.matrix(p + "time_mix_v1.weight")
         out["v2"] = src.matrix(p + "time_mix_v2.weight")
-    if d.gated:
+    if gated:
         out["g1"] = src.matrix(p + "time_mix_g1.weight")
         out["g2"] = src.matrix(p + "time_mix_g2.weight")
     for lo, hi in (("w1", "w2"), ("a1", "a2"), ("v1", "v2"), ("g1", "g2")):
@@ -182,11 +181,13 @@ def _layer(src: TensorSource, i: int, cfg: ModelConfig, d: RwkvDims) -> dict[str
 def load_params(src: TensorSource, cfg: ModelConfig) -> Rwkv7Params:
     """Host params: matrices as the file stores them (QuantWeight), vectors as f32 stacks [L, ...]."""
     try:
-        d = rwkv_dims(cfg)
+        rwkv_dims(cfg)
     except ValueError as exc:
         raise ModelLoadError(src.path, str(exc)) from exc
     H = cfg.hidden
-    per = [_layer(src, i, cfg, d) for i in range(cfg.n_layers)]
+    per = [_layer(src, i, cfg) for i in range(cfg.n_layers)]
+    if len({"g1" in lp for lp in per}) > 1:
+        raise ModelLoadError(src.path, "rwkv7: some layers have the output gate (time_mix_g1) and some do not")
     if len(per) > 1:  # layer 0 borrows layer 1's value LoRA (see the module docstring)
         per[0]["v1"], per[0]["v2"] = per[1]["v1"], per[1]["v2"]
     fields: dict[str, Any] = {}

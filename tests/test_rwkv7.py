@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -67,6 +68,35 @@ def test_decode_and_chunked_prefill_leave_the_state_one_prefill_leaves():
     for other in states[1:]:
         for a, b in zip(states[0], other):
             np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [2, 7, 16, 37])
+def test_chunked_wkv_equals_the_token_by_token_recurrence(T):
+    """The chunked form (any chunk length, a padded last chunk, decays down to the 0.545 floor)."""
+    ks = jax.random.split(jax.random.PRNGKey(T), 7)
+    B, N, d = 2, 3, 8
+    r, k, v = (jax.random.normal(ks[i], (B, T, N, d)) for i in range(3))
+    w = jnp.exp(-rwkv7.DECAY_SCALE * jax.nn.sigmoid(4 * jax.random.normal(ks[3], (B, T, N, d))))
+    kk = jax.random.normal(ks[4], (B, T, N, d))
+    kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
+    b = kk * jax.nn.sigmoid(jax.random.normal(ks[5], (B, T, N, d)))
+    S0 = jax.random.normal(ks[6], (B, N, d, d))
+    o_ref, s_ref = jax.jit(rwkv7.wkv_recurrent)(S0, r, w, k, v, kk, b)
+    chunked = jax.jit(rwkv7.wkv_chunked, static_argnames="chunk")
+    for chunk in (1, 4, 16):
+        o, s = chunked(S0, r, w, k, v, kk, b, chunk=chunk)
+        np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(s, s_ref, atol=2e-5, rtol=1e-5)
+
+
+def test_the_model_with_chunked_prefill_matches_the_oracle(monkeypatch):
+    """The accelerators' prefill form (CPU runs the token loop) through the whole model."""
+    monkeypatch.setattr(rwkv7, "CHUNKED_PREFILL", True)
+    path, j, ref = tiny_fixture("rwkv7")
+    m = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, kv_dtype="float32"))
+    for chunk in (5, 16):
+        _, got, _ = reference.prefill(m, m.new_state(), 0, j["prompt_ids"], chunk=chunk, all_logits=True)
+        assert close(got, ref)
 
 
 def test_quantized_file_keeps_its_blocks():

@@ -174,6 +174,12 @@ def test_config_takes_the_wkv_heads_for_the_missing_attention_heads():
     assert rwkv7.state_bytes_per_sequence(cfg) == 3 * (2 * 128 + 2 * 64 * 64) * 4
 
 
+def test_one_span_bucket_since_nothing_is_attended():
+    """Spans bucket how far attention reads; RWKV reads nothing, so more spans would only add programs."""
+    m = tiny_model("rwkv7")
+    assert m.span_buckets == (m.capacity,)
+
+
 def test_state_size_of_a_real_model():
     """RWKV-7 World 1.5B (24 layers, 2048 wide, heads of 64): 12,976,128 B per sequence."""
     from pantheon.formats.gguf_loader import ModelConfig, ROPE_NORM

@@ -1,4 +1,5 @@
-"""RWKV-7 matches an independent float64 forward on the tiny fixtures (tests/fixtures/README-RWKV7.md).
+"""RWKV-7 matches an independent float64 forward on the tiny fixtures (tests/fixtures/README-RWKV7.md;
+BlinkDL's `rwkv` package and llama.cpp agree with that oracle to 1.9e-5 and 4.8e-6 on the f32 file).
 
 Everything a sequence carries is recurrent state, so what can silently go wrong is how that state
 moves: decode after prefill, any chunking, padding rows, a second slot, a recycled slot, snapshot /

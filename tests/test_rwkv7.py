@@ -9,8 +9,11 @@ The World tokenizer (a byte trie) is checked against BlinkDL's trie tokenizer's 
 
 from __future__ import annotations
 
+import shutil
+import struct
 from pathlib import Path
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +21,7 @@ import pytest
 
 from conftest import Collector, centered, tiny_fixture, tiny_model, wait_until
 from pantheon.config import Settings
+from pantheon.errors import ModelLoadError
 from pantheon.formats.gguf_loader import open_gguf
 from pantheon.jax_models import rwkv7
 from pantheon.runtime import engine, reference
@@ -179,6 +183,20 @@ def test_one_span_bucket_since_nothing_is_attended():
     """Spans bucket how far attention reads; RWKV reads nothing, so more spans would only add programs."""
     m = tiny_model("rwkv7")
     assert m.span_buckets == (m.capacity,)
+
+
+@pytest.mark.parametrize("head_size", [0, 48])
+def test_a_lying_head_size_fails_to_load(tmp_path, head_size):
+    """rwkv7.wkv.head_size sizes the state: 0 or one that does not divide the width is the file's error."""
+    path, _, _ = tiny_fixture("rwkv7")
+    bad = tmp_path / "bad.gguf"
+    shutil.copy(path, bad)
+    field = gguf.GGUFReader(str(path)).fields["rwkv7.wkv.head_size"]
+    with open(bad, "r+b") as fh:
+        fh.seek(field.offset + sum(p.nbytes for p in field.parts[:-1]))
+        fh.write(struct.pack("<I", head_size))
+    with pytest.raises(ModelLoadError, match="head_size"):
+        engine.load(bad, engine.LoadOptions(n_slots=1, max_seq=32, prefill_chunk=16))
 
 
 def test_state_size_of_a_real_model():

@@ -242,6 +242,7 @@ def _submit(s: BatchScheduler, prompt: list[int], n: int, session: str | None = 
     return c
 
 
+@pytest.mark.slow  # about 10 s on 2 cores: left out of make test-quick, as the qwen35 scheduler test
 def test_scheduler_batches_and_reuses_only_committed_state():
     """8 concurrent greedy requests equal their single-request outputs; a session's second turn resumes
     from the slot's committed state and equals a cold run; a prompt diverging inside a slot's history

@@ -24,6 +24,7 @@ from pantheon.config import Settings
 from pantheon.errors import ModelLoadError
 from pantheon.formats.gguf_loader import open_gguf
 from pantheon.jax_models import rwkv7
+from pantheon.ops import weights
 from pantheon.runtime import engine, reference
 from pantheon.runtime.sampler import SamplingParams
 from pantheon.scheduler import GenRequest
@@ -106,9 +107,13 @@ def test_the_model_with_chunked_prefill_matches_the_oracle(monkeypatch):
 
 def test_quantized_file_keeps_its_blocks():
     """The q8_0 file's matrices reach the forward as Q8_0 QuantWeights (pantheon.ops.weights.linear)."""
+    def formats(ws) -> set[str]:
+        return {w.qtype for w in (ws.groups if isinstance(ws, weights.LayerStack) else ws)}
+
     p = tiny_model("rwkv7.q8_0").params
-    assert p.layer.w_k[0].qtype == "Q8_0" and p.layer.ffn_v[2].qtype == "Q8_0" and p.head.qtype == "Q8_0"
-    assert tiny_model("rwkv7").params.layer.w_k[0].qtype == "F32"
+    assert formats(p.layer.w_k) == formats(p.layer.ffn_v) == {"Q8_0"} and p.head.qtype == "Q8_0"
+    assert formats(p.layer.w1) == {"F32"}  # the converter keeps the decay LoRA in F32
+    assert formats(tiny_model("rwkv7").params.layer.w_k) == {"F32"}
 
 
 def test_two_slots_do_not_disturb_each_other():

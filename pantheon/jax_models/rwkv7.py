@@ -26,8 +26,8 @@ Why the code is shaped this way:
 * Padding (t >= n_new[b]) must not move the state: its decay is forced to 1 and its k, kk to 0,
   so its update is the identity; the shift state is the row's last real token. A row starting at
   position 0 begins a new sequence: its gathered state is zeroed.
-* Layer matrices are tuples over the layers, multiplied only through `weights.pick_linear`
-  (never copied out of a stack inside the scan). Layer 0 has no value-residual LoRA of its own
+* Layer matrices are tuples over the layers as loaded (a `weights.LayerStack` once the engine
+  stacks them), multiplied only through `weights.pick_linear`, which reads layer l in place. Layer 0 has no value-residual LoRA of its own
   rank (the file's v1/v2 there are dummies of another shape): it borrows layer 1's, whose
   product it then ignores (at layer 0 v_first == v, so the mix is the identity).
 * Decode runs the recurrence for its one token. A prompt chunk runs it token by token in a scan on
@@ -83,7 +83,7 @@ def rwkv_dims(cfg: ModelConfig) -> RwkvDims:
 
 
 # ---- parameters ------------------------------------------------------------------------------------
-Matrices = tuple[QuantWeight, ...]  # one per layer, in layer order
+Matrices = tuple[QuantWeight, ...] | weights.LayerStack  # per layer as loaded; a LayerStack once the engine stacks them
 Stacked = Any  # [L, ...] f32 (numpy on the host, jax on the device)
 
 
@@ -465,7 +465,7 @@ def _body(params: Rwkv7Params, state: RwkvState, tokens: jax.Array, slots: jax.A
     last = jnp.clip(n_new - 1, 0, T - 1)
     has = (n_new > 0)[:, None]
 
-    mats = {k: a for k, a in common.present(params.layer).items() if isinstance(a, tuple)}
+    mats = {k: a for k, a in common.present(params.layer).items() if isinstance(a, (tuple, weights.LayerStack))}
     vecs = params.layer.replace(**{k: None for k in mats})
 
     def last_of(h: jax.Array, old: jax.Array) -> jax.Array:

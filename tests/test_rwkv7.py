@@ -190,6 +190,22 @@ def test_one_span_bucket_since_nothing_is_attended():
     assert m.span_buckets == (m.capacity,)
 
 
+def test_decode_program_does_not_grow_with_depth(tmp_path):
+    """The q8_0 fixture at 6 and 30 layers traces one program (test_depth_independence's measure).
+    Deeper layers copy layers 1 and 2: layer 0's value LoRA is the converter's dummy of another rank."""
+    from test_depth_independence import _deepened, _program_size
+
+    src, _, _ = tiny_fixture("rwkv7.q8_0")
+
+    def source(i: int, depth: int) -> int:
+        return i if i < depth else 1 + (i - 1) % (depth - 1)
+
+    a = _program_size(_deepened(src, tmp_path / "a.gguf", 6, source))
+    b = _program_size(_deepened(src, tmp_path / "b.gguf", 30, source))
+    assert b["eqns"] == a["eqns"], (a, b)
+    assert b["hlo_chars"] <= a["hlo_chars"] * 1.05, (a, b)
+
+
 @pytest.mark.parametrize("head_size", [0, 48])
 def test_a_lying_head_size_fails_to_load(tmp_path, head_size):
     """rwkv7.wkv.head_size sizes the state: 0 or one that does not divide the width is the file's error."""

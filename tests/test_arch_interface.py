@@ -29,7 +29,7 @@ def _check_functions(mod, proto: type) -> None:
 
 
 def test_every_arch_in_the_table_has_a_module():
-    assert {m.__name__.rsplit(".", 1)[1] for m in MODULES} == {"llama", "phi3", "gemma3", "qwen35"}
+    assert {m.__name__.rsplit(".", 1)[1] for m in MODULES} == {"llama", "phi3", "gemma3", "qwen35", "rwkv7"}
 
 
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[1])
@@ -55,7 +55,7 @@ def test_expected_capabilities():
     caps = {m.__name__.rsplit(".", 1)[1]: registry.capabilities_of(m) for m in MODULES}
     assert caps["llama"] == caps["phi3"] == interface.Capabilities(mixed_steps=True, fused_projections=True)
     assert caps["gemma3"] == interface.Capabilities()
-    assert caps["qwen35"] == interface.Capabilities(recurrent_state=True)
+    assert caps["qwen35"] == caps["rwkv7"] == interface.Capabilities(recurrent_state=True)
     assert registry.capabilities_of(None) == registry.capabilities_of(object()) == interface.Capabilities()
 
 

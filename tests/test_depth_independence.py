@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import gguf
@@ -41,9 +42,11 @@ def _sized_tool() -> Any:
     return sys.modules[name]
 
 
-def _deepened(src: Path, dst: Path, layers: int) -> Path:
+def _deepened(src: Path, dst: Path, layers: int,
+              source: Callable[[int, int], int] = lambda i, depth: i % depth) -> Path:
     """The fixture `src` rewritten with `layers` layers: layer i is a copy of the fixture's layer
-    i mod depth (same formats, shapes and metadata otherwise), as the gguf package writes files."""
+    source(i, depth), i mod depth unless told (same formats, shapes and metadata otherwise), as the
+    gguf package writes files."""
     r = gguf.GGUFReader(str(src))
     arch = r.fields["general.architecture"].contents()
     depth = int(r.fields[f"{arch}.block_count"].contents())
@@ -60,7 +63,7 @@ def _deepened(src: Path, dst: Path, layers: int) -> Path:
     for i in range(layers):
         names += [n.replace("blk.0.", f"blk.{i}.", 1) for n in by_name if n.startswith("blk.0.")]
     for n in names:
-        src_name = n if not n.startswith("blk.") else "blk.{}.{}".format(int(n.split(".")[1]) % depth,
+        src_name = n if not n.startswith("blk.") else "blk.{}.{}".format(source(int(n.split(".")[1]), depth),
                                                                         n.split(".", 2)[2])
         t = by_name[src_name]
         quant = t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)

@@ -628,7 +628,7 @@ def test_the_embeddings_modules_import_no_jax():
 
 
 # ---- architectures (tiny fixtures) ---------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["llama", "gemma3", "phi3", "qwen35"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "phi3", "qwen35", "rwkv7"])
 def test_chunked_embedding_equals_one_pass_and_a_reused_slot_starts_clean(name):
     """Every architecture: an input fed in chunks (into a slot whose cache held another input, which a
     row at start 0 must forget, recurrent state included) pools to the one-pass hidden states."""

@@ -47,7 +47,10 @@ _ROPE_TYPES = {
     "qwen35": ROPE_NEOX,
     "qwen35moe": ROPE_NEOX,
     "qwen3next": ROPE_NEOX,
+    "rwkv7": ROPE_NORM,  # no RoPE: recurrent (the entry only marks the arch as known)
 }
+# Archs without attention heads (head_count 0 in the file): their WKV heads stand in for them.
+_WKV_ARCHS = frozenset({"rwkv7"})
 
 
 @dataclass(frozen=True)
@@ -285,12 +288,19 @@ def config_from_metadata(path: Path, meta: dict[str, Any], tensors: TensorSource
     p = f"{arch}."
     n_layers = _int(meta, p + "block_count", required=True, path=path, lo=1, hi=_MAX_LAYERS)
     hidden = _int(meta, p + "embedding_length", required=True, path=path, lo=1, hi=_MAX_WIDTH)
-    n_heads = _int(meta, p + "attention.head_count", required=True, path=path, lo=1, hi=_MAX_HEADS)
-    n_kv = _int(meta, p + "attention.head_count_kv", n_heads, path=path, lo=1, hi=n_heads)
-    if n_heads % n_kv:
-        raise ModelLoadError(path, f"{n_heads} attention heads cannot share {n_kv} KV heads evenly "
-                                   f"({p}attention.head_count_kv)")
-    head_dim = _int(meta, p + "attention.key_length", max(1, hidden // n_heads), path=path, lo=1, hi=_MAX_HEAD_DIM)
+    if arch in _WKV_ARCHS:  # head_count is 0 in these files: the WKV heads size the state
+        head_dim = _int(meta, p + "wkv.head_size", required=True, path=path, lo=1, hi=_MAX_HEAD_DIM)
+        if hidden % head_dim:
+            raise ModelLoadError(path, f"{p}wkv.head_size {head_dim} does not divide embedding_length {hidden}")
+        n_heads = n_kv = hidden // head_dim
+    else:
+        n_heads = _int(meta, p + "attention.head_count", required=True, path=path, lo=1, hi=_MAX_HEADS)
+        n_kv = _int(meta, p + "attention.head_count_kv", n_heads, path=path, lo=1, hi=n_heads)
+        if n_heads % n_kv:
+            raise ModelLoadError(path, f"{n_heads} attention heads cannot share {n_kv} KV heads evenly "
+                                       f"({p}attention.head_count_kv)")
+        head_dim = _int(meta, p + "attention.key_length", max(1, hidden // n_heads), path=path, lo=1,
+                        hi=_MAX_HEAD_DIM)
     ffn = _int(meta, p + "feed_forward_length", 0, path=path, hi=_MAX_WIDTH)
     vocab: Any = meta.get(p + "vocab_size")
     if vocab is None:

@@ -23,6 +23,7 @@ _MODULES = {
     "qwen35": "qwen35",
     "qwen35moe": "qwen35",
     "qwen3next": "qwen35",
+    "rwkv7": "rwkv7",
 }
 
 NO_CAPABILITIES = Capabilities()

@@ -199,6 +199,8 @@ class Model:
         # The last one stretches to the capacity (the chunk's padding slack) instead of adding a
         # bucket just above max_seq: one program fewer per (rows, tokens) bucket.
         self.span_buckets = (*_geometric_buckets(min(128, self.max_seq), self.max_seq, 2)[:-1], self.capacity)
+        if arch is not None and hasattr(arch, "state_bytes_per_token") and arch.state_bytes_per_token(cfg) == 0:
+            self.span_buckets = (self.capacity,)  # nothing attended (RWKV): a span would only add programs
         # Mixed steps: one prefill row of T tokens plus up to n_slots - 1 decode rows in one forward
         # (the architecture's forward_groups), so a new request's prompt does not stall the decoders.
         # The decode group is always padded to n_slots - 1 rows: one program per (T, span), not four.

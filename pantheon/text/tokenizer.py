@@ -18,6 +18,10 @@ Facts used (from llama.cpp's llama-vocab.cpp and the GGUF spec, re-expressed her
   ``tokenizer.ggml.add_space_prefix`` is true), there is no pre-splitting, adjacent symbols are merged by the
   score of the merged token (highest first), and characters missing from the vocabulary fall back to the
   ``<0xXX>`` byte tokens.
+* ``tokenizer.ggml.model = rwkv``: the RWKV World tokenizer. Each token text is the Python ``repr`` of its
+  bytes without the quotes (``\\xNN``, ``\\t``, ``\\n``, ``\\r`` and ``\\<c>`` escapes); encoding is a greedy
+  longest match over the UTF-8 bytes in a trie of every token (control and padding tokens included), with no
+  normalizer, pre-splitting or BOS.
 * ``token_type``: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte. Control and
   user-defined tokens are matched verbatim in the input before the model sees it.
 """
@@ -135,6 +139,83 @@ def _sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float], types:
     return merges
 
 
+def unescape_rwkv(text: str) -> bytes:
+    """The bytes an RWKV World token text stands for: the converter wrote `repr(token_bytes)[2:-1]`, so
+    `\\xNN` is a byte, `\\t` `\\n` `\\r` their controls, `\\<c>` the character c, anything else itself."""
+    if "\\" not in text:
+        return text.encode("utf-8")
+    out = bytearray()
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c != "\\" or i + 1 == n:
+            out += c.encode("utf-8")
+            i += 1
+            continue
+        e = text[i + 1]
+        if e == "x" and i + 3 < n and all(h in "0123456789abcdefABCDEF" for h in text[i + 2:i + 4]):
+            out.append(int(text[i + 2:i + 4], 16))
+            i += 4
+            continue
+        out += {"t": b"\t", "n": b"\n", "r": b"\r"}.get(e, e.encode("utf-8"))
+        i += 2
+    return bytes(out)
+
+
+class ByteTrie:
+    """The RWKV World encoder: at each position, the longest token whose bytes start there.
+
+    Why not an HF `tokenizers` model: none of them does a greedy longest match over raw bytes in linear
+    time (WordPiece matches greedily, but over characters, by shrinking the candidate from the end: quadratic
+    in the word, and a prompt is one word here). The trie is nested dicts keyed by byte; the key -1 holds
+    the id of the token ending at that node (a later id wins, as in llama.cpp's trie).
+    """
+
+    normalizer = None  # read by Tokenizer.min_tokens: the bytes are matched as they are
+
+    def __init__(self, token_bytes: Sequence[bytes]):
+        self._root: dict[int, Any] = {}
+        for tid, b in enumerate(token_bytes):
+            if not b:
+                continue
+            node = self._root
+            for byte in b:
+                node = node.setdefault(byte, {})
+            node[-1] = tid
+
+    def encode(self, data: bytes) -> list[int]:
+        """Ids of `data`; a byte no token starts with is skipped (a World vocabulary has every byte)."""
+        out: list[int] = []
+        root, pos, n = self._root, 0, len(data)
+        while pos < n:
+            node = root.get(data[pos])
+            best, end = -1, pos + 1
+            j = pos
+            while node is not None:
+                j += 1
+                tid = node.get(-1)
+                if tid is not None:
+                    best, end = tid, j
+                if j >= n:
+                    break
+                node = node.get(data[j])
+            if best >= 0:
+                out.append(best)
+            pos = end
+        return out
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[Any]:
+        """The slice of the HF `Tokenizer` interface `Tokenizer.encode` uses."""
+        return [_Encoding(self.encode(t.encode("utf-8", "surrogatepass"))) for t in texts]
+
+
+class _Encoding:
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+
 class Tokenizer:
     """Text <-> ids for one model. Special-token text in the input is always parsed as the special token."""
 
@@ -148,7 +229,7 @@ class Tokenizer:
     eos_token: str | None
     chat_template: str | None
 
-    def __init__(self, hf: HFTokenizer, token_bytes: list[bytes], control_ids: frozenset[int], *,
+    def __init__(self, hf: "HFTokenizer | ByteTrie", token_bytes: list[bytes], control_ids: frozenset[int], *,
                  bos_id: int | None, eos_id: int | None, eot_ids: Iterable[int], add_bos: bool, add_eos: bool,
                  strip_leading_space: bool, chat_template: str | None = None):
         """Low-level constructor; use `from_gguf_metadata` or `from_hf_files`."""
@@ -196,8 +277,11 @@ class Tokenizer:
                 hf, tbytes, strip = cls._build_byte_level(meta, tokens, types, path)
             elif kind == "llama":
                 hf, tbytes, strip = cls._build_sentencepiece(meta, tokens, types, path)
+            elif kind == "rwkv":
+                tbytes = [unescape_rwkv(t) for t in tokens]
+                hf, strip = ByteTrie(tbytes), False
             else:
-                raise ModelLoadError(path, f"unsupported tokenizer.ggml.model {kind!r} (supported: gpt2, llama)")
+                raise ModelLoadError(path, f"unsupported tokenizer.ggml.model {kind!r} (supported: gpt2, llama, rwkv)")
         except ModelLoadError:
             raise
         except Exception as exc:  # the tokenizers library rejects e.g. merges that name unknown tokens
@@ -354,7 +438,7 @@ class Tokenizer:
         into one), so with one the bound is divided by 3 more. Admission uses it to refuse a prompt
         that cannot fit before spending seconds tokenizing it.
         """
-        per_token = self.max_token_bytes * (1 if self._hf.normalizer is None else 3)
+        per_token = self.max_token_bytes * (1 if getattr(self._hf, "normalizer", None) is None else 3)
         return len(text.encode("utf-8", "surrogatepass")) // per_token
 
     def token_bytes(self, id: int) -> bytes:

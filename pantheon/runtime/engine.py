@@ -24,6 +24,7 @@ steps. The cache has one extra "scratch" slot that padding and dead rows write t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -36,14 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pantheon.runtime import compile_guard, decode_state, memory
+from pantheon.runtime import compile_guard, decode_state
 from pantheon.ops import native, weights
 from pantheon import osthread
 from pantheon.config import load_settings
-from pantheon.errors import ModelLoadError
+from pantheon.errors import ModelLoadError, clear_exception_frames
 from pantheon.formats.gguf_loader import GGUFFile, ModelConfig, open_gguf
 from pantheon.runtime.decode_state import DecodeState
-from pantheon.types import GREEDY, MAX_TOP_LOGPROBS, ModelCard
+from pantheon.types import GREEDY, MAX_TOP_LOGPROBS, ModelCard, ModelGeometry
 from pantheon.jax_models.common import last_valid
 from pantheon.jax_models.registry import capabilities_of
 from pantheon.ops.weights import XLA, Kernels
@@ -188,7 +189,7 @@ class Model:
         self.scratch_slot = self.n_slots
         self.card = ModelCard(name=name, path=str(path), arch=cfg.arch, context_length=self.max_seq,
                               n_slots=self.n_slots, tokenizer=tokenizer, template=template,
-                              native_kernels=bool(kernels.matmul), admit=self._admit)
+                              native_kernels=bool(kernels.matmul))
         # Few buckets = few programs to compile at load (each costs seconds on CPU). Rows double,
         # prefill chunks step by a quarter of the full chunk (prefill is compute-bound, so a 70-token
         # prompt padded to 128 would cost almost twice what it needs).
@@ -199,6 +200,8 @@ class Model:
         # The last one stretches to the capacity (the chunk's padding slack) instead of adding a
         # bucket just above max_seq: one program fewer per (rows, tokens) bucket.
         self.span_buckets = (*_geometric_buckets(min(128, self.max_seq), self.max_seq, 2)[:-1], self.capacity)
+        # What admission reads (pantheon.serving.admission), published once as a value on the card.
+        self.card = dataclasses.replace(self.card, geometry=self._published_geometry())
         # Mixed steps: one prefill row of T tokens plus up to n_slots - 1 decode rows in one forward
         # (the architecture's forward_groups), so a new request's prompt does not stall the decoders.
         # The decode group is always padded to n_slots - 1 rows: one program per (T, span), not four.
@@ -306,9 +309,21 @@ class Model:
         with self._keys_lock:
             self._compiled_keys.clear()
 
-    def _admit(self, n_tokens: int, reserve_tokens: int, watch: Any) -> memory.Admission:
-        """The card's memory admission: what `n_tokens` of prompt (+ the answer's reserve) costs here."""
-        return memory.admit(self, n_tokens, watch=watch, reserve_tokens=reserve_tokens)
+    def _published_geometry(self) -> ModelGeometry:
+        """The value admission reads of this model (window, chunk, buckets, widths, cache bytes, dies):
+        stated here, where the engine's own numbers are, so nothing above reaches into the Model."""
+        cfg = self.config
+        per_seq = getattr(self.arch, "state_bytes_per_sequence", None)
+        return ModelGeometry(
+            max_seq=self.max_seq, n_slots=self.n_slots, chunk=self.chunk, capacity=self.capacity,
+            chunk_buckets=tuple(self.chunk_buckets), span_buckets=tuple(self.span_buckets),
+            hidden=int(cfg.hidden), head_dim=int(cfg.head_dim), n_heads=int(cfg.n_heads),
+            n_kv_heads=int(cfg.n_kv_heads), vocab=int(cfg.vocab),
+            ffn=max(int(cfg.ffn), int(cfg.n_experts_used) * int(cfg.expert_ffn)) + int(cfg.n_experts),
+            state_bytes_per_token=self.state_bytes_per_token(),
+            state_bytes_per_sequence=int(per_seq(cfg)) if per_seq is not None else 0,
+            dies=tuple(int(getattr(d, "id", i)) for i, d in enumerate(self.devices)),
+            platform=str(getattr(self.devices[0], "platform", "cpu")) if self.devices else "cpu")
 
     def state_bytes_per_token(self) -> int:
         """What one more token of context costs in this model's cache (at its KV dtype)."""
@@ -778,7 +793,7 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     except Exception as exc:
         # The frames of a failed build hold host copies of the weights (and maybe device arrays):
         # clear them so the exception, logged and kept by a caller for a while, holds no memory.
-        memory.clear_exception_frames(exc)
+        clear_exception_frames(exc)
         if isinstance(exc, ModelLoadError):
             raise
         raise ModelLoadError(p, f"{stage[0]} failed: {type(exc).__name__}: {exc}") from exc

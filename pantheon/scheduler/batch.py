@@ -232,18 +232,23 @@ class BatchScheduler(EmbedDriver):
         if req.n > self.n_slots:
             raise RequestError(f"n: at most {self.n_slots} choices (the model's slots), got {req.n}", param="n")
         with self._mu:
-            if reservation is not None and reservation.held and reservation._sched is self:
-                reservation.held = False
-                self._reserved -= 1
-                if self.failure is not None:
-                    raise ModelFailed(f"model {self.model.name!r} failed: {self.failure}")
-                if self._closed:
-                    raise BusyError("server is shutting down", status=503)
-            else:
-                self._admission_locked()
+            self._take_place_locked(reservation)
             self._queue.append(job)
             self._work.notify_all()
         return _Handle(self, job)
+
+    def _take_place_locked(self, reservation: Reservation | None) -> None:
+        """A job's place in the queue: its held `reservation` (no capacity check: that was made when the
+        place was taken), else the admission rule decides now."""
+        if reservation is not None and reservation.held and reservation._sched is self:
+            reservation.held = False
+            self._reserved -= 1
+            if self.failure is not None:
+                raise ModelFailed(f"model {self.model.name!r} failed: {self.failure}")
+            if self._closed:
+                raise BusyError("server is shutting down", status=503)
+        else:
+            self._admission_locked()
 
     def _admission_locked(self) -> None:
         """The one rule for queueing a job of either kind (generation, embedding): raises when it

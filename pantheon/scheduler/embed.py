@@ -92,9 +92,10 @@ class EmbedDriver:
     _embed_jobs: list[_EmbedJob]
 
     # ---- called from request greenlets --------------------------------------------------------
-    def submit_embed(self, req: EmbedRequest, sink: EmbedSink) -> _EmbedHandle:
+    def submit_embed(self, req: EmbedRequest, sink: EmbedSink, reservation: Any = None) -> _EmbedHandle:
         """Queue an embeddings job; its sink gets one `Embedded`, or `Finished("error" | "cancelled")`.
-        Raises BusyError (429/503) or ModelFailed (503) when it cannot even be queued."""
+        Raises BusyError (429/503) or ModelFailed (503) when it cannot even be queued. A held
+        `reservation` (`reserve`) is its place, as for `submit`."""
         too_long = [len(ids) for ids in req.inputs if len(ids) > self.model.max_seq]
         if too_long:
             raise RequestError(f"input: an input has {too_long[0]} tokens; this model's maximum context length is "
@@ -102,7 +103,7 @@ class EmbedDriver:
         job = _EmbedJob(req=req, sink=sink, enqueued_at=time.monotonic(),
                         runs=[EmbedRun(ids, req.pooling) for ids in req.inputs])
         with self._mu:
-            self._admission_locked()  # (BatchScheduler's: one rule for both kinds of job)
+            self._take_place_locked(reservation)  # (BatchScheduler's: one rule for both kinds of job)
             self._embed_queue.append(job)
             self._work.notify_all()
         return _EmbedHandle(self, job)

@@ -156,7 +156,7 @@ class BlockingModel:
     def release(self, state, slot):
         return state
 
-    def step(self, state, plan, want_logits=False):
+    def forward(self, state, plan):
         self.entered.set()
         self.unblock.wait(10)
         raise RuntimeError("fake step")

@@ -8,7 +8,9 @@ it with three verbs, in the manner of JetStream's insert / generate:
     insert(state, SlotInsert)   a request's data into its slot, once (knobs, seed, stop ids, budget)
     step(state, StepPlan)       one forward + sample over a prompt chunk and the decoding slots;
                                 returns at once (JAX async dispatch) with a handle whose packed
-                                [rows, 2] (id, flag) output is already being copied to the host
+                                [rows, 2] (id, flag) output is already being copied to the host;
+                                its two phases are verbs too: forward(state, plan), then
+                                sample(state, forward, mask) (the grammar masks go between them)
     release(state, slot)        take a slot back early (cancel)
 
 A step's host input is only which slot feeds which prompt chunk and which slots decode: decode rows
@@ -27,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,6 +149,17 @@ class StepHandle:
 
     def ready(self) -> bool:
         return self.packed.is_ready()
+
+
+@struct.dataclass
+class Forward:
+    """A dispatched step's first phase (`Model.forward`): each row's logits and the rows' slot
+    bookkeeping (decode_state.StepRows) on the device, for `Model.sample`."""
+
+    logits: jax.Array
+    rows: Any  # decode_state.StepRows
+    n_rows: int = struct.field(pytree_node=False)  # the plan's rows
+    padded_rows: int = struct.field(pytree_node=False)  # the forward's rows (the bucket's, padding included)
 
 
 @dataclass
@@ -345,35 +358,45 @@ class Model:
         return state.replace(slots=self._track(self._release(state.slots, np.int32(slot))))
 
     def step(self, state: DecodeState, plan: StepPlan, want_logits: bool = False,
-             mask: Callable[[], np.ndarray | None] | np.ndarray | None = None) -> tuple[StepHandle, DecodeState]:
-        """Dispatch one step (returns at once); read its result with `read(handle)`.
+             mask: np.ndarray | None = None) -> tuple[StepHandle, DecodeState]:
+        """Dispatch one whole step (returns at once): `forward`, then `sample` with `mask`; read its
+        result with `read(handle)`. A caller that builds grammar masks while the forward runs calls the
+        two phases itself (the scheduler does)."""
+        fwd, state = self.forward(state, plan)
+        return self.sample(state, fwd, mask, want_logits)
 
-        Rows: the plan's chunk first (if any), then one per decoding slot, in the plan's order. Each
-        row's packed output is (token id, flag) (decode_state's RUNNING / STOP / LENGTH / IDLE).
-
-        `mask`: called after the forward is dispatched and before the sampler is, so the host builds
-        a grammar's token mask while the device runs the forward; it returns i32[rows, mask_words]
-        (bit t of a row allows token t; an unconstrained row is all ones) or None for no mask. (An
-        array instead of a callable is used as it is: how a cluster's followers get the mask.)
-        """
+    def forward(self, state: DecodeState, plan: StepPlan) -> tuple[Forward, DecodeState]:
+        """A step's first phase: dispatch its forward (returns at once). Rows: the plan's chunk first (if
+        any), then one per decoding slot, in the plan's order. Hand the result to `sample`; between the
+        two the host may build the step's grammar masks while the device runs the forward."""
         self._check_live()
         p = self._serve_plan(plan)
         self._note_shape(p.key)
         logits, rows, cache = p.fn(self.params, state.cache, state.slots, *p.args, **p.kwargs)
         n = (plan.chunk is not None) + len(plan.decode)
-        words = mask() if callable(mask) else mask
-        if words is None:
-            m, masked = self._unmasked(p.rows)
+        return Forward(logits=logits, rows=rows, n_rows=n, padded_rows=p.rows), \
+            self._track(state.replace(cache=cache))
+
+    def sample(self, state: DecodeState, fwd: Forward, mask: np.ndarray | None = None,
+               want_logits: bool = False) -> tuple[StepHandle, DecodeState]:
+        """A step's second phase: dispatch the sampler and slot update over `fwd`'s logits (returns at
+        once). Each row's packed output is (token id, flag) (decode_state's RUNNING / STOP / LENGTH / IDLE).
+
+        `mask`: i32[rows, mask_words] (bit t of a row allows token t; an unconstrained row is all ones),
+        or None for no mask (an all-ones mask kept on the device and a false switch)."""
+        self._check_live()
+        if mask is None:
+            m, masked = self._unmasked(fwd.padded_rows)
         else:
-            m = np.full((p.rows, self.mask_words), -1, np.int32)
-            m[:n] = words
+            m = np.full((fwd.padded_rows, self.mask_words), -1, np.int32)
+            m[:fwd.n_rows] = mask
             m, masked = self._on_device(m), self._on_device(np.bool_(True))
-        out, table = self._advance(state.slots, logits, rows, m, masked)
+        out, table = self._advance(state.slots, fwd.logits, fwd.rows, m, masked)
         for x in (out.packed, out.logprobs, out.top_ids):
             if x.is_fully_addressable:  # (over several processes each reads its own replicated copy)
                 x.copy_to_host_async()  # the host reads it after dispatching the next step
-        state = self._track(DecodeState(cache=cache, slots=table))
-        return StepHandle(packed=out.packed, logits=logits if want_logits else None, n_rows=n,
+        state = self._track(DecodeState(cache=state.cache, slots=table))
+        return StepHandle(packed=out.packed, logits=fwd.logits if want_logits else None, n_rows=fwd.n_rows,
                           logprobs=out.logprobs, top_ids=out.top_ids), state
 
     def _on_device(self, x: Any) -> Any:

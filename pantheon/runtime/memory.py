@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pantheon import osthread
-from pantheon.errors import BusyError, clear_exception_frames  # noqa: F401 (its old home)
+from pantheon.errors import BusyError
 from pantheon.types import ModelGeometry
 
 log = logging.getLogger(__name__)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pantheon.text.emitter import Delta, Emitter, merge_deltas
-from pantheon.errors import BusyError, PantheonError, RequestError
+from pantheon.errors import BusyError, PantheonError
 from pantheon.types import GenRequest
 from pantheon.web import bridge
 from pantheon.web.body import shown

@@ -30,7 +30,7 @@ from typing import Any
 
 from pantheon.config import Settings
 from pantheon.text.emitter import Emitter
-from pantheon.errors import PantheonError, RequestError
+from pantheon.errors import PantheonError
 from pantheon.types import GenRequest, SamplingParams
 from pantheon.web import bridge
 from pantheon.web.chat import BIG_PROMPT_CHARS

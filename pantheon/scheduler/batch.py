@@ -14,14 +14,17 @@ Lifecycle of a request:
    (`GenRequest.cache_scope`). Admission writes the request's data into its slot on the device once
    (`Model.insert`: knobs, seed, stop ids, budget, the prompt's tail for penalties). A request waiting
    longer than `queue_wait_s` is refused with 429 Retry-After 2. A cancelled queued request leaves at once.
-3. Slot states: IDLE -> PREFILL (its prompt is fed in chunks of `prefill_chunk`) -> DECODE (one token
-   per step, batched with every other DECODE slot) -> IDLE. While both kinds of work exist, each step
+3. Slot states (pantheon.scheduler.slot: an enum and its transition table; any other change raises):
+   IDLE -> PREFILL (its prompt is fed in chunks of `prefill_chunk`) -> DECODE (one token per step,
+   batched with every other DECODE slot) -> IDLE. While both kinds of work exist, each step
    carries the oldest prefiller's next chunk *and* every decoder in one mixed forward (models that
    declare mixed steps; PANTHEON_BS_MIXED=0 turns it off); otherwise the driver alternates a chunk and
    a decode step, so a long prompt stalls decoders by at most one chunk.
 4. The driver is asynchronous: it dispatches step N+1 before it reads step N's ids (the next decode
    token is already in the decode state on the device), so planning, emitting and bookkeeping overlap
-   the device. The step samples, spends the budget and checks stop ids itself; a slot that finished in
+   the device. A step is dispatched in explicit phases (`_step`): the forward, then (with a grammar)
+   the masks, built while the forward runs, then the sampler. The step samples, spends the budget and
+   checks stop ids itself; a slot that finished in
    step N costs at most one dead row in step N+1 (the device sends it to the scratch slot). Two steps
    are read before the next is dispatched: one that carries a prompt's last chunk (so the first token
    is not a step late) and, while requests wait, one that ends a request by its budget.

@@ -21,11 +21,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
        "PANTHEON_CLUSTER_SECRET": "overlap-measurement-secret"}
-STEPS = 200
+STEPS = 100
+ROUNDS = 3  # each mode measured this many times, alternating
+HOST_MS = (0.0, 5.0)  # host work per step: none, and about the driver's for a full batch
 
 
-def decode_rate(model, steps: int) -> float:
-    """Steps per second of two slots decoding, each step dispatched before the previous one is read."""
+def busy(ms: float) -> None:
+    """Hold the interpreter for `ms` milliseconds, as the driver's planning and emitting do."""
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
+
+
+def decode_rate(model, steps: int, host_ms: float) -> float:
+    """Steps per second of two slots decoding, each step dispatched before the previous one is read,
+    with `host_ms` of host work per step (the driver's planning, emitting and bookkeeping)."""
     from pantheon.runtime.decode_state import slot_insert
     from pantheon.runtime.engine import Chunk, StepPlan
     from pantheon.types import GREEDY
@@ -40,6 +50,7 @@ def decode_rate(model, steps: int) -> float:
     prev = None
     for i in range(steps):
         h, state = model.step(state, StepPlan(decode=(0, 1), reach=min(6 + i, 60)))
+        busy(host_ms)
         if prev is not None:
             model.read(prev)
         prev = h
@@ -59,11 +70,19 @@ def process(port: int, pid: int) -> int:
     leader = distributed.start_leader(spec)
     opts = engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16, kv_dtype="float32")
     model = leader.load(TINY / "llama.gguf", opts, [0, 1, 2, 3])
-    released = decode_rate(model, STEPS)
-    leader.chained = lambda: False  # as with several mirrored models: held until each call is done
-    held = decode_rate(model, STEPS)
-    print(f"lock released at dispatch: {released:.1f} steps/s; held until done: {held:.1f} steps/s "
-          f"({STEPS} two-row decode steps, tiny llama over 2 processes x 2 CPU devices)", flush=True)
+    chained = leader.chained
+    lines = []
+    hold = lambda: False  # noqa: E731 - as with several mirrored models: held until each call is done
+    for host_ms in HOST_MS:
+        rates: dict[str, list[float]] = {"released": [], "held": []}
+        for mode in ("held", "released") * ROUNDS:  # alternated, so drift on a shared machine hits both
+            leader.chained = chained if mode == "released" else hold
+            rates[mode].append(decode_rate(model, STEPS, host_ms))
+        lines.append(f"host work {host_ms:g} ms/step: lock released at dispatch "
+                     f"{'/'.join(f'{r:.1f}' for r in rates['released'])} steps/s, held until done "
+                     f"{'/'.join(f'{r:.1f}' for r in rates['held'])} steps/s")
+    print(" | ".join(lines) + f" ({STEPS} two-row decode steps, tiny llama over 2 processes x 2 CPU devices)",
+          flush=True)
     leader.stop()
     sys.stdout.flush()
     os._exit(0)

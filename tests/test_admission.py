@@ -172,3 +172,20 @@ def test_the_card_carries_no_callable_and_the_engine_no_admission():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names} | \
                {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not {"memory", "pantheon.runtime.memory", "pantheon.serving.admission"} & imported
+
+
+def test_a_loaded_model_publishes_its_geometry_on_its_card():
+    from conftest import TINY
+    from pantheon.runtime import engine, memory
+    m = engine.load(TINY / "llama.gguf", engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16))
+    try:
+        geo = m.card.geometry
+        assert isinstance(geo, ModelGeometry) and geo.sized
+        assert (geo.max_seq, geo.n_slots, geo.chunk, geo.capacity) == (m.max_seq, m.n_slots, m.chunk, m.capacity)
+        assert geo.chunk_buckets == tuple(m.chunk_buckets) and geo.span_buckets == tuple(m.span_buckets)
+        assert (geo.hidden, geo.vocab, geo.state_bytes_per_token) == (m.config.hidden, m.config.vocab,
+                                                                      m.state_bytes_per_token())
+        assert geo.platform == "cpu" and len(geo.dies) == 1
+        assert memory.activation_bytes(geo, 60) > memory.activation_bytes(geo, 4) > 0  # admission can size it
+    finally:
+        m.free()

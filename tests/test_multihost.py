@@ -467,6 +467,23 @@ def test_pantheon_serve_refuses_a_cluster_without_a_secret_with_a_clear_error(pi
     assert "needs a shared secret" in r.stderr and variable in r.stderr
 
 
+def test_the_dispatch_lock_goes_at_dispatch_while_one_model_is_mirrored_and_is_held_with_two(channel):
+    from pantheon.serving import distributed
+    leader, theirs = channel
+    leader._models[7] = "a"
+    proxy = distributed.LeaderModel(leader, 7, SeamModel(scale=1.0))
+    assert leader.chained()
+    handle, state = proxy.step(proxy.new_state())
+    assert leader._in_flight  # released at dispatch: its arrays are remembered, not waited for
+    leader._models[8] = "b"  # a second mirrored model: its programs do not chain with this one's
+    assert not leader.chained()
+    proxy.step(state)
+    assert leader._in_flight == []  # the chained calls' work was waited for first, then every call is
+    proxy.free()
+    assert 7 not in leader._models and leader.chained()  # a freed model no longer counts
+    _frames(theirs, 4)
+
+
 # ---- the verbs are a declared interface -------------------------------------------------------------------
 def test_every_state_changing_method_of_the_engine_is_a_broadcast_verb():
     from pantheon.runtime import verbs

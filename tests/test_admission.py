@@ -177,7 +177,7 @@ def test_the_card_carries_no_callable_and_the_engine_no_admission():
 def test_a_loaded_model_publishes_its_geometry_on_its_card():
     from conftest import TINY
     from pantheon.runtime import engine, memory
-    m = engine.load(TINY / "llama.gguf", engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16))
+    m = engine.load(TINY / "llama.gguf", engine.LoadOptions(n_slots=2, max_seq=512, prefill_chunk=16))
     try:
         geo = m.card.geometry
         assert isinstance(geo, ModelGeometry) and geo.sized
@@ -186,6 +186,6 @@ def test_a_loaded_model_publishes_its_geometry_on_its_card():
         assert (geo.hidden, geo.vocab, geo.state_bytes_per_token) == (m.config.hidden, m.config.vocab,
                                                                       m.state_bytes_per_token())
         assert geo.platform == "cpu" and len(geo.dies) == 1
-        assert memory.activation_bytes(geo, 60) > memory.activation_bytes(geo, 4) > 0  # admission can size it
+        assert memory.activation_bytes(geo, 300) > memory.activation_bytes(geo, 4) > 0  # wider spans cost more
     finally:
         m.free()

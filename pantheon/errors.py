@@ -6,6 +6,8 @@ well-defined response without the web layer guessing from message text.
 
 from __future__ import annotations
 
+import traceback
+
 
 class PantheonError(Exception):
     """Base class: `status` is the HTTP code, `code` the OpenAI-style error type."""
@@ -81,3 +83,21 @@ class ModelFailed(PantheonError):
     def __init__(self, message: str, status: int = 503):
         super().__init__(message)
         self.status = status
+
+
+def clear_exception_frames(exc: BaseException) -> None:
+    """Clear the locals of every finished frame in `exc`'s traceback and in those of its causes.
+
+    A traceback keeps each frame it passed through alive with all its locals; after a failed load
+    those are the half-built parameters (hundreds of MB of host arrays), held for as long as anyone
+    keeps the exception. The messages and types stay; only the frames' variables go.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]

@@ -249,13 +249,48 @@ class Backend(Protocol):
 
 
 @dataclass(frozen=True)
+class ModelGeometry:
+    """What admission must know of a loaded model, as a value the engine publishes at load.
+
+    Why a value and not the model: admission (pantheon.serving.admission) sits above the engine and
+    must not reach into it (`getattr` on a live Model), and the web layer must not import it. So the
+    engine states, once, the numbers admission's arithmetic reads (pantheon.runtime.memory): the
+    window, the prefill chunk and cache capacity with the step's padding buckets, the architecture's
+    widths (the activations of a prefill chunk), what a token and a sequence cost in the cache, and
+    where the model's memory lives (its dies and their platform). A geometry with `hidden == 0` is
+    unsized (a test fake): admission then charges `state_bytes_per_token` per token.
+    """
+
+    max_seq: int  # the longest sequence a slot holds (prompt + completion)
+    n_slots: int = 1
+    chunk: int = 0  # the prefill chunk (0: unknown)
+    capacity: int = 0  # cache positions per slot
+    chunk_buckets: tuple[int, ...] = ()  # the step's padded chunk lengths
+    span_buckets: tuple[int, ...] = ()  # the step's attention spans
+    hidden: int = 0
+    head_dim: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    ffn: int = 0  # the widest FFN a token goes through: max(ffn, experts used x expert ffn) + the router's logits
+    vocab: int = 0
+    state_bytes_per_token: int = 0  # one more token of context in the cache (at the KV dtype)
+    state_bytes_per_sequence: int = 0  # a hybrid's recurrent state per sequence (0: none)
+    dies: tuple[int, ...] = ()  # the dies the model's memory lives on
+    platform: str = "cpu"  # their platform: a "cpu" model's memory is the host's
+
+    @property
+    def sized(self) -> bool:
+        """Whether the widths are known, so a request's activations can be computed."""
+        return self.hidden > 0 and self.chunk > 0 and self.capacity > 0
+
+
+@dataclass(frozen=True)
 class ModelCard:
-    """What the web layer knows of a loaded model: no device arrays, no compiled programs.
+    """What the web layer knows of a loaded model: no device arrays, no compiled programs, no callables.
 
     The tokenizer and chat template are host objects (tokenizers + Jinja2); `context_length` is the
-    longest sequence a slot holds (prompt + completion), `n_slots` the concurrent sequences. `admit`
-    (prompt tokens, tokens reserved for the answer, memory watch or None) -> pantheon.runtime.memory.Admission
-    is the model's memory admission, bound at load; None for a model that cannot size one.
+    longest sequence a slot holds (prompt + completion), `n_slots` the concurrent sequences;
+    `geometry` is what admission reads (None: a model that cannot size one; the window alone applies).
     """
 
     name: str
@@ -266,7 +301,7 @@ class ModelCard:
     tokenizer: Any
     template: Any
     native_kernels: bool = False
-    admit: Callable[[int, int, Any], Any] | None = field(default=None, repr=False, compare=False)
+    geometry: ModelGeometry | None = None
 
 
 # ---- embeddings ------------------------------------------------------------------------------------

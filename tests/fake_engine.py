@@ -83,10 +83,19 @@ class FakeModel:
         return tok, flag
 
     def step(self, state: list[_Slot], plan, want_logits: bool = False, mask=None):
+        fwd, state = self.forward(state, plan)
+        return self.sample(state, fwd, mask)
+
+    def forward(self, state: list[_Slot], plan):
+        """The step's first phase: the fake computes nothing yet (its rows are computed by `sample`)."""
         if self.gate is not None:
             self.gate.wait(30)
         self.steps.append(plan)
-        words = mask() if mask is not None else None  # (the engine calls it once the forward is dispatched)
+        return plan, state
+
+    def sample(self, state: list[_Slot], plan, mask=None):
+        """The step's second phase, with the grammar masks built between the two."""
+        words = mask
         if words is not None:
             self.masks.append(np.array(words))
         rows = []

@@ -74,8 +74,8 @@ class EmbedFake(FakeModel):
         self.log: list[tuple[str, Any]] = []  # ("step", plan) and ("embed", tokens fed), in the driver's order
         self.on_embed: Callable[[int], None] | None = None  # called with the call's number (1, 2, ...) first
 
-    def step(self, state, plan, want_logits=False, mask=None):
-        out = super().step(state, plan, want_logits, mask)
+    def forward(self, state, plan):
+        out = super().forward(state, plan)
         self.log.append(("step", plan))
         return out
 

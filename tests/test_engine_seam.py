@@ -126,11 +126,11 @@ class Faulty:
     def __getattr__(self, name):
         return getattr(self._m, name)
 
-    def step(self, *a, **kw):
+    def forward(self, *a, **kw):
         if self.armed and self.fail == "step":
             self.armed = False
             raise RuntimeError("injected step failure")
-        return self._m.step(*a, **kw)
+        return self._m.forward(*a, **kw)
 
     def insert(self, *a, **kw):
         if self.armed and self.fail == "insert":

@@ -11,6 +11,7 @@ import pytest
 from conftest import wait_until
 from pantheon.runtime import memory
 from pantheon.errors import BusyError
+from pantheon.types import ModelGeometry
 from pantheon.runtime.memory import (
     CAPPED,
     CRITICAL,
@@ -39,17 +40,11 @@ def snap(used_frac: float, total: int = 100 * GiB, dies: tuple[PoolSample, ...] 
     return MemSnapshot(host=host(used_frac, total), dies=dies, taken_at=time.monotonic())
 
 
-class FakeArch:
-    @staticmethod
-    def state_bytes_per_sequence(cfg) -> int:
-        return cfg.per_seq
-
-
 def fake_model(bpt: int = 1024 * 1024, max_seq: int = 4096, per_seq: int = 0, dies=(0,), platform: str = "cpu"):
-    """Just what admit reads: state bytes/token, max_seq, devices (+ arch/config for hybrids)."""
-    devices = [SimpleNamespace(id=d, platform=platform) for d in dies]
-    return SimpleNamespace(state_bytes_per_token=lambda: bpt, max_seq=max_seq, devices=devices,
-                           arch=FakeArch() if per_seq else None, config=SimpleNamespace(per_seq=per_seq))
+    """An unsized geometry: just what admission reads of a model that only knows its state bytes/token,
+    max_seq, dies (+ a hybrid's per-sequence state)."""
+    return ModelGeometry(max_seq=max_seq, state_bytes_per_token=bpt, state_bytes_per_sequence=per_seq,
+                         dies=tuple(dies), platform=platform)
 
 
 # ---- pressure levels -----------------------------------------------------------------------------
@@ -250,16 +245,17 @@ def test_cap_messages_accepts_id_lists():
 MiB = 1024 ** 2
 
 
-def smollm_like(platform: str = "cpu", dies=(0,)) -> SimpleNamespace:
-    """A model admission can size: SmolLM2-135M's config and the engine's default buckets."""
+def smollm_like(platform: str = "cpu", dies=(0,)) -> ModelGeometry:
+    """A geometry admission can size: SmolLM2-135M's config and the engine's default buckets."""
     from pantheon.formats.gguf_loader import ModelConfig
     cfg = ModelConfig(arch="llama", n_layers=30, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn=1536,
                       vocab=49152, rms_eps=1e-5, rope_base=1e5, n_rot=64, rope_type="norm", context_length=8192,
                       attn_scale=0.125)
-    devices = [SimpleNamespace(id=d, platform=platform) for d in dies]
-    return SimpleNamespace(config=cfg, arch=None, max_seq=2048, chunk=128, capacity=2176, n_slots=8,
-                           chunk_buckets=(32, 64, 96, 128), span_buckets=(128, 256, 512, 1024, 2176),
-                           devices=devices, state_bytes_per_token=lambda: cfg.kv_bytes_per_token)
+    return ModelGeometry(max_seq=2048, n_slots=8, chunk=128, capacity=2176, chunk_buckets=(32, 64, 96, 128),
+                         span_buckets=(128, 256, 512, 1024, 2176), hidden=cfg.hidden, head_dim=cfg.head_dim,
+                         n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, vocab=cfg.vocab,
+                         ffn=max(cfg.ffn, cfg.n_experts_used * cfg.expert_ffn) + cfg.n_experts,
+                         state_bytes_per_token=cfg.kv_bytes_per_token, dies=tuple(dies), platform=platform)
 
 
 def free_snap(free_after_reserve: int, total: int = 100 * GiB) -> MemSnapshot:
@@ -271,7 +267,7 @@ def free_snap(free_after_reserve: int, total: int = 100 * GiB) -> MemSnapshot:
 
 def test_request_is_charged_what_it_adds_not_its_kv_cache():
     m = smollm_like()
-    kv = m.config.kv_bytes_per_token  # 46080 bytes a token, already allocated in every slot
+    kv = m.state_bytes_per_token  # 46080 bytes a token, already allocated in every slot
     # The issue's case: 20 prompt tokens + 256 reserved for the answer, a few MiB free. Their KV
     # (276 x 45 KiB = 12 MiB) does not fit, but what the request adds does.
     s = free_snap(6 * MiB)

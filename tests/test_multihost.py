@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -85,7 +86,8 @@ def _tail(path: Path, n: int = 40) -> str:
 # ---- the verb broadcast, in one process -----------------------------------------------------------------
 class SeamModel:
     """A stand-in with the seam's verbs (insert / step / free), to show the broadcast does not depend on
-    any verb's argument list: a verb is a name in distributed.VERBS, nothing more."""
+    any verb's argument list: a verb is a method the interface (pantheon.runtime.verbs.Engine) marks
+    @verb, nothing more."""
 
     def __init__(self, scale: float):
         self.scale = scale
@@ -115,11 +117,13 @@ class SeamModel:
     def read(handle):
         return np.asarray(handle.packed)[: handle.n_rows]
 
-    def run(self, tokens: list[int]):
-        """A convenience built on the verbs (like Model.prefill / logits / generate)."""
-        state = self.insert(self.new_state(), 1, tokens)
-        handle, state = self.step(state)
-        return self.read(handle)
+
+
+def run(model, tokens: list[int]):
+    """A convenience built on the verbs (like pantheon.runtime.reference's prefill / logits / generate)."""
+    state = model.insert(model.new_state(), 1, tokens)
+    handle, state = model.step(state)
+    return model.read(handle)
 
 
 @pytest.fixture
@@ -146,7 +150,7 @@ def test_each_verb_goes_to_the_followers_before_it_runs_with_device_state_as_a_r
     from pantheon.serving import distributed
     leader, theirs = channel
     proxy = distributed.LeaderModel(leader, 7, SeamModel(scale=1.0))
-    assert proxy.run([2, 3]).tolist() == [1, 6, 1, 1]
+    assert run(proxy, [2, 3]).tolist() == [1, 6, 1, 1]
     frames = _frames(theirs, 3)
     assert [f[:3] for f in frames] == [("call", 7, "new_state"), ("call", 7, "insert"), ("call", 7, "step")]
     # host arguments travel as they are; the state a verb returned travels as "state number k"
@@ -179,7 +183,7 @@ def test_after_a_failure_every_verb_answers_503_but_an_unload_still_frees_memory
     handle, _ = proxy.step(proxy.new_state())
     leader.fail("follower process 1 is gone (test)")
     assert proxy.read(handle).tolist() == [1, 1, 1, 1]  # a step that finished can still be read
-    for call in (lambda: proxy.new_state(), lambda: proxy.run([1])):
+    for call in (lambda: proxy.new_state(), lambda: run(proxy, [1])):
         with pytest.raises(distributed.ClusterFailed) as err:
             call()
         assert err.value.status == 503 and "follower process 1 is gone" in str(err.value)
@@ -461,6 +465,80 @@ def test_pantheon_serve_refuses_a_cluster_without_a_secret_with_a_clear_error(pi
     assert r.returncode == 2, r.stderr[-2000:]
     variable = "PANTHEON_CLUSTER_SECRET"  # the message names the setting to set
     assert "needs a shared secret" in r.stderr and variable in r.stderr
+
+
+def test_the_dispatch_lock_goes_at_dispatch_while_one_model_is_mirrored_and_is_held_with_two(channel):
+    from pantheon.serving import distributed
+    leader, theirs = channel
+    leader._models[7] = "a"
+    proxy = distributed.LeaderModel(leader, 7, SeamModel(scale=1.0))
+    assert leader.chained()
+    handle, state = proxy.step(proxy.new_state())
+    assert leader._in_flight  # released at dispatch: its arrays are remembered, not waited for
+    leader._models[8] = "b"  # a second mirrored model: its programs do not chain with this one's
+    assert not leader.chained()
+    proxy.step(state)
+    assert leader._in_flight == []  # the chained calls' work was waited for first, then every call is
+    proxy.free()
+    assert 7 not in leader._models and leader.chained()  # a freed model no longer counts
+    _frames(theirs, 4)
+
+
+# ---- the verbs are a declared interface -------------------------------------------------------------------
+def test_every_state_changing_method_of_the_engine_is_a_broadcast_verb():
+    from pantheon.runtime import verbs
+    from pantheon.runtime.engine import Model
+    from pantheon.serving import distributed
+    assert verbs.uncovered(Model) == []  # every public method is declared, and none carrying a state is local
+    assert distributed.VERBS == verbs.VERBS  # the broadcast set is the interface's, not a list of its own
+    assert {"insert", "step", "forward", "sample", "release", "copy_slot", "embed", "free"} <= verbs.VERBS
+    assert not verbs.VERBS & (verbs.WAITS | verbs.HOSTS)
+
+
+def test_a_new_state_changing_method_fails_until_the_interface_declares_it_a_verb():
+    from pantheon.runtime import verbs
+    from pantheon.runtime.decode_state import DecodeState
+    from pantheon.runtime.engine import Model
+
+    class Grown(Model):
+        def poke(self, state: DecodeState, slot: int) -> DecodeState:  # a new verb nobody declared
+            return state
+
+        def peek(self) -> int:  # even a harmless one must be declared
+            return 0
+
+    found = verbs.uncovered(Grown)
+    assert any("Grown.poke" in f for f in found) and any("Grown.peek" in f for f in found)
+
+    class Misdeclared(Model):  # declared by the interface as a host method, but it carries the state
+        def warmup_plans(self, state: DecodeState) -> DecodeState:  # type: ignore[override]
+            return state
+
+    assert any("Misdeclared.warmup_plans" in f and "not a verb" in f for f in verbs.uncovered(Misdeclared))
+
+
+def test_the_leader_model_is_the_interface_member_by_member_with_no_proxy():
+    from pantheon.runtime import verbs
+    from pantheon.serving.distributed import LeaderModel
+    assert "__getattr__" not in vars(LeaderModel) and "__getattribute__" not in vars(LeaderModel)
+    for name in verbs.MEMBERS:
+        assert name in vars(LeaderModel), name
+    leader = SimpleNamespace()
+    proxy = LeaderModel(leader, 0, SeamModel(scale=1.0))
+    with pytest.raises(AttributeError):
+        proxy.scale  # the model's own attribute, not the interface's: not reachable through the leader
+    assert proxy.released is False  # an interface attribute reads through
+
+
+def test_a_loaded_model_has_every_member_of_the_interface():
+    from pantheon.runtime import engine, verbs
+    from multihost_job import OPTS
+    m = engine.load(TINY / "llama.gguf", OPTS)
+    try:
+        missing = sorted(n for n in verbs.MEMBERS if not hasattr(m, n))
+        assert missing == []
+    finally:
+        m.free()
 
 
 # ---- the engine over two processes ---------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Memory-aware admission and die placement (issue 6), end to end and at the seams.
 
-Unit level (no server): `admit_prompt` (FIT / CAPPED / 400 / 503 on a fake model and given memory
+Unit level (no server): the admission service's chat decision (FIT / CAPPED / 400 / 503 on a fake model and given memory
 snapshots), and `make_backend` wiring the memory watch's pressure into the batch scheduler, which turns
 queue-full answers from 429 into 503 under CRITICAL pressure.
 
@@ -27,7 +27,8 @@ from pantheon.config import Settings
 from pantheon.serving.dies import Die, DieManager, estimate_load_bytes
 from pantheon.runtime.engine import LoadOptions
 from pantheon.errors import BusyError, RequestError
-from pantheon.types import ModelCard
+from pantheon.serving.admission import AdmissionService
+from pantheon.types import ModelCard, ModelGeometry
 from pantheon.jax_models.interface import Capabilities
 from pantheon.runtime.memory import MemSnapshot, MemWatch, PoolSample
 from pantheon.scheduler import GenRequest, make_backend
@@ -42,26 +43,36 @@ INSTANCE = "X-Pantheon-Instance"
 
 # ---- admission on a fake model (one token per word) ---------------------------------------------------
 class WordModel:
-    """Just what admission reads: max_seq, state bytes per token, devices."""
+    """Just what admission reads: max_seq, state bytes per token, one CPU die."""
 
     def __init__(self, max_seq: int = 64, bpt: int = 1024):
         self.max_seq = max_seq
-        self.devices = [SimpleNamespace(id=0, platform="cpu")]
-        self._bpt = bpt
-
-    def state_bytes_per_token(self) -> int:
-        return self._bpt
+        self.geometry = ModelGeometry(max_seq=max_seq, state_bytes_per_token=bpt, dies=(0,), platform="cpu")
 
 
 def card(m: WordModel) -> ModelCard:
-    """The card the web layer sees: the window and the memory admission bound to the model."""
+    """The card the web layer sees: the window and the geometry the engine published."""
     return ModelCard(name="words", path="", arch="llama", context_length=m.max_seq, n_slots=1, tokenizer=None,
-                     template=None, admit=lambda n, reserve, watch: memory.admit(m, n, watch=watch, reserve_tokens=reserve))
+                     template=None, geometry=m.geometry)
+
+
+def text(msgs: list[dict]) -> str:
+    return " ".join(f"{m['role']}: {m.get('content') or ''}" for m in msgs)
+
+
+def tokenize(rendered: str) -> list[int]:
+    return [1] * len(rendered.split())
 
 
 def render(msgs: list[dict]) -> tuple[str, list[int]]:
-    text = " ".join(f"{m['role']}: {m.get('content') or ''}" for m in msgs)
-    return text, [1] * len(text.split())
+    return text(msgs), tokenize(text(msgs))
+
+
+def admit_prompt(card: ModelCard, msgs: list[dict], max_tokens: int | None = None, watch=None,
+                 truncate: bool = False) -> tuple[str, list[int], bool]:
+    """The admission service's chat decision, as (rendered, ids, capped)."""
+    got = AdmissionService(watch).chat(card, msgs, text, tokenize, max_tokens, truncate)
+    return got.rendered, got.ids, got.capped
 
 
 def watch_at(used_frac: float, total: int = 100 * GiB) -> SimpleNamespace:
@@ -79,50 +90,48 @@ def conversation(turns: int, words: int = 6) -> list[dict]:
 
 
 def test_admit_prompt_fit_and_capped():
-    from pantheon.web.chat import admit_prompt
     m = WordModel(max_seq=64)  # reserve for the answer: 64 // 8 = 8 tokens
     msgs = conversation(2)
-    _, ids, capped = admit_prompt(card(m), msgs, render, watch=watch_at(0.2))
+    _, ids, capped = admit_prompt(card(m), msgs, watch=watch_at(0.2))
     assert not capped and ids == render(msgs)[1]
     long = conversation(10)  # 152 words: longer than the window
     # as OpenAI answers it: 400 naming both sizes, unless the request asks for the oldest turns to go
     with pytest.raises(RequestError) as e:
-        admit_prompt(card(m), long, render, max_tokens=4, watch=watch_at(0.2))
+        admit_prompt(card(m), long, max_tokens=4, watch=watch_at(0.2))
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
     assert "64 tokens" in str(e.value) and "146 tokens" in str(e.value) and '"truncate": "oldest"' in str(e.value)
-    rendered, ids, capped = admit_prompt(card(m), long, render, max_tokens=4, watch=watch_at(0.2), truncate=True)
+    rendered, ids, capped = admit_prompt(card(m), long, max_tokens=4, watch=watch_at(0.2), truncate=True)
     assert capped and len(ids) <= 64 - 4
     assert rendered.startswith("system: be brief") and rendered.endswith("user: last question")
     assert "q9" in rendered and "q0" not in rendered
     # no running watch: the context window alone caps the same way when asked to
-    _, ids2, capped2 = admit_prompt(card(m), long, render, max_tokens=4, watch=SimpleNamespace(snapshot=lambda: None),
+    _, ids2, capped2 = admit_prompt(card(m), long, max_tokens=4, watch=SimpleNamespace(snapshot=lambda: None),
                                     truncate=True)
     assert capped2 and ids2 == ids
     # a prompt inside the window but into the answer's reserve is taken whole without truncate
     near = conversation(4)  # 62 words: 2 tokens left to generate, fewer than the 8 reserved
-    _, ids3, capped3 = admit_prompt(card(m), near, render, watch=watch_at(0.2))
+    _, ids3, capped3 = admit_prompt(card(m), near, watch=watch_at(0.2))
     assert not capped3 and ids3 == render(near)[1]
 
 
 def test_admit_prompt_refusals():
-    from pantheon.web.chat import admit_prompt
     m = WordModel(max_seq=64)
     huge_last = [{"role": "user", "content": "w " * 100}]
     with pytest.raises(RequestError) as e:  # the last message alone exceeds the context: 400, never cut
-        admit_prompt(card(m), huge_last, render, watch=watch_at(0.2))
+        admit_prompt(card(m), huge_last, watch=watch_at(0.2))
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
     # a last message that only fits without the answer reserve still runs (one token of room at least)
-    _, ids, capped = admit_prompt(card(m), [{"role": "user", "content": "w " * 60}], render, watch=watch_at(0.2))
+    _, ids, capped = admit_prompt(card(m), [{"role": "user", "content": "w " * 60}], watch=watch_at(0.2))
     assert not capped and len(ids) == 61
     with pytest.raises(BusyError) as e:  # CRITICAL pressure: denied, retry later
-        admit_prompt(card(m), conversation(1), render, watch=watch_at(0.99))
+        admit_prompt(card(m), conversation(1), watch=watch_at(0.99))
     assert e.value.status == 503 and e.value.retry_after
     # memory, not the window, is what the last message does not fit: 503 (retry later), not 400
     tight = WordModel(max_seq=64, bpt=12 * GiB // 40)  # 15% free - 3% reserve = 12 GiB: 40 tokens
     with pytest.raises(BusyError) as e:
-        admit_prompt(card(tight), [{"role": "user", "content": "w " * 50}], render, watch=watch_at(0.85))
+        admit_prompt(card(tight), [{"role": "user", "content": "w " * 50}], watch=watch_at(0.85))
     assert e.value.status == 503
-    _, ids, capped = admit_prompt(card(tight), [{"role": "user", "content": "w " * 30}], render, watch=watch_at(0.85))
+    _, ids, capped = admit_prompt(card(tight), [{"role": "user", "content": "w " * 30}], watch=watch_at(0.85))
     assert not capped and len(ids) == 31
 
 
@@ -147,7 +156,7 @@ class BlockingModel:
     def release(self, state, slot):
         return state
 
-    def step(self, state, plan, want_logits=False):
+    def forward(self, state, plan):
         self.entered.set()
         self.unblock.wait(10)
         raise RuntimeError("fake step")
@@ -382,7 +391,7 @@ def test_dies_unchanged_after_everything(srv, start_dies):
 
 # ---- a server under forced CRITICAL memory pressure --------------------------------------------------
 @pytest.mark.slow
-def test_critical_pressure_denies_chat_with_503():
+def test_critical_pressure_denies_chat_and_embeddings_with_503():
     # its own server: the forced pressure (PANTHEON_TEST_PRESSURE) refuses every other module's requests
     s = start_server([f"base={LLAMA}"], env={"PANTHEON_TEST_PRESSURE": "3", "PANTHEON_WARMUP": "0",
                                               "PANTHEON_ADMIN_KEY": ADMIN})
@@ -393,7 +402,11 @@ def test_critical_pressure_denies_chat_with_503():
         r = chat(s, "base", HELLO, max_tokens=4, stream=True)  # refused before the stream starts
         assert_error(r, 503)
         assert s.get("/admin/dies", key=ADMIN).json()["memory"]["pressure"] == "CRITICAL"
+        # embeddings are admitted by the same service: refused under the same pressure, the same way
+        r = s.post("/v1/embeddings", {"model": "base", "input": "hello there"})
+        err = assert_error(r, 503)
+        assert err["code"] == "server_busy" and "memory" in err["message"] and r.headers.get("Retry-After")
         denied = re.search(r'^pantheon_admissions_total\{outcome="denied"\} (\S+)$', s.get("/metrics").text, re.M)
-        assert denied and float(denied.group(1)) == 2
+        assert denied and float(denied.group(1)) == 3
     finally:
         s.stop()

@@ -99,7 +99,7 @@ def bench_engine(model_name: str, batches: list[int], prompt_len: int, gen: int,
     slots = tuple(range(b))
     ones = np.full((b, model.mask_words), -1, np.int32)
     bias = [(t, 0.5) for t in range(1, 301)]
-    variants = {"plain": ({}, None), "logprobs": ({"logprobs": True}, None), "mask": ({}, lambda: ones),
+    variants = {"plain": ({}, None), "logprobs": ({"logprobs": True}, None), "mask": ({}, ones),
                 "logit_bias": ({"logit_bias": bias}, None)}
     features: dict[str, Any] = {}
     for name, (extra, mask) in variants.items():

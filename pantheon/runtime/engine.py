@@ -8,7 +8,9 @@ it with three verbs, in the manner of JetStream's insert / generate:
     insert(state, SlotInsert)   a request's data into its slot, once (knobs, seed, stop ids, budget)
     step(state, StepPlan)       one forward + sample over a prompt chunk and the decoding slots;
                                 returns at once (JAX async dispatch) with a handle whose packed
-                                [rows, 2] (id, flag) output is already being copied to the host
+                                [rows, 2] (id, flag) output is already being copied to the host;
+                                its two phases are verbs too: forward(state, plan), then
+                                sample(state, forward, mask) (the grammar masks go between them)
     release(state, slot)        take a slot back early (cancel)
 
 A step's host input is only which slot feeds which prompt chunk and which slots decode: decode rows
@@ -24,9 +26,10 @@ steps. The cache has one extra "scratch" slot that padding and dead rows write t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,14 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pantheon.runtime import compile_guard, decode_state, memory
+from pantheon.runtime import compile_guard, decode_state
 from pantheon.ops import native, weights
 from pantheon import osthread
 from pantheon.config import load_settings
-from pantheon.errors import ModelLoadError
+from pantheon.errors import ModelLoadError, clear_exception_frames
 from pantheon.formats.gguf_loader import GGUFFile, ModelConfig, open_gguf
 from pantheon.runtime.decode_state import DecodeState
-from pantheon.types import GREEDY, MAX_TOP_LOGPROBS, ModelCard
+from pantheon.types import GREEDY, MAX_TOP_LOGPROBS, ModelCard, ModelGeometry
 from pantheon.jax_models.common import last_valid
 from pantheon.jax_models.registry import capabilities_of
 from pantheon.ops.weights import XLA, Kernels
@@ -148,6 +151,17 @@ class StepHandle:
         return self.packed.is_ready()
 
 
+@struct.dataclass
+class Forward:
+    """A dispatched step's first phase (`Model.forward`): each row's logits and the rows' slot
+    bookkeeping (decode_state.StepRows) on the device, for `Model.sample`."""
+
+    logits: jax.Array
+    rows: Any  # decode_state.StepRows
+    n_rows: int = struct.field(pytree_node=False)  # the plan's rows
+    padded_rows: int = struct.field(pytree_node=False)  # the forward's rows (the bucket's, padding included)
+
+
 @dataclass
 class _Plan:
     """One step's compiled forward, its arguments after (params, cache[, table]), and its bucket key."""
@@ -188,7 +202,7 @@ class Model:
         self.scratch_slot = self.n_slots
         self.card = ModelCard(name=name, path=str(path), arch=cfg.arch, context_length=self.max_seq,
                               n_slots=self.n_slots, tokenizer=tokenizer, template=template,
-                              native_kernels=bool(kernels.matmul), admit=self._admit)
+                              native_kernels=bool(kernels.matmul))
         # Few buckets = few programs to compile at load (each costs seconds on CPU). Rows double,
         # prefill chunks step by a quarter of the full chunk (prefill is compute-bound, so a 70-token
         # prompt padded to 128 would cost almost twice what it needs).
@@ -201,6 +215,8 @@ class Model:
         self.span_buckets = (*_geometric_buckets(min(128, self.max_seq), self.max_seq, 2)[:-1], self.capacity)
         if arch is not None and hasattr(arch, "state_bytes_per_token") and arch.state_bytes_per_token(cfg) == 0:
             self.span_buckets = (self.capacity,)  # nothing attended (RWKV): a span would only add programs
+        # What admission reads (pantheon.serving.admission), published once as a value on the card.
+        self.card = dataclasses.replace(self.card, geometry=self._published_geometry())
         # Mixed steps: one prefill row of T tokens plus up to n_slots - 1 decode rows in one forward
         # (the architecture's forward_groups), so a new request's prompt does not stall the decoders.
         # The decode group is always padded to n_slots - 1 rows: one program per (T, span), not four.
@@ -308,9 +324,21 @@ class Model:
         with self._keys_lock:
             self._compiled_keys.clear()
 
-    def _admit(self, n_tokens: int, reserve_tokens: int, watch: Any) -> memory.Admission:
-        """The card's memory admission: what `n_tokens` of prompt (+ the answer's reserve) costs here."""
-        return memory.admit(self, n_tokens, watch=watch, reserve_tokens=reserve_tokens)
+    def _published_geometry(self) -> ModelGeometry:
+        """The value admission reads of this model (window, chunk, buckets, widths, cache bytes, dies):
+        stated here, where the engine's own numbers are, so nothing above reaches into the Model."""
+        cfg = self.config
+        per_seq = getattr(self.arch, "state_bytes_per_sequence", None)
+        return ModelGeometry(
+            max_seq=self.max_seq, n_slots=self.n_slots, chunk=self.chunk, capacity=self.capacity,
+            chunk_buckets=tuple(self.chunk_buckets), span_buckets=tuple(self.span_buckets),
+            hidden=int(cfg.hidden), head_dim=int(cfg.head_dim), n_heads=int(cfg.n_heads),
+            n_kv_heads=int(cfg.n_kv_heads), vocab=int(cfg.vocab),
+            ffn=max(int(cfg.ffn), int(cfg.n_experts_used) * int(cfg.expert_ffn)) + int(cfg.n_experts),
+            state_bytes_per_token=self.state_bytes_per_token(),
+            state_bytes_per_sequence=int(per_seq(cfg)) if per_seq is not None else 0,
+            dies=tuple(int(getattr(d, "id", i)) for i, d in enumerate(self.devices)),
+            platform=str(getattr(self.devices[0], "platform", "cpu")) if self.devices else "cpu")
 
     def state_bytes_per_token(self) -> int:
         """What one more token of context costs in this model's cache (at its KV dtype)."""
@@ -332,35 +360,45 @@ class Model:
         return state.replace(slots=self._track(self._release(state.slots, np.int32(slot))))
 
     def step(self, state: DecodeState, plan: StepPlan, want_logits: bool = False,
-             mask: Callable[[], np.ndarray | None] | np.ndarray | None = None) -> tuple[StepHandle, DecodeState]:
-        """Dispatch one step (returns at once); read its result with `read(handle)`.
+             mask: np.ndarray | None = None) -> tuple[StepHandle, DecodeState]:
+        """Dispatch one whole step (returns at once): `forward`, then `sample` with `mask`; read its
+        result with `read(handle)`. A caller that builds grammar masks while the forward runs calls the
+        two phases itself (the scheduler does)."""
+        fwd, state = self.forward(state, plan)
+        return self.sample(state, fwd, mask, want_logits)
 
-        Rows: the plan's chunk first (if any), then one per decoding slot, in the plan's order. Each
-        row's packed output is (token id, flag) (decode_state's RUNNING / STOP / LENGTH / IDLE).
-
-        `mask`: called after the forward is dispatched and before the sampler is, so the host builds
-        a grammar's token mask while the device runs the forward; it returns i32[rows, mask_words]
-        (bit t of a row allows token t; an unconstrained row is all ones) or None for no mask. (An
-        array instead of a callable is used as it is: how a cluster's followers get the mask.)
-        """
+    def forward(self, state: DecodeState, plan: StepPlan) -> tuple[Forward, DecodeState]:
+        """A step's first phase: dispatch its forward (returns at once). Rows: the plan's chunk first (if
+        any), then one per decoding slot, in the plan's order. Hand the result to `sample`; between the
+        two the host may build the step's grammar masks while the device runs the forward."""
         self._check_live()
         p = self._serve_plan(plan)
         self._note_shape(p.key)
         logits, rows, cache = p.fn(self.params, state.cache, state.slots, *p.args, **p.kwargs)
         n = (plan.chunk is not None) + len(plan.decode)
-        words = mask() if callable(mask) else mask
-        if words is None:
-            m, masked = self._unmasked(p.rows)
+        return Forward(logits=logits, rows=rows, n_rows=n, padded_rows=p.rows), \
+            self._track(state.replace(cache=cache))
+
+    def sample(self, state: DecodeState, fwd: Forward, mask: np.ndarray | None = None,
+               want_logits: bool = False) -> tuple[StepHandle, DecodeState]:
+        """A step's second phase: dispatch the sampler and slot update over `fwd`'s logits (returns at
+        once). Each row's packed output is (token id, flag) (decode_state's RUNNING / STOP / LENGTH / IDLE).
+
+        `mask`: i32[rows, mask_words] (bit t of a row allows token t; an unconstrained row is all ones),
+        or None for no mask (an all-ones mask kept on the device and a false switch)."""
+        self._check_live()
+        if mask is None:
+            m, masked = self._unmasked(fwd.padded_rows)
         else:
-            m = np.full((p.rows, self.mask_words), -1, np.int32)
-            m[:n] = words
+            m = np.full((fwd.padded_rows, self.mask_words), -1, np.int32)
+            m[:fwd.n_rows] = mask
             m, masked = self._on_device(m), self._on_device(np.bool_(True))
-        out, table = self._advance(state.slots, logits, rows, m, masked)
+        out, table = self._advance(state.slots, fwd.logits, fwd.rows, m, masked)
         for x in (out.packed, out.logprobs, out.top_ids):
             if x.is_fully_addressable:  # (over several processes each reads its own replicated copy)
                 x.copy_to_host_async()  # the host reads it after dispatching the next step
-        state = self._track(DecodeState(cache=cache, slots=table))
-        return StepHandle(packed=out.packed, logits=logits if want_logits else None, n_rows=n,
+        state = self._track(DecodeState(cache=state.cache, slots=table))
+        return StepHandle(packed=out.packed, logits=fwd.logits if want_logits else None, n_rows=fwd.n_rows,
                           logprobs=out.logprobs, top_ids=out.top_ids), state
 
     def _on_device(self, x: Any) -> Any:
@@ -780,7 +818,7 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     except Exception as exc:
         # The frames of a failed build hold host copies of the weights (and maybe device arrays):
         # clear them so the exception, logged and kept by a caller for a while, holds no memory.
-        memory.clear_exception_frames(exc)
+        clear_exception_frames(exc)
         if isinstance(exc, ModelLoadError):
             raise
         raise ModelLoadError(p, f"{stage[0]} failed: {type(exc).__name__}: {exc}") from exc

@@ -26,13 +26,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pantheon import osthread
 from pantheon.errors import BusyError
+from pantheon.types import ModelGeometry
 
 log = logging.getLogger(__name__)
 
@@ -313,24 +313,6 @@ def release_freed_memory() -> bool:
         return False
 
 
-def clear_exception_frames(exc: BaseException) -> None:
-    """Clear the locals of every finished frame in `exc`'s traceback and in those of its causes.
-
-    A traceback keeps each frame it passed through alive with all its locals; after a failed load
-    those are the half-built parameters (hundreds of MB of host arrays), held for as long as anyone
-    keeps the exception. The messages and types stay; only the frames' variables go.
-    """
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
-        todo += [e.__cause__, e.__context__]
-
-
 # ---- admission -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Admission:
@@ -373,17 +355,12 @@ def _log_ladder(pressure: int, window: int, clamped: int) -> None:
         log.warning("[ladder] %s -> prefill window clamped %d -> %d", LEVEL_NAMES[pressure], window, clamped)
 
 
-def _model_dies(model: Any) -> list[int]:
-    dies = getattr(model, "dies", None)
-    if dies:
-        return [int(d) for d in dies]
-    return [int(getattr(d, "id", i)) for i, d in enumerate(getattr(model, "devices", None) or [])]
+def _model_dies(geo: ModelGeometry) -> list[int]:
+    return [int(d) for d in geo.dies]
 
 
-def _per_sequence_bytes(model: Any) -> int:
-    arch, cfg = getattr(model, "arch", None), getattr(model, "config", None)
-    fn = getattr(arch, "state_bytes_per_sequence", None)
-    return int(fn(cfg)) if fn is not None and cfg is not None else 0
+def _per_sequence_bytes(geo: ModelGeometry) -> int:
+    return int(geo.state_bytes_per_sequence)
 
 
 # What one prompt (or answer) token costs on the host while its request lives: the request body
@@ -403,9 +380,9 @@ def _bucket_up(n: int, buckets: Any, top: int) -> int:
     return top
 
 
-def activation_bytes(model: Any, n_tokens: int) -> int | None:
+def activation_bytes(geo: ModelGeometry, n_tokens: int) -> int | None:
     """Bytes of the temporaries the prefill of an `n_tokens` prompt adds to a step, or None when
-    `model` does not say enough (no ModelConfig, chunk, capacity).
+    the geometry `geo` is unsized (no widths, chunk or capacity).
 
     The prompt is fed in chunks, so only its last (widest) chunk counts: T = its padded length (the
     chunk bucket >= min(n, chunk)) attending over span = the span bucket of its end (capacity at
@@ -423,24 +400,19 @@ def activation_bytes(model: Any, n_tokens: int) -> int | None:
     excess, like the sampler's 7.5 MiB for 8 rows, is the model's one step in flight, shared by all
     its requests and not growing with them: it falls in the reserve every pool keeps (3 %).
     """
-    cfg = getattr(model, "config", None)
-    chunk, capacity = getattr(model, "chunk", None), getattr(model, "capacity", None)
-    if cfg is None or not isinstance(chunk, int) or not isinstance(capacity, int):
+    if not geo.sized:
         return None
-    try:
-        H, D, V = int(cfg.hidden), int(cfg.head_dim), int(cfg.vocab)
-        nh, nkv = int(cfg.n_heads), int(cfg.n_kv_heads)
-        ffn = max(int(cfg.ffn), int(cfg.n_experts_used) * int(cfg.expert_ffn)) + int(cfg.n_experts)
-    except (AttributeError, TypeError, ValueError):
-        return None
+    H, D, V = geo.hidden, geo.head_dim, geo.vocab
+    nh, nkv, ffn = geo.n_heads, geo.n_kv_heads, geo.ffn
+    chunk, capacity = geo.chunk, geo.capacity
     n = max(1, int(n_tokens))
-    T = _bucket_up(min(n, chunk), getattr(model, "chunk_buckets", None), min(n, chunk))
-    span = _bucket_up(min(n + T, capacity), getattr(model, "span_buckets", None), min(n + T, capacity))
+    T = _bucket_up(min(n, chunk), geo.chunk_buckets, min(n, chunk))
+    span = _bucket_up(min(n + T, capacity), geo.span_buckets, min(n + T, capacity))
     per_token = 4 * H + (2 * nh + 2 * nkv) * D + 3 * ffn + 2 * nh * span
-    return ACT_BYTES * (T * per_token + 4 * V) + 2 * _per_sequence_bytes(model)
+    return ACT_BYTES * (T * per_token + 4 * V) + 2 * _per_sequence_bytes(geo)
 
 
-def request_bytes(model: Any, n_prompt: int, n_answer: int = 0, *, on_host: bool = True,
+def request_bytes(geo: ModelGeometry, n_prompt: int, n_answer: int = 0, *, on_host: bool = True,
                   share: int = 1) -> int:
     """What admitting a request of `n_prompt` prompt and `n_answer` answer tokens adds to one pool.
 
@@ -452,22 +424,24 @@ def request_bytes(model: Any, n_prompt: int, n_answer: int = 0, *, on_host: bool
     the host, HOST_BYTES_PER_TOKEN of copies per prompt and answer token. `share`: the number of
     dies a sharded model's activations are split over.
 
-    A model without a config (a test fake, an object that only knows `state_bytes_per_token`) is
+    An unsized geometry (a test fake that only knows `state_bytes_per_token`) is
     charged its whole state per token (+ a hybrid's per-sequence state): the conservative bound
     admission used before.
     """
     share = max(1, share)
-    act = activation_bytes(model, n_prompt)
+    act = activation_bytes(geo, n_prompt)
     if act is None:
-        bpt = int(model.state_bytes_per_token())
-        return math.ceil(_per_sequence_bytes(model) / share) + (n_prompt + n_answer) * math.ceil(bpt / share)
+        bpt = int(geo.state_bytes_per_token)
+        return math.ceil(_per_sequence_bytes(geo) / share) + (n_prompt + n_answer) * math.ceil(bpt / share)
     host = (n_prompt + n_answer) * HOST_BYTES_PER_TOKEN if on_host else 0
     return math.ceil(act / share) + host
 
 
-def admit(model: Any, n_tokens: int, snapshot: MemSnapshot | None = None, *, watch: MemWatch | None = None,
-          reserve_tokens: int = 0, min_tokens: int | None = None) -> Admission:
-    """Admit a request of `n_tokens` prompt tokens (+ `reserve_tokens` it will generate) on `model`.
+def admit(geo: ModelGeometry, n_tokens: int, snapshot: MemSnapshot | None = None, *,
+          watch: MemWatch | None = None, reserve_tokens: int = 0, min_tokens: int | None = None) -> Admission:
+    """The memory arithmetic of admitting `n_tokens` prompt tokens (+ `reserve_tokens` it will
+    generate) on a model of geometry `geo` (the value its engine published). The decision around it
+    (window, capping, queue, `n`) is pantheon.serving.admission's.
 
     Memory: a request is charged what it *adds*, not what the process already holds. The slot
     caches (KV, a hybrid's recurrent state) are preallocated for every slot at load and are in the
@@ -501,19 +475,18 @@ def admit(model: Any, n_tokens: int, snapshot: MemSnapshot | None = None, *, wat
         snapshot = w.snapshot() if w is not None else None
         if snapshot is None:
             return Admission(FIT, n_tokens, "memwatch not running: admission fails open")
-    dies = _model_dies(model)
+    dies = _model_dies(geo)
     th = snapshot.thresholds
     pools = snapshot.pools(dies or None)
     pressure = max(p.level(th) for p in pools)
 
-    window = int(getattr(model, "max_seq", 0) or 0) or (n_tokens + reserve_tokens)
+    window = int(geo.max_seq or 0) or (n_tokens + reserve_tokens)
     if pressure >= HIGH:
         clamped = max(1, window // 2)
         _log_ladder(pressure, window, clamped)
         window = clamped
 
-    devices = getattr(model, "devices", None) or []
-    on_cpu = not devices or getattr(devices[0], "platform", "cpu") == "cpu"
+    on_cpu = geo.platform == "cpu"
     n_dies = max(1, len(dies))
     charged = []  # (pool, bytes it can give, share of the model's memory it holds)
     for p in pools:
@@ -527,7 +500,7 @@ def admit(model: Any, n_tokens: int, snapshot: MemSnapshot | None = None, *, wat
     def tightest(n: int) -> str | None:
         """The first charged pool a prompt of n tokens (+ the answer reserve) does not fit, or None."""
         for p, room, share in charged:
-            if request_bytes(model, n, reserve_tokens, on_host=p.die is None, share=share) > room:
+            if request_bytes(geo, n, reserve_tokens, on_host=p.die is None, share=share) > room:
                 return p.name
         return None
 

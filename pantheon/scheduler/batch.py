@@ -14,14 +14,17 @@ Lifecycle of a request:
    (`GenRequest.cache_scope`). Admission writes the request's data into its slot on the device once
    (`Model.insert`: knobs, seed, stop ids, budget, the prompt's tail for penalties). A request waiting
    longer than `queue_wait_s` is refused with 429 Retry-After 2. A cancelled queued request leaves at once.
-3. Slot states: IDLE -> PREFILL (its prompt is fed in chunks of `prefill_chunk`) -> DECODE (one token
-   per step, batched with every other DECODE slot) -> IDLE. While both kinds of work exist, each step
+3. Slot states (pantheon.scheduler.slot: an enum and its transition table; any other change raises):
+   IDLE -> PREFILL (its prompt is fed in chunks of `prefill_chunk`) -> DECODE (one token per step,
+   batched with every other DECODE slot) -> IDLE. While both kinds of work exist, each step
    carries the oldest prefiller's next chunk *and* every decoder in one mixed forward (models that
    declare mixed steps; PANTHEON_BS_MIXED=0 turns it off); otherwise the driver alternates a chunk and
    a decode step, so a long prompt stalls decoders by at most one chunk.
 4. The driver is asynchronous: it dispatches step N+1 before it reads step N's ids (the next decode
    token is already in the decode state on the device), so planning, emitting and bookkeeping overlap
-   the device. The step samples, spends the budget and checks stop ids itself; a slot that finished in
+   the device. A step is dispatched in explicit phases (`_step`): the forward, then (with a grammar)
+   the masks, built while the forward runs, then the sampler. The step samples, spends the budget and
+   checks stop ids itself; a slot that finished in
    step N costs at most one dead row in step N+1 (the device sends it to the scratch slot). Two steps
    are read before the next is dispatched: one that carries a prompt's last chunk (so the first token
    is not a step late) and, while requests wait, one that ends a request by its budget.
@@ -63,14 +66,10 @@ from pantheon import osthread
 from pantheon.config import Settings
 from pantheon.runtime.engine import Chunk, Model, StepHandle, StepPlan
 from pantheon.errors import BusyError, ModelFailed, RequestError
-from pantheon.types import Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
-from pantheon.scheduler.embed import PRESSURE_CRITICAL, EmbedDriver
+from pantheon.types import EmbedRequest, EmbedSink, Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
+from pantheon.scheduler.embed import PRESSURE_CRITICAL, Embeddings, _EmbedHandle, new_job
 from pantheon.scheduler.masks import MaskBuilder
-
-# A slot of an n > 1 request is FORK once the prompt (but its last token) is in its cache, and
-# FORKWAIT while it waits for that copy (a sibling choice). Both are neither idle nor stepping.
-IDLE, PREFILL, DECODE, FORK, FORKWAIT = "IDLE", "PREFILL", "DECODE", "FORK", "FORKWAIT"
-
+from pantheon.scheduler.slot import DECODE, EMBED, FORK, FORKWAIT, IDLE, PREFILL, Slot
 
 class Reservation:
     """A place in the admission queue held by a request still preparing (`BatchScheduler.reserve`).
@@ -108,29 +107,11 @@ class _Job:
     error: Exception | None = None  # _mu: the job failed alone (its grammar); it leaves like a cancel, as "error"
 
 
-@dataclass(eq=False)
-class _Slot:
-    index: int
-    state: str = IDLE  # _mu
-    job: _Job | None = None  # _mu
-    # Driver-only fields (no lock): what the host knows of the slot's cache.
-    hist: list[int] = field(default_factory=list)  # tokens whose K/V sit in the slot's cache (as of the last read step)
-    session_id: str | None = None
-    scope: str = ""  # cache_scope of the request whose tokens `hist` holds
-    pending: list[int] = field(default_factory=list)  # prompt tokens not yet dispatched
-    pos: int = 0  # positions dispatched so far (hist + steps in flight): the span bucket's bound
-    last_token: int = -1  # the last token emitted: the input of the slot's next decode row
-    generated: int = 0
-    reused: int = 0
-    choice: int = 0  # which choice of its job the slot generates (n > 1)
-    matcher: Any = None  # the choice's grammar matcher (GenRequest.constraint), driver-only
-
-
 @dataclass(frozen=True)
 class _Row:
     """One row of a dispatched step, as the driver must interpret it when the result comes back."""
 
-    slot: _Slot
+    slot: Slot
     job: _Job
     part: tuple[int, ...] = ()  # the prompt chunk (empty: a decode row)
     final: bool = False  # the prompt's last chunk: the row emits the first token
@@ -139,6 +120,15 @@ class _Row:
     @property
     def emits(self) -> bool:
         return not self.part or self.final
+
+
+@dataclass
+class _Planned:
+    """A step planned but not yet dispatched: the engine's input and how to read its rows back."""
+
+    plan: StepPlan
+    rows: list[_Row]
+    kind: str
 
 
 @dataclass
@@ -171,7 +161,7 @@ class SchedulerStats:
     host_ms_total: float = 0.0  # host work per step (planning, dispatching, emitting), device waits excluded
 
 
-class BatchScheduler(EmbedDriver):
+class BatchScheduler:
     """One per loaded model: the driver of its slots (PANTHEON_BATCH_SLOTS=0 -> one slot, immediate 429)."""
 
     def __init__(self, model: Model, settings: Settings, pressure: Callable[[], int] | None = None,
@@ -190,7 +180,7 @@ class BatchScheduler(EmbedDriver):
         self.pressure = pressure or (lambda: 0)
         self._mu = osthread.Lock()
         self._work = osthread.Condition(self._mu)
-        self._slots = [_Slot(i) for i in range(self.n_slots)]
+        self._slots = [Slot(i) for i in range(self.n_slots)]
         self._queue: deque[_Job] = deque()
         self._reserved = 0  # _mu: places held by Reservations (counted as queued by the admission rule)
         self._closed = False
@@ -199,7 +189,7 @@ class BatchScheduler(EmbedDriver):
         self._turn_prefill = True  # driver-only: whose turn it is when both kinds of work exist
         self._inflight: _InFlight | None = None  # driver-only: the dispatched step not yet read
         self._state = model.new_state()  # driver-only after start: the donated device state
-        self._embed_queue, self._embed_jobs = deque(), []  # _mu: embeddings jobs waiting / started (.embed)
+        self._embeds = Embeddings(self._mu, self._work, self._slots, self.chunk, self.stats)  # embeddings jobs (_mu)
         # grammar mask rows: workers start with the first constrained step; up to n_slots more may be
         # held by abandoned (late) rows while n_slots stay free for new steps
         self._mask_builder = MaskBuilder(f"mask-{model.name}", settings.grammar_mask_ms / 1000.0,
@@ -235,18 +225,38 @@ class BatchScheduler(EmbedDriver):
         if req.n > self.n_slots:
             raise RequestError(f"n: at most {self.n_slots} choices (the model's slots), got {req.n}", param="n")
         with self._mu:
-            if reservation is not None and reservation.held and reservation._sched is self:
-                reservation.held = False
-                self._reserved -= 1
-                if self.failure is not None:
-                    raise ModelFailed(f"model {self.model.name!r} failed: {self.failure}")
-                if self._closed:
-                    raise BusyError("server is shutting down", status=503)
-            else:
-                self._admission_locked()
+            self._take_place_locked(reservation)
             self._queue.append(job)
             self._work.notify_all()
         return _Handle(self, job)
+
+    def submit_embed(self, req: EmbedRequest, sink: EmbedSink, reservation: Reservation | None = None) -> _EmbedHandle:
+        """Queue an embeddings job (pantheon.scheduler.embed); its sink gets one `Embedded`, or
+        `Finished("error" | "cancelled")`. Raises BusyError (429/503) or ModelFailed (503) when it cannot
+        even be queued, by the same rule as `submit`; a held `reservation` is its place."""
+        too_long = [len(ids) for ids in req.inputs if len(ids) > self.model.max_seq]
+        if too_long:
+            raise RequestError(f"input: an input has {too_long[0]} tokens; this model's maximum context length is "
+                               f"{self.model.max_seq}", param="input", code="context_length_exceeded")
+        job = new_job(req, sink)
+        with self._mu:
+            self._take_place_locked(reservation)
+            self._embeds.enqueue_locked(job)
+            self._work.notify_all()
+        return _EmbedHandle(self._cancel, job)
+
+    def _take_place_locked(self, reservation: Reservation | None) -> None:
+        """A job's place in the queue: its held `reservation` (no capacity check: that was made when the
+        place was taken), else the admission rule decides now."""
+        if reservation is not None and reservation.held and reservation._sched is self:
+            reservation.held = False
+            self._reserved -= 1
+            if self.failure is not None:
+                raise ModelFailed(f"model {self.model.name!r} failed: {self.failure}")
+            if self._closed:
+                raise BusyError("server is shutting down", status=503)
+        else:
+            self._admission_locked()
 
     def _admission_locked(self) -> None:
         """The one rule for queueing a job of either kind (generation, embedding): raises when it
@@ -257,7 +267,7 @@ class BatchScheduler(EmbedDriver):
         if self._closed:
             raise BusyError("server is shutting down", status=503)
         free = self._free_slots_locked()
-        waiting = len(self._queue) + len(self._embed_queue) + self._reserved
+        waiting = len(self._queue) + self._embeds.waiting + self._reserved
         if self.immediate and (free == 0 or waiting):
             raise BusyError("a request is already in progress on this model; retry shortly", status=429, retry_after=1)
         if waiting >= self.queue_depth + free:
@@ -315,12 +325,18 @@ class BatchScheduler(EmbedDriver):
                     break
                 released = self._take_cancelled_locked(events)
                 self._reap_queue_locked(events)
-                self._embed_yield_locked()  # generation first: it may take slots back from embedding inputs
+                admissible = self.pressure() < PRESSURE_CRITICAL  # (nothing starts under critical pressure)
+                if self._queue and admissible:  # generation first: it may take slots back from embedding inputs
+                    self._embeds.yield_locked(self._queue[0].req.n - self._free_slots_locked())
                 admitted = self._admit_locked(events)
-                embeds = self._embed_admit_locked(events)
-                work = any(sl.state != IDLE for sl in self._slots)
-                if not work and self._inflight is None and not events:
-                    self._work.wait(0.5 if self._queue or self._embed_queue else None)
+                gen_waits = bool(self._queue) and admissible
+                busy = {r.slot.index for r in self._inflight.rows} if self._inflight is not None else set()
+                embeds = self._embeds.admit_locked(
+                    events, gen_waits=gen_waits, admissible=admissible, busy=busy, reap=self._reap_locked,
+                    shared=gen_waits or any(sl.state not in (IDLE, EMBED) for sl in self._slots))
+                work = any(sl.state not in (IDLE, EMBED) for sl in self._slots)
+                if not work and not embeds and self._inflight is None and not events:
+                    self._work.wait(0.5 if self._queue or self._embeds.queue else None)
                     continue
             self._deliver(events)
             t0 = time.perf_counter()
@@ -330,14 +346,18 @@ class BatchScheduler(EmbedDriver):
                 self._insert(sl, job)
             self._fork_ready()
             if embeds:
-                self._embed_round(embeds)
+                self._state, ev, failed = self._embeds.run(self.model, self._state, embeds)
+                self._deliver(ev)
+                if failed is not None:  # the device failed: like a failed step (every request fails, state rebuilt)
+                    self._step_failed(failed)
+                    continue
                 t0 = time.perf_counter()  # the step's host time leaves the embed call out
             try:
-                nxt = self._dispatch(t0) if work else None
+                nxt = self._step(t0) if work else None
             except Exception as exc:  # a step that cannot even be dispatched fails like one that ran
                 self._step_failed(exc)
                 continue
-            done, self._inflight = self._inflight, nxt  # (None when a mask builder collected it already)
+            done, self._inflight = self._inflight, nxt  # (None when the masks' phase collected it already)
             if done is not None:
                 self._collect(done)
         self._shutdown()
@@ -359,7 +379,7 @@ class BatchScheduler(EmbedDriver):
                                          for r in inflight.rows)
 
     # ---- bookkeeping (under _mu) ---------------------------------------------------------------
-    def _take_cancelled_locked(self, events: list[tuple[_Job, Event]]) -> list[_Slot]:
+    def _take_cancelled_locked(self, events: list[tuple[_Job, Event]]) -> list[Slot]:
         """Running jobs whose owner cancelled: their slots go back to IDLE now (the device is told by
         `release` before the next step). A row of theirs in the step in flight still computes; for a
         model with recurrent state that moves the state past `hist`, so that history is dropped."""
@@ -404,7 +424,7 @@ class BatchScheduler(EmbedDriver):
                 keep.append(job)
         return keep
 
-    def _admit_locked(self, events: list[tuple[_Job, Event]]) -> list[tuple[_Slot, _Job]]:
+    def _admit_locked(self, events: list[tuple[_Job, Event]]) -> list[tuple[Slot, _Job]]:
         out = []
         while self._queue and self.pressure() < PRESSURE_CRITICAL:
             idle = [sl for sl in self._slots if sl.state == IDLE]
@@ -463,7 +483,7 @@ class BatchScheduler(EmbedDriver):
             return 0
         return n
 
-    def _pick_slot(self, idle: list[_Slot], req: GenRequest) -> tuple[_Slot, int]:
+    def _pick_slot(self, idle: list[Slot], req: GenRequest) -> tuple[Slot, int]:
         """Session slot first, else the longest common prefix, else the emptiest slot.
 
         Only slots of the request's cache scope can be reused; any other slot reuses nothing.
@@ -472,7 +492,7 @@ class BatchScheduler(EmbedDriver):
         prompt = req.prompt_ids
         limit = max(0, len(prompt) - 1)
 
-        def reuse(sl: _Slot) -> int:
+        def reuse(sl: Slot) -> int:
             return self._reusable(sl.hist, prompt, limit) if sl.scope == req.cache_scope else 0
 
         if req.session_id:
@@ -487,7 +507,7 @@ class BatchScheduler(EmbedDriver):
         assert best is not None
         return best, best_len
 
-    def _release_locked(self, sl: _Slot, reason: str, error: Exception | None = None) -> tuple[_Job, Event]:
+    def _release_locked(self, sl: Slot, reason: str, error: Exception | None = None) -> tuple[_Job, Event]:
         """Slot back to IDLE, keeping its committed history for prefix reuse by the next request."""
         job = sl.job
         assert job is not None
@@ -515,7 +535,7 @@ class BatchScheduler(EmbedDriver):
         events.clear()
 
     # ---- device work (driver thread, no lock held) ------------------------------------------------
-    def _insert(self, sl: _Slot, job: _Job) -> None:
+    def _insert(self, sl: Slot, job: _Job) -> None:
         req = job.req
         if req.prompt_logprobs is not None:  # legacy echo + logprobs: score the prompt first
             lps, self._state = self.model.prompt_logprobs(self._state, req.prompt_ids, req.prompt_logprobs)
@@ -525,7 +545,7 @@ class BatchScheduler(EmbedDriver):
         self._state = self.model.insert(self._state, self._slot_insert(sl, req, sl.reused))
         sl.matcher = self._matcher(req)
 
-    def _slot_insert(self, sl: _Slot, req: GenRequest, reused: int, last: int | None = None) -> Any:
+    def _slot_insert(self, sl: Slot, req: GenRequest, reused: int, last: int | None = None) -> Any:
         return decode_state.slot_insert(
             sl.index, req.prompt_ids, reused, req.choice_params(sl.choice), req.max_tokens, req.stop_ids,
             logit_bias=req.logit_bias, logprobs=req.logprobs is not None, last=last)
@@ -562,8 +582,8 @@ class BatchScheduler(EmbedDriver):
                     if s.job is job and s.state in (FORK, FORKWAIT):
                         s.state = DECODE
 
-    def _dispatch(self, t0: float) -> _InFlight | None:
-        """Plan the next step from the host's view of the slots and dispatch it (returns at once)."""
+    def _dispatch(self, t0: float) -> _Planned | None:
+        """Plan the next step from the host's view of the slots (what `_step` dispatches)."""
         with self._mu:
             prefillers = [sl for sl in self._slots if sl.state == PREFILL and sl.pending]
             decoders = [sl for sl in self._slots if sl.state == DECODE]
@@ -599,16 +619,35 @@ class BatchScheduler(EmbedDriver):
             rows.append(_Row(sl, jobs[id(sl)]))
             sl.pos += 1
         plan = StepPlan(chunk=chunk, decode=tuple(sl.index for sl in decoders), reach=reach)
+        return _Planned(plan, rows, kind)
+
+    def _step(self, t0: float) -> _InFlight | None:
+        """Plan the next step and dispatch it in its three explicit phases (each returns at once):
+
+        1. the forward (`Model.forward`);
+        2. while it runs, the grammar masks of its constrained rows, if any (`_masks`: which first reads
+           the step still in flight, whose tokens advance the matchers);
+        3. the sampler over the forward's logits with those masks (`Model.sample`).
+
+        A step without a constrained row goes straight from 1 to 3 and keeps the step before it in
+        flight (read after this one is dispatched: one step of overlap)."""
+        planned = self._dispatch(t0)
+        if planned is None:
+            return None
+        rows = planned.rows
+        fwd, self._state = self.model.forward(self._state, planned.plan)
+        masks = None
         if any(r.slot.matcher is not None and r.emits for r in rows):
-            handle, self._state = self.model.step(self._state, plan, mask=lambda: self._masks(rows))
-        else:
-            handle, self._state = self.model.step(self._state, plan)
+            self._collect_inflight()
+            masks = self._masks(rows)
+        handle, self._state = self.model.sample(self._state, fwd, masks)
         now = time.perf_counter()
-        return _InFlight(handle, rows, kind, len(chunk.tokens) if chunk else 0, now, (now - t0) * 1000)
+        n_prompt = len(planned.plan.chunk.tokens) if planned.plan.chunk is not None else 0
+        return _InFlight(handle, rows, planned.kind, n_prompt, now, (now - t0) * 1000)
 
     def _masks(self, rows: list[_Row]) -> np.ndarray:
-        """The grammar masks of a step's rows, built while its forward runs: first the step before it
-        is read (its tokens advance the matchers), then each constrained row's allowed tokens (all
+        """The grammar masks of a step's rows, built while its forward runs (the caller has read the
+        step before it: its tokens advance the matchers): each constrained row's allowed tokens (all
         ones for the others).
 
         The rows are built by the mask workers (`pantheon.scheduler.masks`), and the driver waits for
@@ -616,7 +655,6 @@ class BatchScheduler(EmbedDriver):
         its request alone -- its matcher is dropped at once (a worker may still be inside it), its row
         stays all ones (the token it samples is never handed out) and the job leaves as "error" at the
         next turn of the loop -- while every other row of the step keeps its mask."""
-        self._collect_inflight()
         words = np.full((len(rows), self.model.mask_words), -1, np.int32)
         todo = [(i, r) for i, r in enumerate(rows)  # (job.error is written by this thread only)
                 if r.emits and r.slot.matcher is not None and r.slot.job is r.job and r.job.error is None]
@@ -721,7 +759,7 @@ class BatchScheduler(EmbedDriver):
         so every slot's prefix history goes too, since the cache it described is gone."""
         events: list[tuple[_Job, Event]] = []
         with self._mu:
-            self._embed_fail_locked(events, exc)
+            self._embeds.fail_locked(events, exc)
             for sl in self._slots:
                 if sl.state != IDLE:
                     events.append(self._release_locked(sl, "error", exc))
@@ -739,7 +777,7 @@ class BatchScheduler(EmbedDriver):
         events: list[tuple[_Job, Event]] = []
         with self._mu:
             self.failure = message
-            self._embed_fail_locked(events, err)
+            self._embeds.fail_locked(events, err)
             for sl in self._slots:
                 if sl.state != IDLE and sl.job is not None:
                     events.append(self._release_locked(sl, "error", err))
@@ -753,7 +791,7 @@ class BatchScheduler(EmbedDriver):
         events: list[tuple[_Job, Event]] = []
         err = BusyError("server is shutting down", status=503)
         with self._mu:
-            self._embed_fail_locked(events, err)
+            self._embeds.fail_locked(events, err)
             for sl in self._slots:
                 if sl.state != IDLE and sl.job is not None:
                     events.append(self._release_locked(sl, "error", err))

@@ -5,15 +5,19 @@ Why this shape. Under jax.distributed every process is a full JAX controller: a 
 mesh that spans processes runs only if *every* process launches the same program with the same host
 inputs in the same order (its collectives meet across processes). Only process 0 (the leader) serves
 HTTP and runs the scheduler, so the others (followers) must be told what to run. Rather than teaching
-them the scheduler, the leader wraps each `engine.Model` in a `LeaderModel` proxy: every call of a
-*verb* -- a method that changes device state or runs a compiled step (`VERBS`) -- first sends
-(verb name, host arguments) to every follower, then runs locally. Each follower runs the same method
+them the scheduler, the leader wraps each `engine.Model` in a `LeaderModel`, which implements the
+engine's declared interface (pantheon.runtime.verbs.Engine) member by member: every call of a
+*verb* -- a method the interface marks @verb: it changes device state or runs a compiled program --
+first sends (verb name, host arguments) to every follower, then runs locally. Each follower runs the same method
 on its own `Model`, whose params and state are its shards of the same global arrays. Device-state
 arguments are not sent: each process holds its own shard, so the leader sends a `StateRef` (a small
-integer naming "the state you got back from call k") and the follower substitutes its own. Methods
-built on verbs (`pantheon.runtime.reference`'s `prefill`, `logits`, `generate`, or a method of the model) run on
-the leader with the proxy as the model, so the verbs they call are broadcast one by one. Nothing here knows a verb's argument
-list: when the engine's seam changes (`insert` / `step` / `release(slot)`), only `VERBS` changes.
+integer naming "the state you got back from call k") and the follower substitutes its own. Functions
+built on verbs (`pantheon.runtime.reference`'s `prefill`, `logits`, `generate`) take the LeaderModel as
+their model, so the verbs they call are broadcast one by one. Nothing here knows a verb's argument
+list, nor keeps a list of verbs: the broadcast set is the interface's @verb methods, so a new
+state-changing method of the engine is broadcast once it is declared, and a test fails until it is
+(`verbs.uncovered`). A member the interface does not declare is not on the LeaderModel at all (no
+read-through proxy): an undeclared method cannot run on the leader alone.
 
 The control channel is a plain TCP connection from each follower to the leader. The leader listens on
 an ephemeral port of the coordinator's host address and publishes "host:port" in jax.distributed's
@@ -49,7 +53,6 @@ import atexit
 import dataclasses
 import hashlib
 import hmac
-import inspect
 import logging
 import os
 import pickle
@@ -65,21 +68,22 @@ from typing import Any
 
 from pantheon import osthread
 from pantheon.errors import PantheonError
+from pantheon.runtime import verbs
 
 log = logging.getLogger(__name__)
 
-# The engine seam's verbs: calls that change device state or run a compiled step. Every one of them
-# is broadcast to the followers before it runs on the leader. The future seam's names are listed too
-# (a name the Model does not have is simply never called).
-VERBS: tuple[str, ...] = ("new_state", "warmup", "insert", "step", "release", "copy_slot", "prompt_logprobs",
-                          "forward_rows", "free", "embed")
+# The engine's verbs (calls that change device state or run a compiled program) and its reads: derived
+# from the one declared interface, pantheon.runtime.verbs.Engine, never listed here. Every verb is
+# broadcast to the followers before it runs on the leader.
+VERBS: frozenset[str] = verbs.VERBS
 
 BEAT_S = 0.5  # a follower's heartbeat period on the control channel
 DEAD_AFTER_S = 5.0  # a follower silent this long is declared dead
-# Calls that block until a step's device arrays are ready (reading the sampled ids). On the leader they
-# first wait for those arrays while watching the cluster: a step whose collective lost its peer may
-# never finish, and the driver thread must come back with ClusterFailed instead of hanging with it.
-WAITS: tuple[str, ...] = ("read", "read_logprobs")
+# Calls that block until a step's device arrays are ready (reading the sampled ids: the interface's
+# @wait methods). On the leader they first wait for those arrays while watching the cluster: a step whose
+# collective lost its peer may never finish, and the driver thread must come back with ClusterFailed
+# instead of hanging with it.
+WAITS: frozenset[str] = verbs.WAITS
 # Verbs that still run locally once the cluster has failed: freeing this process's memory needs no follower.
 LOCAL_ON_FAILURE: tuple[str, ...] = ("free",)
 VERDICT_WAIT_S = 2.0  # how long a failed step waits for the reader threads to name a lost process
@@ -395,10 +399,12 @@ class Leader:
 
     Threads: one reader per follower (`pantheon-ctl-<i>`) receiving beats, acks and failures. Admission
     (`admit`) runs in the calling thread: one poll loop over the port and every handshake in progress.
-    Locks: `_dispatch` is held across sending a call, running it locally and waiting until its device
-    work is done, so programs run one at a time in the cluster and in the order the followers receive
-    them (two models' collectives must meet in the same order everywhere); `_cond` guards `failure`,
-    the acks, `_models` and the id counters, and is notified by `fail()`.
+    Locks: `_dispatch` is held across sending a call and running it locally, so every process launches
+    the programs in the order the followers receive them (collectives must meet in the same order
+    everywhere). With one mirrored model it is released once the call is dispatched (its programs chain
+    through its state: `chained`); with several it is held until the call's device work is done, so
+    programs run one at a time in the cluster. `_cond` guards `failure`, the acks, `_models` and the
+    id counters, and is notified by `fail()`.
     """
 
     def __init__(self, spec: ClusterSpec):
@@ -408,6 +414,7 @@ class Leader:
         self.failure: str | None = None  # first failure seen; never cleared (a broken mesh stays broken)
         self.followers: list[_Follower] = []
         self._models: dict[int, str] = {}  # model id -> served name (for the failure message)
+        self._in_flight: list[Any] = []  # weak refs: the last call's arrays when it let go at dispatch (_dispatch)
         self._seq = 0
         self._next_mid = 0
         self._stopped = False
@@ -614,6 +621,29 @@ class Leader:
         if self.failure is not None:
             raise ClusterFailed(self.failure)
 
+    def note_in_flight(self, arrays: list[Any]) -> None:
+        """Remember (weakly) the arrays of a call that released the lock at dispatch; caller holds `_dispatch`."""
+        self._in_flight = [weakref.ref(a) for a in arrays]
+
+    def take_in_flight(self) -> list[Any]:
+        """The arrays of the last call released at dispatch that are still alive (a donated or dropped
+        one was consumed by a later program, which is then what is waited for); caller holds `_dispatch`."""
+        alive = [a for a in (r() for r in self._in_flight) if a is not None and not a.is_deleted()]
+        self._in_flight = []
+        return alive
+
+    def forget_model(self, mid: int) -> None:
+        """A mirrored model was freed: it no longer counts (for `chained`) nor is named in a failure."""
+        with self._cond:
+            self._models.pop(mid, None)
+
+    def chained(self) -> bool:
+        """Whether every program the cluster runs takes the output of the one before it: at most one
+        mirrored model is loaded (a model's verbs chain through its state). Then a call may release the
+        dispatch lock once dispatched; otherwise it holds it until its device work is done."""
+        with self._cond:
+            return len(self._models) <= 1
+
     def wait_ready(self, arrays: list[Any]) -> None:
         """Return once every array is ready; raise ClusterFailed as soon as the cluster fails meanwhile
         (a program whose collective lost its peer may never finish)."""
@@ -669,6 +699,7 @@ class Leader:
             model.free()
             self.check()
             with self._dispatch:  # the followers that did load it free theirs
+                self.forget_model(mid)
                 self._send_locked(("call", mid, "free", (), {}, 0, []))
             from pantheon.errors import ModelLoadError
             raise ModelLoadError(path, "the followers could not load it: " + ("; ".join(errors) or "timed out"))
@@ -704,38 +735,25 @@ def model_dies(model: Any) -> list[int]:
 class LeaderModel:
     """An `engine.Model` whose verbs are first broadcast to the followers (see the module docstring).
 
-    Everything else reads through to the model. A method that is not a verb runs with this proxy as
-    `self`, so the verbs it calls are broadcast; a static method or a data attribute is the model's.
+    Its members are the interface's (pantheon.runtime.verbs.Engine), made below from it: each @verb
+    broadcasts, then runs on the model; each @wait waits for its arrays while watching the cluster,
+    then reads; each @host method and data attribute reads through to the model. Nothing else is
+    reachable: `inner` is the model itself, for what only this process should touch.
     """
 
-    _OWN = ("_leader", "_mid", "_model", "_sid_of", "_next_sid", "_dropped")
-
     def __init__(self, leader: Leader, mid: int, model: Any):
-        object.__setattr__(self, "_leader", leader)
-        object.__setattr__(self, "_mid", mid)
-        object.__setattr__(self, "_model", model)
+        self._leader = leader
+        self._mid = mid
+        self._model = model
         # id(first array of a state) -> its sid; an entry goes when that array dies (weakref.finalize).
         # Written under leader._dispatch; the finalizers only append to _dropped (atomic under the GIL).
-        object.__setattr__(self, "_sid_of", {})
-        object.__setattr__(self, "_next_sid", 0)
-        object.__setattr__(self, "_dropped", [])  # sids whose state died here: the followers drop theirs
+        self._sid_of: dict[int, int] = {}
+        self._next_sid = 0
+        self._dropped: list[int] = []  # sids whose state died here: the followers drop theirs
 
     @property
     def inner(self) -> Any:
         return self._model
-
-    def __getattr__(self, name: str) -> Any:
-        if name in VERBS:
-            if not callable(getattr(self._model, name, None)):
-                raise AttributeError(name)
-            return self._translated(lambda *args, **kwargs: self._call(name, args, kwargs))
-        raw = inspect.getattr_static(type(self._model), name, None)
-        if isinstance(raw, types.FunctionType):  # a method built on the verbs: run it with self = proxy
-            return raw.__get__(self)
-        value = getattr(self._model, name)
-        if name in WAITS and callable(value):
-            return self._translated(self._watched(value))
-        return self._translated(value) if callable(value) else value
 
     def _watched(self, fn: Any) -> Any:
         """`fn` called only once the device arrays in its arguments are ready, or ClusterFailed as soon
@@ -771,12 +789,6 @@ class LeaderModel:
 
         return call
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._model, name, value)
-
     def _ref(self, x: Any) -> Any:
         if not _holds_device_arrays(x):
             return x
@@ -790,7 +802,7 @@ class LeaderModel:
         found = states_in(result)
         for st in found:
             sid = self._next_sid
-            object.__setattr__(self, "_next_sid", sid + 1)
+            self._next_sid = sid + 1
             leaf = _first_array(st)
             self._sid_of[id(leaf)] = sid
             weakref.finalize(leaf, self._forget, id(leaf), sid)
@@ -804,23 +816,72 @@ class LeaderModel:
         leader = self._leader
         if leader.failure is not None and verb in LOCAL_ON_FAILURE:
             return getattr(self._model, verb)(*args, **kwargs)
-        # A host callback argument (step's grammar `mask` builder) cannot travel: run it here first
-        # and send what it returned (across hosts the mask is built before the forward, not during).
-        kwargs = {k: (v() if callable(v) else v) for k, v in kwargs.items()}
         with leader._dispatch:
             leader.check()
+            chained = leader.chained()
+            if not chained:  # programs dispatched while the calls were chained must be done first
+                leader.wait_ready(leader.take_in_flight())
             sargs = tuple(self._ref(a) for a in args)
             skw = {k: self._ref(v) for k, v in kwargs.items()}
             dropped = [self._dropped.pop() for _ in range(len(self._dropped))]  # pop: a finalizer may append
             leader._send_locked(("call", self._mid, verb, sargs, skw, self._next_sid, dropped))
             result = getattr(self._model, verb)(*args, **kwargs)
             self._register(result)
-            # One program at a time in the cluster: two models' steps overlapping on shared dies would
-            # rely on XLA keeping their cross-process collectives apart, which nothing documents. So
-            # the dispatch lock is held until this call's device work has finished. (It costs no
-            # overlap: the scheduler reads each step's ids right after starting it.)
-            leader.wait_ready(_arrays_in(result))
+            if chained:
+                # One mirrored model: each of its programs takes the state (or the forward) the one
+                # before it returned, so every process runs them in the order they were launched -- the
+                # order this lock gave the frames -- and the lock goes at dispatch: the driver plans
+                # step N+1 while step N runs, as on one host. Its reads wait for the arrays, watched.
+                leader.note_in_flight(_arrays_in(result))
+            else:
+                # Several mirrored models: their programs share no data, so a process could run two of
+                # them at once, and their cross-process collectives would then rely on XLA keeping them
+                # apart (XLA:CPU's client launches its collective programs one at a time, in the order
+                # they were enqueued, but nothing documents it). So the lock is held until this call's
+                # device work has finished: one program at a time in the cluster.
+                leader.wait_ready(_arrays_in(result))
+            if verb == "free":
+                leader.forget_model(self._mid)
         return result
+
+
+def _broadcast(name: str) -> Any:
+    def method(self: LeaderModel, *args: Any, **kwargs: Any) -> Any:
+        return self._translated(lambda *a, **k: self._call(name, a, k))(*args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"The verb `{name}`: sent to every follower, then run here (pantheon.runtime.verbs)."
+    return method
+
+
+def _waiting(name: str) -> Any:
+    def method(self: LeaderModel, *args: Any, **kwargs: Any) -> Any:
+        return self._translated(self._watched(getattr(self._model, name)))(*args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"The read `{name}`, once its arrays are ready (ClusterFailed if the cluster fails first)."
+    return method
+
+
+def _local(name: str) -> Any:
+    def method(self: LeaderModel, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._model, name)(*args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"The host method `{name}` of the model (no device state: not broadcast)."
+    return method
+
+
+def _attribute(name: str) -> property:
+    return property(lambda self: getattr(self._model, name), doc=f"The model's `{name}` (read-only).")
+
+
+for _name in verbs.VERBS:
+    setattr(LeaderModel, _name, _broadcast(_name))
+for _name in verbs.WAITS:
+    setattr(LeaderModel, _name, _waiting(_name))
+for _name in verbs.HOSTS:
+    setattr(LeaderModel, _name, _local(_name))
+for _name in verbs.ATTRIBUTES:
+    setattr(LeaderModel, _name, _attribute(_name))
+del _name
 
 
 _leader: Leader | None = None

@@ -45,7 +45,8 @@ from typing import Any
 from pantheon import osthread
 from pantheon.config import Settings
 from pantheon.errors import RequestError
-from pantheon.runtime.memory import clear_exception_frames, release_freed_memory
+from pantheon.errors import clear_exception_frames
+from pantheon.runtime.memory import release_freed_memory
 
 log = logging.getLogger(__name__)
 

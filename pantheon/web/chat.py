@@ -3,8 +3,9 @@
 `parse_chat_request` turns the JSON body into a `ChatRequest` or raises a 400 naming the field; it never
 ignores a field it does not honour. `Generation` is the chat side of a generation in flight
 (pantheon.web.generation holds the life it shares with legacy completions: submit, per-choice events,
-cancel, close): `start()` renders the prompt, admits it (`admit_prompt`: memory and context window;
-FIT, CAPPED with the oldest turns dropped, or refused), builds the grammar a `response_format` or a
+cancel, close): `start()` has the prompt rendered, tokenized and admitted once by the admission service
+(pantheon.serving.admission: memory and context window; FIT, CAPPED with the oldest turns dropped, or
+refused), builds the grammar a `response_format` or a
 forced `tool_choice` asks for, and launches it; `complete()` and `frames()` shape the n choices as a
 chat.completion object or as chat.completion.chunk events.
 
@@ -17,13 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pantheon.runtime import memory
 from pantheon.text.emitter import Delta, Emitter, merge_deltas
-from pantheon.errors import BusyError, PantheonError, RequestError
+from pantheon.errors import BusyError, PantheonError
 from pantheon.types import GenRequest
 from pantheon.web import bridge
 from pantheon.web.body import shown
@@ -46,13 +46,12 @@ from pantheon.web.logprobs import chat_logprobs
 from pantheon.web.schema import CHAT_MESSAGE, CHAT_REQUEST, fields
 
 __all__ = ["ClientGone", "Generation", "SSEStream", "ChatRequest", "parse_chat_request", "cache_scope",
-           "admit_prompt", "new_completion_id"]
+           "new_completion_id"]
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool", "function")  # "function": the deprecated tool result (-> "tool")
 BIG_PROMPT_CHARS = 16384  # larger requests are rendered and tokenized off the hub, in an OS thread
-ANSWER_RESERVE_MAX = 256  # tokens admission keeps free for the answer (also at most window // 8 and max_tokens)
 
 # The fields a chat body may carry: pantheon.web.schema's, the one description of the request
 # (GET /openapi.json publishes it; tests hold these validators to it).
@@ -465,145 +464,7 @@ def cache_scope(api_key: str | None, creq: Any) -> str:
     return h.hexdigest()[:32]
 
 
-# ---- admission ----------------------------------------------------------------------------------------
-def _last_user_content(messages: Sequence[dict]) -> Any:
-    return next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), None)
-
-
-# Roles whose content every chat template renders (after trimming) into the prompt: their text
-# bounds the prompt's token count from below. An assistant turn's may be dropped (earlier reasoning).
-BOUND_ROLES = ("system", "user", "tool")
-
-
-def _min_tokens(tok: Any, messages: Sequence[dict]) -> int:
-    """A lower bound on the tokens `messages` render to, from their text length alone (no tokenizing)."""
-    total = 0
-    for m in messages:
-        if m.get("role") not in BOUND_ROLES:
-            continue
-        c = m.get("content")
-        parts = [c] if isinstance(c, str) else [p.get("text") for p in c if isinstance(p, dict)] \
-            if isinstance(c, list) else []
-        total += sum(tok.min_tokens(t.strip()) for t in parts if isinstance(t, str))
-    return total
-
-
-def _cap_by_length(bound: Callable[[list[dict]], int], msgs: list[dict], window: int,
-                   reserve: int) -> tuple[list[dict], bool]:
-    """Drop (or refuse) what certainly cannot fit, before the prompt is ever tokenized.
-
-    A 4 MB message takes seconds to tokenize, and capping a conversation re-tokenizes it a dozen
-    times: a prompt far over the window cost 19-60 s before its 400. When the text alone proves the
-    prompt longer than the window (`bound`, a lower bound on the token count from the text's length),
-    the same capping runs first on that lower bound: what it drops, the real capping would drop too
-    (the bound never exceeds the real count), and a prompt that cannot fit even with only its last turn
-    (tools and the template's text stay whatever is dropped) is refused at once. So what is tokenized
-    afterwards is at most about a window's worth of text. (capped) is True when anything was dropped.
-    """
-    if bound(msgs) <= window - 1:  # might still be taken as sent: leave it to the real count
-        return msgs, False
-    last = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=0)
-
-    def refuse() -> RequestError:
-        return RequestError(f"messages: the prompt has at least {bound(msgs)} tokens, with only its last turn at "
-                            f"least {bound(msgs[last:])}; this model's context holds {window} and at least one must "
-                            "be left to generate (dropping earlier turns is not enough: the last message, with the "
-                            "tools, is too long)", param="messages", code="context_length_exceeded")
-
-    if bound(msgs[last:]) > window - reserve:  # what capping can never drop is already too long
-        raise refuse()
-    capped, _ = memory.cap_messages(msgs, bound, window - reserve)
-    if bound(capped) > window - reserve or _last_user_content(capped) != _last_user_content(msgs):
-        raise refuse()
-    return capped, True
-
-
-def answer_reserve(window: int, max_tokens: int | None) -> int:
-    """Tokens kept free for the answer when deciding whether a prompt must be capped."""
-    reserve = max(1, min(ANSWER_RESERVE_MAX, window // 8))
-    return min(reserve, max_tokens) if max_tokens else reserve
-
-
-def _window_exceeded(n: str, window: int) -> RequestError:
-    return RequestError(f"messages: this model's maximum context length is {window} tokens and at least one must "
-                        f"be left to generate, but the prompt (the messages and any tools, in the chat template) "
-                        f"has {n} tokens; shorten them, or send \"truncate\": \"oldest\" to have the oldest turns "
-                        "dropped", param="messages", code="context_length_exceeded")
-
-
-def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dict]], tuple[str, list[int]]],
-                 max_tokens: int | None = None, watch: Any = None, truncate: bool = False,
-                 text: Callable[[list[dict]], str] | None = None) -> tuple[str, list[int], bool]:
-    """Admit a chat prompt on the model `card` describes: (rendered prompt, token ids, capped).
-
-    `render(messages)` is the chat template plus tokenizer; `text(messages)`, when given, the chat
-    template alone: the exact text that would be tokenized, tools and all. Before anything is
-    tokenized, a lower bound on its token count (`Tokenizer.min_tokens`, from the text's length) is
-    held against the window: of `text`'s output when given, else of the messages' own text (then a
-    2 MB `tools` list went through the tokenizer, 25 s, before its 400). The prompt must fit the model's context
-    window (QWEN35_MAX_SEQ, halved under HIGH memory pressure) and the memory free now
-    (pantheon.runtime.memory.admit against the memory watch; a model admission cannot size, or no running
-    watch: the window only), leaving `answer_reserve` tokens for the answer. If it does not, the
-    oldest turns are dropped (then the system prompt's end), never the last user message:
-    capped=True, and the caller marks the response `context_capped` and skips prefix reuse. If even
-    that does not fit, the original prompt is still taken when it leaves room for one generated token;
-    otherwise 400 `context_length_exceeded` when the context window is the limit, 503 (retry later)
-    when memory is. Memory alone too tight for any useful prompt (CRITICAL pressure): 503.
-
-    Turns are dropped for the *window* only when the request asks for it (`truncate`: "oldest"), as
-    OpenAI and the peer servers answer a conversation longer than the context with 400
-    `context_length_exceeded` (the sizes in the message). Without it, a prompt that leaves at least
-    one token to generate is taken whole, and a longer one is that 400; dropping turns because the
-    *memory* free now is short stays automatic.
-    """
-    window = int(card.context_length)
-    reserve = answer_reserve(window, max_tokens)
-    msgs = [dict(m) for m in messages]
-    pre_capped = False
-    tok = card.tokenizer
-    if callable(getattr(tok, "min_tokens", None)):
-        def bound(ms: list[dict]) -> int:
-            return tok.min_tokens(text(ms)) if text is not None else _min_tokens(tok, ms)
-
-        if truncate:
-            msgs, pre_capped = _cap_by_length(bound, msgs, window, reserve)
-        elif bound(msgs) > window - 1:  # provably too long: refused before tokenizing
-            raise _window_exceeded(f"at least {bound(msgs)}", window)
-    rendered, ids = render(msgs)
-    n = len(ids)
-    if n > window - 1 and not truncate:
-        raise _window_exceeded(str(n), window)
-    adm = None
-    if card.admit is not None:
-        adm = card.admit(n, reserve, watch)
-        adm.raise_if_denied()
-    measured = adm is not None and adm.window > 0  # a live memory reading was applied
-    if measured:
-        assert adm is not None
-        fit = adm.fit_tokens
-    else:
-        fit = window - reserve
-    if n <= fit:
-        return rendered, ids, pre_capped
-    memory_short = measured and adm is not None and (adm.window < window or adm.fit_tokens < window - reserve)
-    if not truncate and not memory_short:  # the window is the limit and one token still fits: as sent
-        return rendered, ids, pre_capped
-    capped, _ = memory.cap_messages(msgs, lambda m: render(m)[1], fit)
-    c_rendered, c_ids = render(capped)
-    if len(c_ids) <= fit and _last_user_content(capped) == _last_user_content(msgs):
-        return c_rendered, c_ids, True
-    # Only cutting the last turn itself would make it fit: take it whole if one token still fits.
-    budget = fit + reserve
-    if n <= budget - 1:
-        return rendered, ids, pre_capped
-    if measured and adm is not None and (adm.window < window or budget < adm.window):
-        memory.Admission(memory.DENIED, max(0, budget - 1), f"the prompt has {n} tokens and only {budget - 1} fit "
-                         "in the memory free now", adm.window, adm.pressure).raise_if_denied()
-    raise RequestError(f"messages: the prompt has {n} tokens; this model's context holds {window} and at least one "
-                       "must be left to generate (dropping earlier turns is not enough: the last message alone "
-                       "is too long)", param="messages", code="context_length_exceeded")
-
-
+# ---- the prompt ----------------------------------------------------------------------------------------
 def render_prompt(card: Any, creq: ChatRequest, messages: list[dict] | None = None) -> str:
     """The chat template applied to `messages` (default: the request's) with the request's tools, tool
     choice and thinking switch: the one rendering every chat-shaped route (and count_tokens) uses."""
@@ -644,18 +505,19 @@ class Generation(GenerationCore):
         card = self.entry.card
         tok = card.tokenizer
         creq = self.creq
-        self.check_model_limits(card, creq.n, creq.logit_bias)
-        admit = lambda: admit_prompt(card, creq.messages, lambda m: self._prompt(card, m),  # noqa: E731
-                                     creq.max_tokens, self.watch, creq.truncate_oldest,
-                                     text=lambda m: self._render(card, m))
+        self.admission.limits(card, creq.n, creq.logit_bias)
+        admit = lambda: self.admission.chat(card, creq.messages, lambda m: self._render(card, m),  # noqa: E731
+                                            lambda text: prompt_ids(card, text), creq.max_tokens,
+                                            creq.truncate_oldest)
         try:
             if creq.size > BIG_PROMPT_CHARS:  # rendering + tokenizing would hold the hub for a while
-                rendered, ids, self.prompt_capped = bridge.call_in_thread(admit, name="pantheon-tokenize")
+                admitted = bridge.call_in_thread(admit, name="pantheon-tokenize")
             else:
-                rendered, ids, self.prompt_capped = admit()
+                admitted = admit()
         except PantheonError:
             self.observe_admission("denied")
             raise
+        rendered, ids, self.prompt_capped = admitted.rendered, admitted.ids, admitted.capped
         self.capped = self.prompt_capped
         max_tokens = self.budget(card, len(ids), creq.max_tokens)
         self.observe_admission("capped" if self.capped else "fit")
@@ -681,8 +543,7 @@ class Generation(GenerationCore):
         SmolLM2, 3 s Gemma 3).
         """
         wait_s = self.registry.settings.grammar_timeout_s
-        reserve = getattr(self.entry.backend, "reserve", None)
-        reservation = reserve() if reserve is not None else None
+        reservation = self.admission.place(self.entry.backend)
         try:
             constraint = self.grammars.call(lambda: self._constraint(tok), timeout=wait_s, check=self.check_client)
         except BaseException as exc:  # refused, invalid, timed out, client gone: the place goes back
@@ -731,11 +592,6 @@ class Generation(GenerationCore):
         """The chat template applied to `messages` (default: the request's) and the request's tools."""
         return render_prompt(card, self.creq, messages)
 
-    def _prompt(self, card: Any, messages: list[dict] | None = None) -> tuple[str, list[int]]:
-        """The rendered chat template of `messages` (default: the request's) and its token ids (BOS
-        added when the model wants one)."""
-        rendered = self._render(card, messages)
-        return rendered, prompt_ids(card, rendered)
 
     # -- response shapes ---------------------------------------------------------------------------------
     def _chunk_logprobs(self, piece_logprobs: Sequence[Any]) -> dict | None:

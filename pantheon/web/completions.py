@@ -4,7 +4,7 @@ Clients still use it for plain continuation, for scoring (`echo` + `logprobs`: t
 log probabilities) and in benchmarks. `parse_completion_request` validates the body with the same field
 checks as chat (pantheon.web.fields); `CompletionGeneration` tokenizes the prompt (BOS as the tokenizer
 wants it; a prompt given as token ids is taken as it is), admits it against the context window and the
-memory free now, and shares the rest of its life with chat (pantheon.web.generation): n choices, stop
+memory free now (pantheon.serving.admission), and shares the rest of its life with chat (pantheon.web.generation): n choices, stop
 strings per choice, logprobs carried on the chunks they belong to.
 
 Choices that differ from OpenAI's (stated in docs/http-api.md):
@@ -32,12 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pantheon.config import Settings
-from pantheon.runtime import memory
 from pantheon.text.emitter import Emitter
-from pantheon.errors import PantheonError, RequestError
+from pantheon.errors import PantheonError
 from pantheon.types import GenRequest, SamplingParams
 from pantheon.web import bridge
-from pantheon.web.chat import BIG_PROMPT_CHARS, answer_reserve
+from pantheon.web.chat import BIG_PROMPT_CHARS
 from pantheon.web.fields import (
     MAX_TOKENS_LIMIT,
     bad,
@@ -148,30 +147,6 @@ def parse_completion_request(body: Any, headers: Mapping[str, str]) -> Completio
                              user=string(body, "user"))
 
 
-def _prompt_too_long(n: str, window: int) -> RequestError:
-    return RequestError(f"prompt: this model's maximum context length is {window} tokens and at least one must "
-                        f"be left to generate, but the prompt has {n} tokens", param="prompt",
-                        code="context_length_exceeded")
-
-
-def admit_ids(card: Any, n_prompt: int, max_tokens: int, watch: Any) -> None:
-    """Admit a prompt of `n_prompt` tokens as it is (nothing here can be dropped to make it fit): it must
-    leave one token of the context window to generate (else 400 context_length_exceeded) and fit the
-    memory free now (else 503 with Retry-After)."""
-    window = int(card.context_length)
-    if n_prompt > window - 1:
-        raise _prompt_too_long(str(n_prompt), window)
-    if card.admit is None:
-        return
-    reserve = answer_reserve(window, max_tokens)
-    adm = card.admit(n_prompt, reserve, watch)
-    adm.raise_if_denied()
-    budget = adm.fit_tokens + reserve
-    if adm.window > 0 and n_prompt > budget - 1:
-        memory.Admission(memory.DENIED, max(0, budget - 1), f"the prompt has {n_prompt} tokens and only "
-                         f"{budget - 1} fit in the memory free now", adm.window, adm.pressure).raise_if_denied()
-
-
 class CompletionGeneration(GenerationCore):
     """One legacy completion in flight (see pantheon.web.generation for its life). Greenlet only."""
 
@@ -202,7 +177,7 @@ class CompletionGeneration(GenerationCore):
         card = self.entry.card
         tok = card.tokenizer
         creq = self.creq
-        self.check_model_limits(card, creq.n, creq.logit_bias)
+        self.admission.limits(card, creq.n, creq.logit_bias)
         if isinstance(creq.prompt, str) and len(creq.prompt) > BIG_PROMPT_CHARS:  # off the hub
             ids, bos_added = bridge.call_in_thread(lambda: self._tokenize(tok), name="pantheon-tokenize")
         else:
@@ -211,7 +186,7 @@ class CompletionGeneration(GenerationCore):
         if score_prompt:
             self._check_echo_size(len(ids))
         try:
-            admit_ids(card, len(ids), creq.max_tokens, self.watch)
+            self.admission.prompt(card, len(ids), creq.max_tokens)
         except PantheonError:
             self.observe_admission("denied")
             raise
@@ -237,9 +212,8 @@ class CompletionGeneration(GenerationCore):
                 raise bad("prompt", f"{out} is not a token id of this model (0..{tok.vocab_size - 1})")
             return list(p), False
         bound = getattr(tok, "min_tokens", None)
-        window = int(self.entry.card.context_length)
-        if callable(bound) and bound(p) > window - 1:  # provably too long: refused before it is tokenized
-            raise _prompt_too_long(f"at least {bound(p)}", window)
+        if callable(bound):  # provably too long: refused before it is tokenized
+            self.admission.prompt_bound(self.entry.card, bound(p))
         ids = tok.encode(p)
         added = tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id)
         if added:

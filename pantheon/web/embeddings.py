@@ -11,7 +11,9 @@ most MAX_INPUTS items, none empty), `model`, `encoding_format` ("float" | "base6
 little-endian float32 bytes), `dimensions` (only the model's own size: vectors are not truncated),
 `user` (accepted, unused), `pooling`. Texts are tokenized with the model's BOS/EOS as its file asks
 (`Tokenizer.encode(add_special=True)`); token ids are taken as given. An input longer than the
-model's context window is a 400 `context_length_exceeded`, as in chat. A request carries at most
+model's context window is a 400 `context_length_exceeded`, as in chat, and the request is admitted
+against the memory free now by the same service as chat (pantheon.serving.admission: 503 with
+Retry-After under CRITICAL pressure). A request carries at most
 `PANTHEON_EMBED_MAX_TOKENS` tokens in all (its inputs summed): beyond it, a 400 naming both figures.
 Texts are tokenized one by one and the count stops at the first input past the budget, so a refused
 request never costs more tokenizing than the budget plus one input.
@@ -27,13 +29,15 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from flask import Blueprint, Response, request
 
-from pantheon.errors import RequestError
+from pantheon.errors import PantheonError, RequestError
+from pantheon.serving.admission import AdmissionService
 from pantheon.types import EMBED_POOLINGS, EmbedRequest, Embedded, Finished
 from pantheon.web import bridge
 from pantheon.web.body import parse_json
@@ -129,11 +133,6 @@ def parse_embeddings_request(body: Any) -> EmbeddingsRequest:
                              encoding_format=fmt, dimensions=dims, pooling=pooling)
 
 
-def _too_long(index: int, n: str, window: int) -> RequestError:
-    return RequestError(f"input[{index}]: this model's maximum context length is {window} tokens, but the input has "
-                        f"{n} tokens; shorten it", param="input", code="context_length_exceeded")
-
-
 def _over_budget(total: str, budget: int) -> RequestError:
     return _bad("input", f"the inputs have {total} tokens in all; one embeddings request may carry at most {budget} "
                          "(PANTHEON_EMBED_MAX_TOKENS): split them over several requests")
@@ -144,7 +143,7 @@ def tokenize_inputs(card: Any, ereq: EmbeddingsRequest, budget: int) -> list[lis
     against `budget` (400s). Cheap checks come first: token ids are counted before any id is looked at;
     texts are refused by their lower bound before tokenizing, and tokenizing stops at the input that
     passes the budget (the count is then "at least")."""
-    tok, window = card.tokenizer, int(card.context_length)
+    tok = card.tokenizer
     if ereq.token_inputs is not None:
         total = sum(len(ids) for ids in ereq.token_inputs)
         if total > budget:
@@ -154,8 +153,7 @@ def tokenize_inputs(card: Any, ereq: EmbeddingsRequest, budget: int) -> list[lis
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise _bad(f"input[{i}]", f"{bad} is not a token id of this model (0..{vocab - 1})")
-            if len(ids) > window:
-                raise _too_long(i, str(len(ids)), window)
+            AdmissionService.embedding_input(card, i, len(ids))
         return ereq.token_inputs
     texts = ereq.texts or []
     bound = getattr(tok, "min_tokens", None)
@@ -163,8 +161,7 @@ def tokenize_inputs(card: Any, ereq: EmbeddingsRequest, budget: int) -> list[lis
         least = 0
         for i, text in enumerate(texts):
             n = bound(text)
-            if n > window:
-                raise _too_long(i, f"at least {n}", window)
+            AdmissionService.embedding_input(card, i, n, at_least=True)
             least += n
         if least > budget:
             raise _over_budget(f"at least {least}", budget)
@@ -174,8 +171,7 @@ def tokenize_inputs(card: Any, ereq: EmbeddingsRequest, budget: int) -> list[lis
         ids = tok.encode(text, add_special=True)
         if not ids:
             raise _bad(f"input[{i}]", "has no tokens")
-        if len(ids) > window:
-            raise _too_long(i, str(len(ids)), window)
+        AdmissionService.embedding_input(card, i, len(ids))
         total += len(ids)
         if total > budget:
             raise _over_budget(str(total) if i == len(texts) - 1 else f"at least {total}", budget)
@@ -226,14 +222,28 @@ def _wait(channel: bridge.Channel, environ: dict) -> Any:
             continue
 
 
-def _run(entry: Any, inputs: list[list[int]], pooling: str, environ: dict) -> Embedded:
-    """Submit to the model's scheduler and wait for the vectors; a backend error is raised as is."""
+def _run(entry: Any, inputs: list[list[int]], pooling: str, environ: dict, admission: AdmissionService,
+         observe: Callable[[str], None] = lambda outcome: None) -> Embedded:
+    """Admit the inputs (window, memory, a queue place: pantheon.serving.admission, as for chat), submit
+    them to the model's scheduler and wait for the vectors; a backend error is raised as is."""
     submit = getattr(entry.backend, "submit_embed", None)
     if submit is None:
         raise RequestError(f"model {entry.name!r} does not serve embeddings", param="model", status=400,
                            code="embeddings_unsupported")
+    try:
+        admission.embeddings(entry.card, [len(ids) for ids in inputs])
+    except PantheonError:
+        observe("denied")
+        raise
+    observe("fit")
     channel = bridge.Channel()
-    handle = submit(EmbedRequest(inputs=inputs, pooling=pooling), channel.put)
+    req = EmbedRequest(inputs=inputs, pooling=pooling)
+    reservation = admission.place(entry.backend)
+    try:
+        handle = submit(req, channel.put) if reservation is None else submit(req, channel.put, reservation=reservation)
+    finally:
+        if reservation is not None:
+            reservation.release()  # (a no-op once submit took it over)
     try:
         ev = _wait(channel, environ)
     except ClientGone:
@@ -273,7 +283,8 @@ def handle_embeddings(root_model: str | None = None) -> Response:
         work = lambda: tokenize_inputs(entry.card, ereq, st.settings.embed_max_tokens)  # noqa: E731
         inputs = bridge.call_in_thread(work, name="pantheon-tokenize") if chars > BIG_PROMPT_CHARS else work()
         try:
-            done = _run(entry, inputs, ereq.pooling, request.environ)
+            observe = st.metrics.observe_admission if st.metrics is not None else (lambda outcome: None)
+            done = _run(entry, inputs, ereq.pooling, request.environ, AdmissionService(st.memwatch), observe)
         except ClientGone:
             return Response(status=499)
         vectors = np.asarray(done.vectors, np.float32)

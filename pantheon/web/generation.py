@@ -39,10 +39,10 @@ from typing import Any
 
 from pantheon.text.emitter import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, Delta, Emitter
 from pantheon.errors import PantheonError
+from pantheon.serving.admission import AdmissionService
 from pantheon.types import Finished, GenRequest, Started, Tokens
 from pantheon.web import bridge
 from pantheon.web.errors import from_exception
-from pantheon.web.fields import bad
 from pantheon.web.logprobs import Positioned
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class GenerationCore(abc.ABC):
         self.large_answer = False  # the non-streamed answer is serialised in an OS thread (see json_text)
         self.metrics = metrics  # pantheon.serving.metrics.Metrics, or None (unit tests)
         self.watch = watch  # the server's pantheon.runtime.memory.MemWatch (None: the process-wide one)
+        self.admission = AdmissionService(watch)  # window, memory, n, capping and the queue place: one owner
         self.t0 = time.perf_counter() if t0 is None else t0  # request arrival
         self._t_last: float | None = None  # when the previous Tokens event arrived
         self.registry = registry
@@ -169,24 +170,11 @@ class GenerationCore(abc.ABC):
         if self.metrics is not None:
             self.metrics.observe_admission(outcome)
 
-    @staticmethod
-    def check_model_limits(card: Any, n: int, logit_bias: Sequence[tuple[int, float]]) -> None:
-        """What only the model can bound: `n` by its slots (each choice holds one), and `logit_bias` ids by
-        its vocabulary."""
-        if n > int(card.n_slots):
-            raise bad("n", f"this model runs at most {card.n_slots} sequences at once, so n may be at most "
-                           f"{card.n_slots}; got {n}")
-        vocab = int(card.tokenizer.vocab_size)
-        out = next((tid for tid, _ in logit_bias if tid >= vocab), None)
-        if out is not None:
-            raise bad("logit_bias", f"{out} is not a token id of this model (0..{vocab - 1})")
-
     def budget(self, card: Any, n_prompt: int, want: int | None) -> int:
-        """The completion budget: `want` (None: all the room left), clamped to the room the context leaves
-        after the prompt (which marks the response context_capped)."""
-        room = int(card.context_length) - n_prompt
-        self.capped = self.capped or (want is not None and want > room)
-        return room if want is None else min(want, room)
+        """The completion budget the admission service leaves (clamping it marks the response context_capped)."""
+        max_tokens, clamped = self.admission.budget(card, n_prompt, want)
+        self.capped = self.capped or clamped
+        return max_tokens
 
     def launch(self, req: GenRequest, emitters: Sequence[Emitter], continuation: bool = False,
                reservation: Any = None) -> None:
@@ -204,10 +192,17 @@ class GenerationCore(abc.ABC):
             (lambda: tok.stream(skip_special=False))
         self.choices = [Choice(i, em, decoder()) for i, em in enumerate(emitters)]
         t_submit = time.perf_counter()
-        if reservation is None:
-            self.handle = self.entry.backend.submit(req, self.channel.put)
-        else:
-            self.handle = self.entry.backend.submit(req, self.channel.put, reservation=reservation)
+        backend = self.entry.backend
+        if reservation is None:  # the queue place, asked of the admission service like every route's
+            reservation = self.admission.place(backend)
+        try:
+            if reservation is None:
+                self.handle = backend.submit(req, self.channel.put)
+            else:
+                self.handle = backend.submit(req, self.channel.put, reservation=reservation)
+        finally:
+            if reservation is not None:
+                reservation.release()  # (a no-op once submit took it over)
         first = self._next_event()
         if isinstance(first, Started):
             self.started = first

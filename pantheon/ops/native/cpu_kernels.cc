@@ -695,6 +695,8 @@ StoredFormat StoredFormatOf(int32_t qtype) {
 // error of about 1/254 of each block's largest value per product. Hence a static choice of the caller
 // (the `dot` attribute); the exact form stays the oracle's. F16 and BF16 keep the exact form.
 
+inline __m256i Load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
 // One activation row quantized: q[K]; d[K / B]; for B = 32 the f32 sum of each block's q, for
 // B = 256 the int16 sum of each 16 q (the minimums' and the offset formats' correction terms).
 struct Q8Row {
@@ -702,6 +704,18 @@ struct Q8Row {
   const float* d;
   const float* s;
   const int16_t* bs;
+};
+
+// MB quantized rows taken together. Their q are interleaved by 32-value runs (run r of row i at
+// q + (r * MB + i) * 32): every row's operand for a run is then at a fixed offset from one pointer,
+// and rows K apart (K a multiple of 4096 in most models) do not all map to the same L1 sets.
+template <int MB>
+struct Q8Group {
+  const int8_t* q;
+  const float* d[MB];
+  const float* s[MB];
+  const int16_t* bs[MB];
+  inline __m256i Run(int64_t r, int i) const { return Load32(q + (r * MB + i) * 32); }
 };
 
 // Quantizes x[K] in blocks of B (32 or 256) into q, d, and s (B = 32) or bs (B = 256).
@@ -741,7 +755,6 @@ void QuantizeRow(const float* x, int64_t K, int8_t* q, float* d, float* s, int16
   }
 }
 
-inline __m256i Load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m128i Load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 // 16 nibble bytes as 32 bytes: the low nibbles (weights 0-15), then the high ones (16-31).
 inline __m256i Nibbles(const uint8_t* p) {
@@ -778,7 +791,7 @@ struct Int8Legacy {
   static constexpr int kBytes = T == kQ8_0 ? 34 : T == kIQ4_NL ? 18 : 18 + (kMin ? 2 : 0) + (kFifth ? 4 : 0);
 
   template <int MB>
-  static inline void Block(const uint8_t* blk, int64_t b, const Q8Row* x, __m256* acc, __m256*, float* mins) {
+  static inline void Block(const uint8_t* blk, int64_t b, const Q8Group<MB>& x, __m256* acc, __m256*, float* mins) {
     const float dw = HalfAt(blk);
     __m256i w;
     if constexpr (T == kQ8_0) {
@@ -797,11 +810,11 @@ struct Int8Legacy {
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i u = kMin ? w : _mm256_abs_epi8(w);
     for (int i = 0; i < MB; ++i) {
-      const __m256i xq = Load32(x[i].q + 32 * b);
+      const __m256i xq = x.Run(b, i);
       const __m256i lanes = DotU(u, kMin ? xq : _mm256_sign_epi8(xq, w), ones);
-      const float dx = x[i].d[b];
+      const float dx = x.d[i][b];
       acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * dx)));
-      if constexpr (kMin) mins[i] = mins[i] + x[i].s[b] * (HalfAt(blk + 2) * dx);
+      if constexpr (kMin) mins[i] = mins[i] + x.s[i][b] * (HalfAt(blk + 2) * dx);
     }
   }
   static inline float Finish(__m256 acc, __m256, float mins) {
@@ -821,7 +834,7 @@ template <> struct Int8<kIQ4_NL> : Int8Legacy<kIQ4_NL> {};
 // 16-lane scale; `Offset`: the q offset of formats stored unsigned (Q3_K 4, Q6_K 32), subtracted as
 // offset * sum_k scale_k * bsum_k (per-16 scales as 16 int16 in `Scales16`).
 template <class Blk, int MB>
-inline void SuperBlock(const Blk& blk, int64_t b, const Q8Row* x, __m256* acc, __m256* mins) {
+inline void SuperBlock(const Blk& blk, int64_t b, const Q8Group<MB>& x, __m256* acc, __m256* mins) {
   __m256i isum[MB];
   for (int i = 0; i < MB; ++i) isum[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -829,15 +842,15 @@ inline void SuperBlock(const Blk& blk, int64_t b, const Q8Row* x, __m256* acc, _
     const __m256i w = blk.Run(j), scale = blk.Scale(j);
     const __m256i u = Blk::kSigned ? _mm256_abs_epi8(w) : w;
     for (int i = 0; i < MB; ++i) {
-      const __m256i xq = Load32(x[i].q + 256 * b + 32 * j);
+      const __m256i xq = x.Run(8 * b + j, i);
       isum[i] = _mm256_add_epi32(isum[i], DotU(u, Blk::kSigned ? _mm256_sign_epi8(xq, w) : xq, scale));
     }
   }
   for (int i = 0; i < MB; ++i) {
-    const __m256i bsums = Load32(x[i].bs + 16 * b);
+    const __m256i bsums = Load32(x.bs[i] + 16 * b);
     if constexpr (Blk::kOffsetShift > 0)
       isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(_mm256_madd_epi16(bsums, blk.scales16), Blk::kOffsetShift));
-    const float dx = x[i].d[b];
+    const float dx = x.d[i][b];
     acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(blk.d * dx)));
     if constexpr (Blk::kMin) {
       const __m256i m = _mm256_madd_epi16(bsums, blk.mins16);
@@ -850,7 +863,7 @@ template <int32_t T, class Blk>
 struct Int8Super {
   static constexpr int kWeights = 256, kBytes = Format<T>::kBytes;
   template <int MB>
-  static inline void Block(const uint8_t* p, int64_t b, const Q8Row* x, __m256* acc, __m256* mins, float*) {
+  static inline void Block(const uint8_t* p, int64_t b, const Q8Group<MB>& x, __m256* acc, __m256* mins, float*) {
     SuperBlock<Blk, MB>(Blk(p), b, x, acc, mins);
   }
   static inline float Finish(__m256 acc, __m256 mins, float) {
@@ -980,9 +993,10 @@ struct Iq4XsBlk {
 };
 template <> struct Int8<kIQ4_XS> : Int8Super<kIQ4_XS, Iq4XsBlk> {};
 
-// y[i][j] for MB quantized rows x[i] and `count` weight rows of w (row_bytes apart), in format F.
+// y[i][j] for the MB quantized rows of x and `count` weight rows of w (row_bytes apart), in format F.
 template <class F, int MB>
-void Int8Rows(const Q8Row* x, const uint8_t* w, int64_t row_bytes, int64_t blocks, float* const* y, int64_t count) {
+void Int8Rows(const Q8Group<MB>& x, const uint8_t* w, int64_t row_bytes, int64_t blocks, float* const* y,
+              int64_t count) {
   for (int64_t j = 0; j < count; ++j) {
     __m256 acc[MB], mins[MB];
     float fmins[MB];
@@ -999,32 +1013,46 @@ void Int8Rows(const Q8Row* x, const uint8_t* w, int64_t row_bytes, int64_t block
 constexpr int64_t kInt8GroupRows = 8;  // rows taken together over one weight row (registers)
 constexpr int64_t kInt8TileColumns = 16;  // past 8 rows: weight rows read once from memory, then from cache
 
-// Columns [n0, n1) of the live rows (`live`: their indices, L of them) against w [N, row bytes] in F.
+// The group of MB live rows live[0 .. MB) (their q interleaved at `q`) against `count` weight rows.
+template <class F, int MB>
+void Int8Group(const Q8Row* rows, const int64_t* live, const int8_t* q, const uint8_t* w, int64_t row_bytes,
+               int64_t blocks, float* y, int64_t N, int64_t count) {
+  Q8Group<MB> x;
+  float* out[MB];
+  x.q = q;
+  for (int i = 0; i < MB; ++i) {
+    const Q8Row& r = rows[live[i]];
+    x.d[i] = r.d;
+    x.s[i] = r.s;
+    x.bs[i] = r.bs;
+    out[i] = y + live[i] * N;
+  }
+  Int8Rows<F, MB>(x, w, row_bytes, blocks, out, count);
+}
+
+// Columns [n0, n1) of the live rows (`live`: their indices, L of them; their q interleaved by groups
+// of 8 in `q`: group g at q + g * K) against w [N, row bytes] in F.
 template <class F>
-void Int8Columns(const Q8Row* rows, const int64_t* live, int64_t L, const uint8_t* w, float* y, int64_t K,
-                 int64_t N, int64_t n0, int64_t n1) {
+void Int8Columns(const Q8Row* rows, const int64_t* live, int64_t L, const int8_t* q, const uint8_t* w, float* y,
+                 int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t blocks = K / F::kWeights, row_bytes = blocks * F::kBytes;
   const int64_t tile = L <= kInt8GroupRows ? n1 - n0 : kInt8TileColumns;
   for (int64_t t = n0; t < n1; t += tile) {
     const int64_t count = t + tile <= n1 ? tile : n1 - t;
     for (int64_t g = 0; g < L; g += kInt8GroupRows) {
       const int64_t mb = L - g < kInt8GroupRows ? L - g : kInt8GroupRows;
-      Q8Row x[kInt8GroupRows];
-      float* out[kInt8GroupRows];
-      for (int64_t i = 0; i < mb; ++i) {
-        x[i] = rows[live[g + i]];
-        out[i] = y + live[g + i] * N + t;
-      }
       const uint8_t* wt = w + t * row_bytes;
+      float* yt = y + t;
+      const int8_t* qg = q + g * K;
       switch (mb) {
-        case 1: Int8Rows<F, 1>(x, wt, row_bytes, blocks, out, count); break;
-        case 2: Int8Rows<F, 2>(x, wt, row_bytes, blocks, out, count); break;
-        case 3: Int8Rows<F, 3>(x, wt, row_bytes, blocks, out, count); break;
-        case 4: Int8Rows<F, 4>(x, wt, row_bytes, blocks, out, count); break;
-        case 5: Int8Rows<F, 5>(x, wt, row_bytes, blocks, out, count); break;
-        case 6: Int8Rows<F, 6>(x, wt, row_bytes, blocks, out, count); break;
-        case 7: Int8Rows<F, 7>(x, wt, row_bytes, blocks, out, count); break;
-        default: Int8Rows<F, 8>(x, wt, row_bytes, blocks, out, count); break;
+        case 1: Int8Group<F, 1>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 2: Int8Group<F, 2>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 3: Int8Group<F, 3>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 4: Int8Group<F, 4>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 5: Int8Group<F, 5>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 6: Int8Group<F, 6>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 7: Int8Group<F, 7>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        default: Int8Group<F, 8>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
       }
     }
   }
@@ -1094,13 +1122,22 @@ void Int8Product(ffi::ThreadPool& pool, const Int8Format& f, ffi::Buffer<ffi::S3
     rows[m] = {qm, dm, sm, bm};
   }
   if (L == 0) return;
+  // each group of 8 live rows (the last may have fewer) interleaved by 32-value runs (Q8Group)
+  std::vector<int8_t> grouped(L * K);
+  for (int64_t g = 0; g < L; g += kInt8GroupRows) {
+    const int64_t mb = L - g < kInt8GroupRows ? L - g : kInt8GroupRows;
+    for (int64_t i = 0; i < mb; ++i)
+      for (int64_t r = 0; r < K / 32; ++r)
+        std::memcpy(grouped.data() + g * K + (r * mb + i) * 32, q.data() + live[g + i] * K + r * 32, 32);
+  }
   const Q8Row* rp = rows.data();
   const int64_t* lp = live.data();
+  const int8_t* gp = grouped.data();
   const Int8ColumnsFn columns = f.columns;
   const int64_t chunk = ChunkOf(pool, N);
   ParallelFor(pool, (N + chunk - 1) / chunk, (L + kWeightWork) * N * K, [=](int64_t c) {
     const int64_t n0 = c * chunk;
-    columns(rp, lp, L, wp, y, K, N, n0, n0 + chunk < N ? n0 + chunk : N);
+    columns(rp, lp, L, gp, wp, y, K, N, n0, n0 + chunk < N ? n0 + chunk : N);
   });
 }
 

@@ -11,9 +11,10 @@ import pytest
 
 # The oracle and logit-parity tests compare with f32 references at tight tolerances, so the suite runs
 # the native kernels' exact form (pantheon.ops.native: dot="exact"); the int8 form's tests ask for it
-# by name (LoadOptions.native_dot="int8", weight_matmul(dot="int8")). Set before any Settings is read,
-# and inherited by the servers the tests start.
-os.environ.setdefault("PANTHEON_NATIVE_DOT", "exact")
+# by name (LoadOptions.native_dot="int8", weight_matmul(dot="int8")), whatever the serving default or
+# the caller's environment says. Set before any Settings is read, and inherited by the servers the
+# tests start.
+os.environ["PANTHEON_NATIVE_DOT"] = "exact"
 
 def _find_fixtures() -> Path:
     """$PANTHEON_FIXTURES when set (another copy, e.g. while fixtures are being rebuilt), else the copy in

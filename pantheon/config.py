@@ -68,6 +68,7 @@ class Settings:
     die_budget_mb: int = 0
     warmup: bool = True
     native_matmul: bool = True
+    native_dot: str = "exact"
     kv_dtype: str = "auto"
     registry_url: str | None = None
     registry_key: str | None = None
@@ -188,6 +189,16 @@ def _kv_dtype(raw: str) -> str:
     name = _KV_DTYPES.get(raw.strip().lower())
     if name is None:
         raise ValueError("must be auto, float32, float16 or bfloat16")
+    return name
+
+
+NATIVE_DOTS = ("exact", "int8")  # pantheon.ops.native.DOTS (config is floor 0: spelled out here)
+
+
+def _native_dot(raw: str) -> str:
+    name = raw.strip().lower()
+    if name not in NATIVE_DOTS:
+        raise ValueError("must be exact or int8")
     return name
 
 
@@ -339,6 +350,12 @@ SETTINGS: tuple[Setting, ...] = (
                 "`pantheon/ops/native/` (products straight from every GGUF format for decode rows and prefill "
                 "chunks, in-place decode attention), built with `g++` on first use; 0 expands the blocks "
                 "inside the step with XLA instead"),
+    Setting("PANTHEON_NATIVE_DOT", "native_dot", _native_dot,
+            doc="how the native kernels multiply a quantized weight: `exact` widens every weight to gguf's f32 "
+                "value (bit-identical to the f32 product: the oracle tests' form); `int8` quantizes each "
+                "activation row to 8 bits per block and uses integer dot products, as llama.cpp does (~3x less "
+                "work per weight; the activation's rounding changes logits by ~1e-1 in log-probability, and "
+                "greedy tokens where the top two are that close). F16/BF16 weights are exact either way"),
     Setting("PANTHEON_FORBID_COMPILE", "forbid_compile", _flag,
             doc="1: a JAX compile in a serving driver after warm-up is an error"),
     Setting("PANTHEON_COMPILE_CACHE", "compile_cache", _flag,

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# The oracle and logit-parity tests compare with f32 references at tight tolerances, so the suite runs
+# the native kernels' exact form (pantheon.ops.native: dot="exact"); the int8 form's tests ask for it
+# by name (LoadOptions.native_dot="int8", weight_matmul(dot="int8")), whatever the serving default or
+# the caller's environment says. Set before any Settings is read, and inherited by the servers the
+# tests start.
+os.environ["PANTHEON_NATIVE_DOT"] = "exact"
 
 def _find_fixtures() -> Path:
     """$PANTHEON_FIXTURES when set (another copy, e.g. while fixtures are being rebuilt), else the copy in
@@ -55,7 +63,7 @@ def tiny_model(name: str):
     if name not in _tiny_models:
         path, _, _ = tiny_fixture(name)
         _tiny_models[name] = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=64, prefill_chunk=16,
-                                                                          kv_dtype="float32"))
+                                                                          kv_dtype="float32", native_dot="exact"))
     return _tiny_models[name]
 
 
@@ -87,14 +95,15 @@ def load_real(real_model_path):
     """load_real(name) -> a Model loaded once per test session (shared by every test that asks)."""
     from pantheon.runtime import engine
 
-    def get(name: str, kv_dtype: str | None = None):
+    def get(name: str, kv_dtype: str | None = None, dot: str = "exact"):
         """kv_dtype None: the default KV cache (float16 on CPU), 8 slots; "float32": a one-slot instance
-        for parity with an f32 oracle (its weights are the same file pages as the default's)."""
-        key = (name, kv_dtype)
+        for parity with an f32 oracle (its weights are the same file pages as the default's).
+        dot: the native kernels' form ("exact", the oracle's; "int8", llama.cpp's arithmetic)."""
+        key = (name, kv_dtype, dot)
         if key not in _loaded:
             slots = 8 if kv_dtype is None else 1
             _loaded[key] = engine.load(real_model_path(name), engine.LoadOptions(name=name, max_seq=1024, n_slots=slots,
-                                                                                 kv_dtype=kv_dtype))
+                                                                                 kv_dtype=kv_dtype, native_dot=dot))
         return _loaded[key]
 
     return get

@@ -45,6 +45,8 @@ from pantheon.ops.quant_formats import FORMATS
 
 log = logging.getLogger(__name__)
 
+# A weight's `kernel` when the native kernels multiply it -> the form of its product (native.DOTS).
+NATIVE_KERNELS = {"native": "exact", "native-int8": "int8"}
 WEIGHT_MAJOR_ROWS = 8  # from this many rows XLA's product is formed weight-major (see linear)
 _ALIGN = 64  # XLA:CPU aliases host buffers aligned to this many bytes (and copies the others)
 
@@ -56,7 +58,7 @@ class QuantWeight:
     `data` is the only leaf: uint8 blocks [..., rows, row_bytes] for block formats, or an array
     [..., rows, cols] of the float format's dtype. The rest is static (part of the treedef):
     `qtype` the GGUF type name, `cols` the logical inner dimension, `kernel` "native" when the
-    CPU kernels multiply it (one die, kernels built), else "xla", and `compute` the dtype name
+    CPU kernels multiply it (one die, kernels built; "native-int8" in their int8 form), else "xla", and `compute` the dtype name
     XLA expands it to.
     """
 
@@ -115,8 +117,8 @@ def linear(x: jax.Array, w: "Weight | LayerView", b: jax.Array | None = None,
     if not isinstance(w, QuantWeight):  # a plain array (tests, small heads): stored f32/bf16
         w = QuantWeight(data=w, qtype=_float_name(w.dtype), cols=int(w.shape[-1]))
     rows = math.prod(x.shape[:-1])
-    if w.kernel == "native" and native.weight_matmul_applies(rows, w.cols, w.data, w.qtype):
-        y = native.weight_matmul(x, w.data, w.qtype, skip)
+    if w.kernel in NATIVE_KERNELS and native.weight_matmul_applies(rows, w.cols, w.data, w.qtype):
+        y = native.weight_matmul(x, w.data, w.qtype, skip, dot=NATIVE_KERNELS[w.kernel])
     else:
         wf = w.expand()
         if rows >= WEIGHT_MAJOR_ROWS:
@@ -137,9 +139,9 @@ def _stacked_linear(x: jax.Array, w: QuantWeight, index: jax.Array,
     the dot (the matrix is read once); on XLA:CPU it is a copy of one matrix.
     """
     rows = math.prod(x.shape[:-1])
-    if (w.kernel == "native" and w.qtype != "F32"
+    if (w.kernel in NATIVE_KERNELS and w.qtype != "F32"
             and native.stacked_matmul_applies(rows, w.cols, w.data, w.qtype)):
-        return native.weight_matmul(x, w.data, w.qtype, skip, index=index)
+        return native.weight_matmul(x, w.data, w.qtype, skip, index=index, dot=NATIVE_KERNELS[w.kernel])
     return linear(x, LayerView(stack=w, index=index).matrix(), None, skip).astype(jnp.float32)
 
 
@@ -442,12 +444,14 @@ class Kernels:
     """Which kernels a model's steps use: decided once at load (engine), static in every step.
 
     matmul: the native CPU weight products (one CPU die, library built); attention: the native
-    decode attention over the slot cache; compute: the dtype XLA expands weights to.
+    decode attention over the slot cache; compute: the dtype XLA expands weights to; dot: which form
+    of the native products a quantized weight takes (recorded in its `kernel`: NATIVE_KERNELS).
     """
 
     matmul: bool = False
     attention: bool = False
     compute: str = "float32"
+    dot: str = "exact"  # the native quantized products' form: "exact" or "int8" (pantheon.ops.native.DOTS)
 
 
 XLA = Kernels()  # XLA's forms only: the default of every forward
@@ -468,7 +472,9 @@ def stamp(params: Any, kernels: Kernels) -> Any:
             return w
         if kernels.compute == "bfloat16" and w.qtype == "F32" and w.data.ndim >= 2:
             w = w.replace(data=np.asarray(w.data).astype(jnp.bfloat16), qtype="BF16")
-        kernel = "native" if kernels.matmul and w.qtype in native.NATIVE_FORMATS else "xla"
+        kernel = "xla"
+        if kernels.matmul and w.qtype in native.NATIVE_FORMATS:
+            kernel = "native-int8" if kernels.dot == "int8" and w.qtype in native.INT8_FORMATS else "native"
         return w.replace(kernel=kernel, compute=kernels.compute)
 
     return jax.tree.map(one, params, is_leaf=is_weight)

@@ -64,6 +64,7 @@ class LoadOptions:
     config_path: str | None = None  # HF config.json for a safetensors checkpoint
     warmup: bool = False  # compile every bucket at load
     native_matmul: bool | None = None  # on one CPU die, use pantheon.ops.native's kernels (None: PANTHEON_NATIVE_MATMUL)
+    native_dot: str | None = None  # their quantized products: "exact" | "int8" (None: PANTHEON_NATIVE_DOT)
     kv_dtype: str | None = None  # KV cache dtype: float32 | float16 | bfloat16 | auto (None: PANTHEON_KV_DTYPE)
     native_dir: str | None = None  # where the kernels' library is cached (default $PANTHEON_HOME/native)
 
@@ -739,13 +740,17 @@ def choose_kernels(opts: LoadOptions, devices: Sequence[Any], dtype: Any) -> Ker
 
     The native CPU kernels need the whole model on one CPU die computing in f32, the library
     built, and the option (PANTHEON_NATIVE_MATMUL / LoadOptions.native_matmul) on; everything else
-    runs XLA's forms, which expand the weights' blocks inside the step in `dtype`.
+    runs XLA's forms, which expand the weights' blocks inside the step in `dtype`. Their quantized
+    products take the form PANTHEON_NATIVE_DOT / LoadOptions.native_dot names (exact or int8).
     """
     compute = jnp.dtype(dtype).name
     if len(devices) != 1 or devices[0].platform != "cpu" or dtype != jnp.float32 or not native_wanted(opts):
         return Kernels(compute=compute)
     built = native.enable(Path(opts.native_dir) if opts.native_dir else load_settings().home / "native")
-    return Kernels(matmul=built, attention=built, compute=compute)
+    dot = getattr(opts, "native_dot", None) or load_settings().native_dot
+    if dot not in native.DOTS:
+        raise ValueError(f"native dot {dot!r} is not one of {', '.join(native.DOTS)}")
+    return Kernels(matmul=built, attention=built, compute=compute, dot=dot)
 
 
 def resolve_kv_dtype(opts: LoadOptions, device: Any) -> Any:  # device: a jax device or a platform name

@@ -143,7 +143,8 @@ def _load_options(name: str, settings: Settings) -> Any:
     from pantheon.runtime.engine import LoadOptions
     return LoadOptions(name=name, dtype=settings.dtype, n_slots=max(1, settings.batch_slots),
                        max_seq=settings.max_seq, prefill_chunk=settings.prefill_chunk,
-                       native_matmul=settings.native_matmul, native_dir=str(settings.home / "native"))
+                       native_matmul=settings.native_matmul, native_dot=settings.native_dot,
+                       native_dir=str(settings.home / "native"))
 
 
 def estimate_load(path: Path, settings: Settings, platform: str) -> Any:

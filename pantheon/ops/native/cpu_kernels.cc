@@ -13,6 +13,9 @@
 //   are identical to rows_matmul's over the dequantized matrix. Up to 8 rows (decode) widen each
 //   block in registers, a 32-weight sub-block at a time, and use it at once; more rows expand a few
 //   weight rows at a time into L1 and run rows_matmul's tiles over them.
+// * the same product in its int8 form (the `dot` attribute, 1): each activation row quantized to
+//   8 bits once per call and integer dot products with the weight blocks, as llama.cpp computes
+//   them: ~3x less work per weight than widening to f32, at the price of the activation's rounding.
 // * decode_attention: one query token per row against its own slot of the KV cache (f32, f16 or
 //   bf16, widened as it is read), in place up to the row's position. The XLA form gathers a bucketed
 //   span of every row's slot into a new array first and masks the unused tail; this reads only the
@@ -665,15 +668,497 @@ StoredFormat StoredFormatOf(int32_t qtype) {
   }
 }
 
+// ---- the int8 form (dot = "int8") ---------------------------------------------------------------
+//
+// The exact form above spends several instructions on every weight (widen, convert, scale, fma),
+// so one decode row is compute-bound at about a third of the memory bandwidth. The int8 form does
+// what llama.cpp's CPU backend does: each activation row is quantized to 8 bits once per call, in
+// blocks the size of the weight format's block (32 for Q4_0 .. Q8_0 and IQ4_NL; 256 for the
+// K-quants and IQ4_XS): d = amax / 127, q = rint(x * (127 / amax)) (rint: nearest, ties to even;
+// all zero when amax = 0). A weight block then meets its activation block in integer arithmetic:
+// vpmaddubsw multiplies unsigned weight bytes by signed activation bytes into int16 pairs (never
+// saturating: every format's unsigned weights are below 64, and signed ones go through the sign
+// trick, |w| <= 128 times sign-adjusted q), vpmaddwd sums them (times a sub-block scale where the
+// format has one) into 8 int32 lanes. Lane l holds the products of weights 4l .. 4l + 3 of each
+// 32-weight run. Integer sums are exact, so their order is free.
+//
+// The float part is fixed and the same for every row: per block, acc[l] = acc[l] + f32(lane l) *
+// (d_w * d_x), a multiply and an add (no fma, so numpy can replay it bit for bit: see
+// tests/test_native_int8.py); formats with a minimum keep a second accumulator, its own lanes (the
+// K-quants: lane l = m_l * (bsum_2l + bsum_2l+1), times dmin * d_x) or one float (Q4_1 / Q5_1:
+// + f32(sum q) * (m * d_x)), in block order. The output is HorizontalSum(acc) then -
+// HorizontalSum(mins) (K-quants) or + the float (Q4_1, Q5_1). Nothing reads another row and the
+// block loop of each output is the same whatever rows share the call or how the columns are split,
+// so a row's result is the same bits alone or batched, at any thread count.
+//
+// Numerically this is not the f32 product: the activation's rounding to 8 bits adds a relative
+// error of about 1/254 of each block's largest value per product. Hence a static choice of the caller
+// (the `dot` attribute); the exact form stays the oracle's. F16 and BF16 keep the exact form.
+
+inline __m256i Load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// One activation row quantized: q[K]; d[K / B]; for B = 32 the f32 sum of each block's q, for
+// B = 256 the int16 sum of each 16 q (the minimums' and the offset formats' correction terms).
+struct Q8Row {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int16_t* bs;
+};
+
+// MB quantized rows taken together. Their q are interleaved by 32-value runs (run r of row i at
+// q + (r * MB + i) * 32): every row's operand for a run is then at a fixed offset from one pointer,
+// and rows K apart (K a multiple of 4096 in most models) do not all map to the same L1 sets.
+template <int MB>
+struct Q8Group {
+  const int8_t* q;
+  const float* d[MB];
+  const float* s[MB];
+  const int16_t* bs[MB];
+  inline __m256i Run(int64_t r, int i) const { return Load32(q + (r * MB + i) * 32); }
+};
+
+// Quantizes x[K] in blocks of B (32 or 256) into q, d, and s (B = 32) or bs (B = 256).
+template <int B>
+void QuantizeRow(const float* x, int64_t K, int8_t* q, float* d, float* s, int16_t* bs) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / B; ++b) {
+    const float* xb = x + b * B;
+    __m256 mx = _mm256_setzero_ps();
+    for (int k = 0; k < B; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xb + k), abs_mask));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    d[b] = amax / 127.0f;
+    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    int8_t* qb = q + b * B;
+    for (int k = 0; k < B; k += 32) {
+      __m256i v[4];
+      for (int t = 0; t < 4; ++t) v[t] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k + 8 * t), id));
+      // packs work within 128-bit lanes: dwords come out as 0 4 1 5 2 6 3 7 of the wanted order
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + k), _mm256_permutevar8x32_epi32(p, order));
+    }
+    if constexpr (B == 32) {
+      int sum = 0;
+      for (int k = 0; k < 32; ++k) sum += qb[k];
+      s[b] = static_cast<float>(sum);
+    } else {
+      for (int g = 0; g < B / 16; ++g) {
+        int sum = 0;
+        for (int k = 0; k < 16; ++k) sum += qb[16 * g + k];
+        bs[b * (B / 16) + g] = static_cast<int16_t>(sum);
+      }
+    }
+  }
+}
+
+inline __m128i Load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+// 16 nibble bytes as 32 bytes: the low nibbles (weights 0-15), then the high ones (16-31).
+inline __m256i Nibbles(const uint8_t* p) {
+  const __m128i raw = Load16(p);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+// Unsigned weight bytes u times signed activation bytes x: int32 lane l = sum of products 4l .. 4l + 3,
+// each int16 pair times its scale (`scale`: 16 int16; ones where the block has one scale).
+inline __m256i DotU(__m256i u, __m256i x, __m256i scale) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale);
+}
+// 32 bytes whose byte i is 0x10 where bit i of `bits` is set (Q5's fifth bits).
+inline __m256i FifthBits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i mask = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), _mm256_set1_epi8(0x10));
+}
+inline __m256i Iq4Grid256() { return _mm256_broadcastsi128_si256(Iq4Grid()); }
+// A 16-lane int16 scale vector: lanes 0-7 (the run's first 16 weights) a, lanes 8-15 b.
+inline __m256i Scale16(int a, int b) { return _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a)); }
+
+template <int32_t T>
+struct Int8;
+
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL against 32-blocks. Signed weights (q - 8, q - 16, int8, the
+// IQ4 grid) use the sign trick; Q4_1 / Q5_1 multiply their unsigned q and add m * d_x * sum(q_x).
+template <int32_t T>
+struct Int8Legacy {
+  static constexpr bool kMin = T == kQ4_1 || T == kQ5_1;
+  static constexpr bool kFifth = T == kQ5_0 || T == kQ5_1;
+  static constexpr int kWeights = 32;
+  static constexpr int kBytes = T == kQ8_0 ? 34 : T == kIQ4_NL ? 18 : 18 + (kMin ? 2 : 0) + (kFifth ? 4 : 0);
+
+  template <int MB>
+  static inline void Block(const uint8_t* blk, int64_t b, const Q8Group<MB>& x, __m256* acc, __m256*, float* mins) {
+    const float dw = HalfAt(blk);
+    __m256i w;
+    if constexpr (T == kQ8_0) {
+      w = Load32(blk + 2);
+    } else if constexpr (T == kIQ4_NL) {
+      w = _mm256_shuffle_epi8(Iq4Grid256(), Nibbles(blk + 2));
+    } else {
+      w = Nibbles(blk + 2 + (kMin ? 2 : 0) + (kFifth ? 4 : 0));
+      if constexpr (kFifth) {
+        uint32_t qh;
+        std::memcpy(&qh, blk + 2 + (kMin ? 2 : 0), 4);
+        w = _mm256_or_si256(w, FifthBits(qh));
+      }
+      if constexpr (!kMin) w = _mm256_sub_epi8(w, _mm256_set1_epi8(T == kQ4_0 ? 8 : 16));
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i u = kMin ? w : _mm256_abs_epi8(w);
+    for (int i = 0; i < MB; ++i) {
+      const __m256i xq = x.Run(b, i);
+      const __m256i lanes = DotU(u, kMin ? xq : _mm256_sign_epi8(xq, w), ones);
+      const float dx = x.d[i][b];
+      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * dx)));
+      if constexpr (kMin) mins[i] = mins[i] + x.s[i][b] * (HalfAt(blk + 2) * dx);
+    }
+  }
+  static inline float Finish(__m256 acc, __m256, float mins) {
+    return kMin ? HorizontalSum(acc) + mins : HorizontalSum(acc);
+  }
+};
+template <> struct Int8<kQ4_0> : Int8Legacy<kQ4_0> {};
+template <> struct Int8<kQ4_1> : Int8Legacy<kQ4_1> {};
+template <> struct Int8<kQ5_0> : Int8Legacy<kQ5_0> {};
+template <> struct Int8<kQ5_1> : Int8Legacy<kQ5_1> {};
+template <> struct Int8<kQ8_0> : Int8Legacy<kQ8_0> {};
+template <> struct Int8<kIQ4_NL> : Int8Legacy<kIQ4_NL> {};
+
+// The 256-weight formats against 256-blocks: sub-block scales multiply the int16 pairs (vpmaddwd),
+// so a super-block's whole sum stays integer; one float step per super-block and row.
+// `Run(j)`: the unsigned (or, kSigned, signed) bytes of weights 32j .. 32j + 31; `Scale(j)`: their
+// 16-lane scale; `Offset`: the q offset of formats stored unsigned (Q3_K 4, Q6_K 32), subtracted as
+// offset * sum_k scale_k * bsum_k (per-16 scales as 16 int16 in `Scales16`).
+template <class Blk, int MB>
+inline void SuperBlock(const Blk& blk, int64_t b, const Q8Group<MB>& x, __m256* acc, __m256* mins) {
+  __m256i isum[MB];
+  for (int i = 0; i < MB; ++i) isum[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; j += 2) {
+    const __m256i w0 = blk.Run(j), scale0 = blk.Scale(j);
+    const __m256i w1 = blk.Run(j + 1), scale1 = blk.Scale(j + 1);
+    const __m256i u0 = Blk::kSigned ? _mm256_abs_epi8(w0) : w0;
+    const __m256i u1 = Blk::kSigned ? _mm256_abs_epi8(w1) : w1;
+    for (int i = 0; i < MB; ++i) {
+      const __m256i x0 = x.Run(8 * b + j, i), x1 = x.Run(8 * b + j + 1, i);
+      const __m256i p0 = DotU(u0, Blk::kSigned ? _mm256_sign_epi8(x0, w0) : x0, scale0);
+      const __m256i p1 = DotU(u1, Blk::kSigned ? _mm256_sign_epi8(x1, w1) : x1, scale1);
+      isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(p0, p1));
+      // one chain per row, kept as written: GCC otherwise reassociates the 8 sub-blocks' integer sums
+      // into trees whose partial sums spill (8 rows: 20-25% slower, measured)
+      asm("" : "+x"(isum[i]));
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    const __m256i bsums = Load32(x.bs[i] + 16 * b);
+    if constexpr (Blk::kOffsetShift > 0)
+      isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(_mm256_madd_epi16(bsums, blk.scales16), Blk::kOffsetShift));
+    const float dx = x.d[i][b];
+    acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(blk.d * dx)));
+    if constexpr (Blk::kMin) {
+      const __m256i m = _mm256_madd_epi16(bsums, blk.mins16);
+      mins[i] = _mm256_add_ps(mins[i], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(blk.dmin * dx)));
+    }
+  }
+}
+
+template <int32_t T, class Blk>
+struct Int8Super {
+  static constexpr int kWeights = 256, kBytes = Format<T>::kBytes;
+  template <int MB>
+  static inline void Block(const uint8_t* p, int64_t b, const Q8Group<MB>& x, __m256* acc, __m256* mins, float*) {
+    SuperBlock<Blk, MB>(Blk(p), b, x, acc, mins);
+  }
+  static inline float Finish(__m256 acc, __m256 mins, float) {
+    return Blk::kMin ? HorizontalSum(acc) - HorizontalSum(mins) : HorizontalSum(acc);
+  }
+};
+
+// Q4_K / Q5_K: 6-bit scales and mins of the eight 32-weight sub-blocks, from the 12 packed bytes.
+template <bool kFifth>
+struct K45Blk {
+  static constexpr bool kSigned = false, kMin = true;
+  static constexpr int kOffsetShift = 0;
+  const uint8_t* qh;
+  const uint8_t* qs;
+  float d, dmin;
+  uint8_t scale[8], min[8];
+  __m256i scales16, mins16;  // mins16: m_j for the two 16-sums of sub-block j
+  explicit K45Blk(const uint8_t* p) : qh(p + 16), qs(p + (kFifth ? 48 : 16)), d(HalfAt(p)), dmin(HalfAt(p + 2)) {
+    const uint8_t* s = p + 4;
+    for (int j = 0; j < 4; ++j) {
+      scale[j] = s[j] & 63;
+      min[j] = s[j + 4] & 63;
+      scale[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
+      min[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+    const __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(min)));
+    mins16 = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+  }
+  inline __m256i Run(int j) const {
+    const __m256i raw = Load32(qs + 32 * (j / 2));
+    __m256i u = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+    if constexpr (kFifth) {
+      const __m256i h = _mm256_and_si256(_mm256_srli_epi16(Load32(qh), j), _mm256_set1_epi8(1));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(h, 4));
+    }
+    return u;
+  }
+  inline __m256i Scale(int j) const { return _mm256_set1_epi16(scale[j]); }
+};
+template <> struct Int8<kQ4_K> : Int8Super<kQ4_K, K45Blk<false>> {};
+template <> struct Int8<kQ5_K> : Int8Super<kQ5_K, K45Blk<true>> {};
+
+// Q6_K: unsigned q (0..63) with the offset 32 taken out through the 16-sums; int8 scales per 16.
+struct Q6Blk {
+  static constexpr bool kSigned = false, kMin = false;
+  static constexpr int kOffsetShift = 5;
+  const uint8_t* ql;
+  const uint8_t* qh;
+  const int8_t* sc;
+  float d, dmin = 0.0f;
+  __m256i scales16, mins16;
+  explicit Q6Blk(const uint8_t* p)
+      : ql(p), qh(p + 128), sc(reinterpret_cast<const int8_t*>(p + 192)), d(HalfAt(p + 208)) {
+    scales16 = _mm256_cvtepi8_epi16(Load16(sc));
+  }
+  inline __m256i Run(int j) const {
+    const int g = j / 4, r = j % 4;
+    __m256i lo = Load32(ql + 64 * g + 32 * (r % 2));
+    if (r / 2) lo = _mm256_srli_epi16(lo, 4);
+    __m256i hi = Load32(qh + 32 * g);
+    hi = r < 2 ? _mm256_slli_epi16(hi, 4 - 2 * r) : r == 2 ? hi : _mm256_srli_epi16(hi, 2);
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(0x0F)), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+  }
+  inline __m256i Scale(int j) const { return Scale16(sc[2 * j], sc[2 * j + 1]); }
+};
+template <> struct Int8<kQ6_K> : Int8Super<kQ6_K, Q6Blk> {};
+
+// Q2_K: 2-bit q, scale (low nibble) and min (high nibble) per 16 weights.
+struct Q2Blk {
+  static constexpr bool kSigned = false, kMin = true;
+  static constexpr int kOffsetShift = 0;
+  const uint8_t* sc;
+  const uint8_t* qs;
+  float d, dmin;
+  __m256i scales16, mins16;
+  explicit Q2Blk(const uint8_t* p) : sc(p), qs(p + 16), d(HalfAt(p + 80)), dmin(HalfAt(p + 82)) {
+    mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(Load16(p), 4), _mm_set1_epi8(0x0F)));
+  }
+  inline __m256i Run(int j) const {
+    return _mm256_and_si256(_mm256_srli_epi16(Load32(qs + 32 * (j / 4)), 2 * (j % 4)), _mm256_set1_epi8(3));
+  }
+  inline __m256i Scale(int j) const { return Scale16(sc[2 * j] & 0x0F, sc[2 * j + 1] & 0x0F); }
+};
+template <> struct Int8<kQ2_K> : Int8Super<kQ2_K, Q2Blk> {};
+
+// Q3_K: unsigned q (0..7: low bits | high bit << 2) with the offset 4 taken out through the 16-sums;
+// 6-bit scales - 32 per 16 weights.
+struct Q3Blk {
+  static constexpr bool kSigned = false, kMin = false;
+  static constexpr int kOffsetShift = 2;
+  const uint8_t* hmask;
+  const uint8_t* qs;
+  float d, dmin = 0.0f;
+  int16_t scale[16];
+  __m256i scales16, mins16;
+  explicit Q3Blk(const uint8_t* p) : hmask(p), qs(p + 32), d(HalfAt(p + 108)) {
+    const uint8_t* sc = p + 96;
+    for (int s = 0; s < 16; ++s)
+      scale[s] = static_cast<int16_t>((((s < 8 ? sc[s] : sc[s - 8] >> 4) & 0x0F) |
+                                       (((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4)) - 32);
+    scales16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale));
+  }
+  inline __m256i Run(int j) const {
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(Load32(qs + 32 * (j / 4)), 2 * (j % 4)), _mm256_set1_epi8(3));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(Load32(hmask), j), _mm256_set1_epi8(1));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+  }
+  inline __m256i Scale(int j) const { return Scale16(scale[2 * j], scale[2 * j + 1]); }
+};
+template <> struct Int8<kQ3_K> : Int8Super<kQ3_K, Q3Blk> {};
+
+// IQ4_XS: the IQ4 grid (signed: the sign trick), 6-bit scales - 32 per 32 weights.
+struct Iq4XsBlk {
+  static constexpr bool kSigned = true, kMin = false;
+  static constexpr int kOffsetShift = 0;
+  const uint8_t* p;
+  float d, dmin = 0.0f;
+  __m256i scales16, mins16;
+  explicit Iq4XsBlk(const uint8_t* blk) : p(blk), d(HalfAt(blk)) {}
+  inline __m256i Run(int j) const { return _mm256_shuffle_epi8(Iq4Grid256(), Nibbles(p + 8 + 16 * j)); }
+  inline __m256i Scale(int j) const {
+    uint16_t high;
+    std::memcpy(&high, p + 2, 2);
+    const int scale = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
+    return _mm256_set1_epi16(static_cast<int16_t>(scale - 32));
+  }
+};
+template <> struct Int8<kIQ4_XS> : Int8Super<kIQ4_XS, Iq4XsBlk> {};
+
+// y[i][j] for the MB quantized rows of x and `count` weight rows of w (row_bytes apart), in format F.
+template <class F, int MB>
+void Int8Rows(const Q8Group<MB>& x, const uint8_t* w, int64_t row_bytes, int64_t blocks, float* const* y,
+              int64_t count) {
+  for (int64_t j = 0; j < count; ++j) {
+    __m256 acc[MB], mins[MB];
+    float fmins[MB];
+    for (int i = 0; i < MB; ++i) {
+      acc[i] = mins[i] = _mm256_setzero_ps();
+      fmins[i] = 0.0f;
+    }
+    const uint8_t* blk = w + j * row_bytes;
+    for (int64_t b = 0; b < blocks; ++b, blk += F::kBytes) F::template Block<MB>(blk, b, x, acc, mins, fmins);
+    for (int i = 0; i < MB; ++i) y[i][j] = F::Finish(acc[i], mins[i], fmins[i]);
+  }
+}
+
+constexpr int64_t kInt8GroupRows = 8;  // rows taken together over one weight row (registers)
+constexpr int64_t kInt8TileColumns = 16;  // past 8 rows: weight rows read once from memory, then from cache
+
+// The group of MB live rows live[0 .. MB) (their q interleaved at `q`) against `count` weight rows.
+template <class F, int MB>
+void Int8Group(const Q8Row* rows, const int64_t* live, const int8_t* q, const uint8_t* w, int64_t row_bytes,
+               int64_t blocks, float* y, int64_t N, int64_t count) {
+  Q8Group<MB> x;
+  float* out[MB];
+  x.q = q;
+  for (int i = 0; i < MB; ++i) {
+    const Q8Row& r = rows[live[i]];
+    x.d[i] = r.d;
+    x.s[i] = r.s;
+    x.bs[i] = r.bs;
+    out[i] = y + live[i] * N;
+  }
+  Int8Rows<F, MB>(x, w, row_bytes, blocks, out, count);
+}
+
+// Columns [n0, n1) of the live rows (`live`: their indices, L of them; their q interleaved by groups
+// of 8 in `q`: group g at q + g * K) against w [N, row bytes] in F.
+template <class F>
+void Int8Columns(const Q8Row* rows, const int64_t* live, int64_t L, const int8_t* q, const uint8_t* w, float* y,
+                 int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t blocks = K / F::kWeights, row_bytes = blocks * F::kBytes;
+  const int64_t tile = L <= kInt8GroupRows ? n1 - n0 : kInt8TileColumns;
+  for (int64_t t = n0; t < n1; t += tile) {
+    const int64_t count = t + tile <= n1 ? tile : n1 - t;
+    for (int64_t g = 0; g < L; g += kInt8GroupRows) {
+      const int64_t mb = L - g < kInt8GroupRows ? L - g : kInt8GroupRows;
+      const uint8_t* wt = w + t * row_bytes;
+      float* yt = y + t;
+      const int8_t* qg = q + g * K;
+      switch (mb) {
+        case 1: Int8Group<F, 1>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 2: Int8Group<F, 2>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 3: Int8Group<F, 3>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 4: Int8Group<F, 4>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 5: Int8Group<F, 5>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 6: Int8Group<F, 6>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        case 7: Int8Group<F, 7>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+        default: Int8Group<F, 8>(rows, live + g, qg, wt, row_bytes, blocks, yt, N, count); break;
+      }
+    }
+  }
+}
+
+using Int8ColumnsFn = decltype(&Int8Columns<Int8<kQ4_0>>);
+
+struct Int8Format {
+  Int8ColumnsFn columns = nullptr;
+  int64_t block = 0;  // the activation's block: the weight format's
+};
+
+template <int32_t T>
+Int8Format Int8Of() {
+  static_assert(Int8<T>::kBytes == Format<T>::kBytes && Int8<T>::kWeights == Format<T>::kWeights);
+  return {Int8Columns<Int8<T>>, Int8<T>::kWeights};
+}
+
+// The int8 form of ggml type `qtype`, or none (F16, BF16: the exact form serves them).
+Int8Format Int8FormatOf(int32_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return Int8Of<kQ4_0>();
+    case kQ4_1: return Int8Of<kQ4_1>();
+    case kQ5_0: return Int8Of<kQ5_0>();
+    case kQ5_1: return Int8Of<kQ5_1>();
+    case kQ8_0: return Int8Of<kQ8_0>();
+    case kQ2_K: return Int8Of<kQ2_K>();
+    case kQ3_K: return Int8Of<kQ3_K>();
+    case kQ4_K: return Int8Of<kQ4_K>();
+    case kQ5_K: return Int8Of<kQ5_K>();
+    case kQ6_K: return Int8Of<kQ6_K>();
+    case kIQ4_NL: return Int8Of<kIQ4_NL>();
+    case kIQ4_XS: return Int8Of<kIQ4_XS>();
+    default: return {};
+  }
+}
+
+// The int8 product of x [M, K] and the matrix at wp: each live row quantized once, then the column
+// chunks on the pool. Skipped rows are zeros.
+void Int8Product(ffi::ThreadPool& pool, const Int8Format& f, ffi::Buffer<ffi::S32>& skip, const float* x,
+                 const uint8_t* wp, float* y, int64_t M, int64_t N, int64_t K) {
+  int64_t skip0, skip1;
+  SkipRange(skip, M, &skip0, &skip1);
+  std::vector<int64_t> live;
+  for (int64_t m = 0; m < M; ++m) {
+    if (m >= skip0 && m < skip1) {
+      std::memset(y + m * N, 0, N * sizeof(float));
+    } else {
+      live.push_back(m);
+    }
+  }
+  const int64_t B = f.block, L = static_cast<int64_t>(live.size());
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * K / B), s(B == 32 ? M * K / B : 0);
+  std::vector<int16_t> bs(B == 256 ? M * K / 16 + 16 : 0);  // + 16: the last 16-sums load is 32 bytes
+  std::vector<Q8Row> rows(M);
+  for (int64_t m : live) {
+    int8_t* qm = q.data() + m * K;
+    float* dm = d.data() + m * (K / B);
+    float* sm = B == 32 ? s.data() + m * (K / B) : nullptr;
+    int16_t* bm = B == 256 ? bs.data() + m * (K / 16) : nullptr;
+    if (B == 32) {
+      QuantizeRow<32>(x + m * K, K, qm, dm, sm, bm);
+    } else {
+      QuantizeRow<256>(x + m * K, K, qm, dm, sm, bm);
+    }
+    rows[m] = {qm, dm, sm, bm};
+  }
+  if (L == 0) return;
+  // each group of 8 live rows (the last may have fewer) interleaved by 32-value runs (Q8Group)
+  std::vector<int8_t> grouped(L * K);
+  for (int64_t g = 0; g < L; g += kInt8GroupRows) {
+    const int64_t mb = L - g < kInt8GroupRows ? L - g : kInt8GroupRows;
+    for (int64_t i = 0; i < mb; ++i)
+      for (int64_t r = 0; r < K / 32; ++r)
+        std::memcpy(grouped.data() + g * K + (r * mb + i) * 32, q.data() + live[g + i] * K + r * 32, 32);
+  }
+  const Q8Row* rp = rows.data();
+  const int64_t* lp = live.data();
+  const int8_t* gp = grouped.data();
+  const Int8ColumnsFn columns = f.columns;
+  const int64_t chunk = ChunkOf(pool, N);
+  ParallelFor(pool, (N + chunk - 1) / chunk, (L + kWeightWork) * N * K, [=](int64_t c) {
+    const int64_t n0 = c * chunk;
+    columns(rp, lp, L, gp, wp, y, K, N, n0, n0 + chunk < N ? n0 + chunk : N);
+  });
+}
+
 // x [..., K] f32 times w in ggml type qtype: uint8 blocks [N, K / weights * bytes], or for F16 and
 // BF16 the [N, K] array itself (its 8-weight "blocks" are 16 bytes of it).
 // w is one matrix [N, cols], or a stack of them [E, N, cols] of which `index` picks one (an MoE
 // layer's experts): reading the chosen matrix in place spares XLA the copy a slice of the stack costs
 // (as many bytes again as the product streams).
+// dot: 0 the exact form (every weight widened to gguf's f32 value), 1 the int8 form where the format
+// has one (see "the int8 form"; F16 and BF16 take the exact form either way).
 ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                                ffi::Buffer<ffi::S32> skip, ffi::Buffer<ffi::S32> index,
-                               ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
-  const StoredFormat f = StoredFormatOf(qtype);  // the format is chosen once per call
+                               ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t dot) {
+  const StoredFormat f = StoredFormatOf(qtype);  // the format and the form are chosen once per call
   if (!f.columns) return ffi::Error::InvalidArgument("rows_matmul_q: unsupported format");
   if (w.element_type() != f.dtype) return ffi::Error::InvalidArgument("rows_matmul_q: w has the wrong dtype");
   auto xd = x.dimensions();
@@ -692,6 +1177,13 @@ ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const float* xp = x.typed_data();
   const uint8_t* wp = static_cast<const uint8_t*>(w.untyped_data()) + e * N * cols * elem;
   float* yp = y->typed_data();
+  if (dot == 1) {
+    const Int8Format fast = Int8FormatOf(qtype);
+    if (fast.columns) {
+      Int8Product(pool, fast, skip, xp, wp, yp, M, N, K);
+      return ffi::Error::Success();
+    }
+  }
   const ColumnsFn columns = f.columns;
   OverColumns(pool, skip, xp, yp, M, N, K,
               [=](const float* xc, float* yc, int64_t m, int64_t n0, int64_t n1, int64_t skip0, int64_t skip1) {
@@ -846,7 +1338,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonRowsMatmulQuant, RowsMatmulQuantImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("qtype"));
+                                  .Attr<int32_t>("qtype")
+                                  .Attr<int32_t>("dot"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()

@@ -24,6 +24,7 @@ steps. The cache has one extra "scratch" slot that padding and dead rows write t
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -712,6 +713,7 @@ class Model:
             self._warm_stop = osthread.Event()
             stop = self._warm_stop
             self._warmer = osthread.start_thread(lambda: self._warm_rest(rest, stop), name=f"compile-{self.name}")
+            _WARMING.add(self)
         else:
             for k in rest:
                 self._obtain(k)
@@ -953,6 +955,17 @@ class Model:
     def compiled_shapes(self) -> set[tuple]:
         with self._keys_lock:
             return set(self._compiled_keys)
+
+
+# Models whose compile-<model> thread may still run: stopped at exit (after the program in progress),
+# so the interpreter never tears JAX's backends down under a compile.
+_WARMING: weakref.WeakSet[Model] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_warmers() -> None:
+    for m in list(_WARMING):
+        m.stop_warmup(timeout=60.0)
 
 
 def _rows_of(bucket: tuple) -> int:

@@ -883,9 +883,16 @@ class Model:
         name = _program_name(key)
         compiled = store.load(name, self.devices) if store and use_store else None
         if compiled is None:
-            compiled = self._lower(key).compile()
+            lowered = self._lower(key)
             if store:
+                # Compiled afresh, not taken from JAX's persistent cache: on XLA:CPU an executable read
+                # from that cache serialises without some of its functions ("Function ... not found"
+                # when the stored copy runs), so what goes into the store must be compiled here.
+                with compile_guard.fresh_compile() as options:
+                    compiled = lowered.compile(compiler_options=options)
                 store.save(name, compiled)
+            else:
+                compiled = lowered.compile()
         self._add_program(key, compiled)
 
     def _lower(self, key: tuple) -> Any:

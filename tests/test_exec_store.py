@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from conftest import Collector, tiny_fixture, wait_until
 from pantheon import osthread
@@ -77,64 +79,68 @@ print(json.dumps({"warmup_compiles": compiles, "serve_compiles": compile_guard.c
 """
 
 
-def test_a_restart_loads_the_stored_programs_and_compiles_nothing(tmp_path):
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory) -> dict:
+    """One cold warm-up of the tiny llama into a fresh store: every program compiled here, once, and saved."""
     path, j, _ = tiny_fixture("llama")
-    prompt = j["prompt_ids"]
-    m, state, compiles = warm(path, tmp_path)
+    store = tmp_path_factory.mktemp("store")
+    m, state, compiles = warm(path, store)
     k, n = m.compile_progress()
-    assert k == n and compiles >= n > 0  # every program compiled here, once
-    assert m._exec_store().saved == n
-    first, _ = greedy(m, state, prompt, 8)
-    assert first == j["greedy_ids"][:8]
+    ids, _ = greedy(m, state, j["prompt_ids"], 8)
+    return dict(path=path, store=store, n=n, k=k, compiles=compiles, saved=m._exec_store().saved, ids=ids,
+                key=m._exec_store().key, j=j)
 
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).parent), str(path), str(tmp_path),
-                          json.dumps(prompt)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PANTHEON_COMPILE_CACHE": "0"})
+
+def test_a_cold_start_compiles_every_program_once_and_stores_it(stored):
+    assert stored["k"] == stored["n"] > 0 and stored["compiles"] >= stored["n"]
+    assert stored["saved"] == stored["n"]
+    assert stored["ids"] == stored["j"]["greedy_ids"][:8]
+
+
+def test_a_restart_loads_the_stored_programs_and_compiles_nothing(stored):
+    """A second process on the same file, config and machine: every program comes from the store,
+    nothing is traced, lowered or compiled from warm-up through serving, and the tokens are the same."""
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).parent), str(stored["path"]),
+                          str(stored["store"]), json.dumps(stored["j"]["prompt_ids"])],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     again = json.loads(out.stdout.strip().splitlines()[-1])
+    n = stored["n"]
     assert again["warmup_compiles"] == 0 and again["serve_compiles"] == 0, (again, out.stderr[-3000:])
     assert again["loaded"] == n and again["saved"] == 0 and again["programs"] == [n, n]
-    assert again["ids"] == first
+    assert again["ids"] == stored["ids"]
 
 
-def test_a_different_file_or_config_compiles_its_own_programs(tmp_path):
-    path, j, _ = tiny_fixture("llama")
-    prompt = j["prompt_ids"]
+def test_a_different_file_or_config_compiles_its_own_programs(stored, tmp_path):
+    path, prompt = stored["path"], stored["j"]["prompt_ids"]
     store = tmp_path / "store"
-    a, sa, _ = warm(path, store)
-    n = a.compile_progress()[1]
-    ids_a, _ = greedy(a, sa, prompt, 8)
+    shutil.copytree(stored["store"], store)
 
     # Same shapes, other weights: its own key, its own programs, its own tokens.
     twin = twin_with_other_weights(path, tmp_path / "twin.gguf")
     b, sb, compiles = warm(twin, store)
-    assert compiles > 0 and b._exec_store().loaded == 0 and b._exec_store().key != a._exec_store().key
+    assert compiles > 0 and b._exec_store().loaded == 0 and b._exec_store().key != stored["key"]
     ids_b, _ = greedy(b, sb, prompt, 8)
     assert ids_b == list(reference.generate(b, prompt, GREEDY, max_tokens=8, stop_ids=[]))
-    assert ids_b != ids_a
+    assert ids_b != stored["ids"]
 
     # Same file, another engine config (three slots): another key again.
     c, _, compiles = warm(path, store, n_slots=3)
     assert compiles > 0 and c._exec_store().loaded == 0
     assert len([d for d in store.iterdir() if d.is_dir()]) == 3
 
-    # Same file and config: the stored programs, and the model's own tokens.
-    a2, sa2, compiles = warm(path, store)
-    assert a2._exec_store().loaded == n and a2._exec_store().saved == 0
-    assert greedy(a2, sa2, prompt, 8)[0] == ids_a == j["greedy_ids"][:8]
 
-
-def test_a_damaged_program_is_compiled_again_never_loaded(tmp_path):
-    path, j, _ = tiny_fixture("llama")
-    a, _, _ = warm(path, tmp_path)
-    n = a.compile_progress()[1]
-    victim = a._exec_store().dir / "serve-decode-2-0-48.xla"
+def test_a_damaged_program_is_compiled_again_never_loaded(stored, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(stored["store"], store)
+    victim = store / stored["key"] / "serve-decode-2-0-48.xla"
     blob = bytearray(victim.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     victim.write_bytes(bytes(blob))
-    b, sb, compiles = warm(path, tmp_path)
+    b, sb, compiles = warm(stored["path"], store)
+    n = stored["n"]
     assert b._exec_store().loaded == n - 1 and b._exec_store().saved == 1 and compiles >= 1
-    assert greedy(b, sb, j["prompt_ids"], 8)[0] == j["greedy_ids"][:8]
+    assert greedy(b, sb, stored["j"]["prompt_ids"], 8)[0] == stored["ids"]
 
 
 def test_the_store_keeps_its_bound_by_dropping_the_least_recently_used_models(tmp_path):

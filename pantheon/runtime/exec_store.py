@@ -7,12 +7,12 @@ executable serialised here (`jax.experimental.serialize_executable`) is loaded s
 runtime: no Python function runs, nothing is traced, the compile guard counts nothing.
 
 Soundness rests on the key. A program is a function of everything that shapes it, and the key holds
-all of it (`ProgramKey`): the model file's identity (size, mtime and a hash of its header and tensor
+all of it (`Model._identity`): the model file's identity (size, mtime and a hash of its header and tensor
 table), the architecture and its config (constants such as rope theta are baked into the program),
 the abstract signature of the params, cache and slot table (tree structure with every static field,
 shapes, dtypes, shardings), the engine's geometry and buckets, the kernels and the native library they
 call (FFI targets are called by name), the device kind, the CPU's feature flags, jax / jaxlib, and a
-hash of Pantheon's own source (the code that is traced). Any difference is another directory; a
+hash of the Pantheon source that is traced (`TRACED`). Any difference is another directory; a
 program that fails its checksum or fails to load is deleted and compiled again. Nothing here ever
 guesses: a miss compiles.
 
@@ -70,13 +70,21 @@ def file_identity(path: Path) -> dict[str, Any]:
     return {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "head": _sha(head)}
 
 
+# The parts of the package whose code is traced into a step program (the engine, the sampler and slot
+# table, the architectures, the weight formats and kernels, the request-side constants). The server,
+# scheduler, text and file-reading rooms are not traced (what the file reader builds is in the key as
+# the params' signature and the config), so editing them keeps the stored programs.
+TRACED = ("runtime", "jax_models", "ops", "types.py")
+
+
 @lru_cache(maxsize=1)
 def source_identity() -> str:
-    """A hash of every Python file of the pantheon package: the code that is traced into the programs.
-    An upgrade (or a local edit) therefore never runs a program compiled from other code."""
+    """A hash of the traced Python source (TRACED): an upgrade, or a local edit, of that code never
+    runs a program compiled from other code."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
+    files = [f for t in TRACED for f in ((root / t).rglob("*.py") if (root / t).is_dir() else [root / t])]
+    for f in sorted(files):
         h.update(str(f.relative_to(root)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()

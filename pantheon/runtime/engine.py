@@ -824,6 +824,11 @@ class Model:
         logged and kept in `warm_failure` -- never a silent end."""
         t0 = time.perf_counter()
         try:
+            store = self._exec_store()
+            if store:  # what the store holds first, a few at a time (a load is milliseconds, not seconds)
+                stored = [k for k in keys if store.has(_program_name(k))]
+                osthread.map_threads(lambda k: stop.is_set() or self._obtain(k, compile_missing=False), stored,
+                                     min(4, os.cpu_count() or 1), name=f"compile-{self.name}")
             for k in keys:
                 if stop.is_set():
                     return
@@ -877,11 +882,14 @@ class Model:
                 state = self.new_state()  # the failed call may have consumed the donated state
         raise AssertionError("unreachable")
 
-    def _obtain(self, key: tuple, use_store: bool = True) -> None:
-        """Make program `key`: load it from the executable store, else lower and compile it (and store it)."""
+    def _obtain(self, key: tuple, use_store: bool = True, compile_missing: bool = True) -> None:
+        """Make program `key`: load it from the executable store, else (`compile_missing`) lower and
+        compile it, and store it."""
         store = self._exec_store()
         name = _program_name(key)
         compiled = store.load(name, self.devices) if store and use_store else None
+        if compiled is None and not compile_missing:
+            return
         if compiled is None:
             lowered = self._lower(key)
             if store:

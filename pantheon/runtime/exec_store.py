@@ -170,6 +170,10 @@ class ExecStore:
             return False
         return True
 
+    def has(self, name: str) -> bool:
+        """Whether program `name` has a file here (it may still fail to load)."""
+        return self._open() and (self.dir / _program_file(name)).exists()
+
     def load(self, name: str, devices: list[Any]) -> Any | None:
         """The program `name` loaded onto `devices`, or None (absent, damaged, or refused by the runtime:
         a damaged file is deleted so it is compiled and written again)."""

@@ -256,6 +256,7 @@ class Model:
         self._aot = False  # steps run the ahead-of-time programs (set by warm-up, single-die models)
         self._warmer: osthread.OSThread | None = None  # the compile-<model> thread
         self._warm_stop = osthread.Event()
+        self.program_seconds: dict[tuple, tuple[str, float]] = {}  # key -> ("loaded" | "compiled", seconds)
         self.compile_errors: list[str] = []  # programs the background compile could not make (logged)
         self.warm_failure: str | None = None  # the compile thread itself failed (logged; steps still run)
         self._store: exec_store.ExecStore | None | bool = None  # None: not opened yet; False: none
@@ -848,6 +849,13 @@ class Model:
             log.critical("%s: the compile thread failed: %s", self.name, self.warm_failure, exc_info=True)
 
     def _store_done(self) -> None:
+        kinds: dict[str, list[float]] = {}
+        for key, (how, sec) in list(self.program_seconds.items()):
+            if how == "compiled":
+                kinds.setdefault(key[1] if key[0] == "serve" else key[0], []).append(sec)
+        if kinds:  # what each kind of program costs to trace, lower and compile (chooses buckets)
+            log.info("%s: compile seconds by kind: %s", self.name, ", ".join(
+                f"{k} {len(v)} x {sum(v) / len(v):.1f} s" for k, v in sorted(kinds.items())))
         store = self._exec_store()
         if store:
             log.info("%s: executable store %s: %d programs loaded, %d compiled and saved", self.name,
@@ -855,13 +863,16 @@ class Model:
             store.prune()
 
     def _exercise(self, state: DecodeState, keys: list[tuple]) -> DecodeState:
-        """Run each of the first programs once on the scratch slot. A program from the store that
-        fails here is dropped from the store and compiled afresh (once): never served stale."""
+        """Run the slot verbs and the decode program of the first ones once on the scratch slot: a
+        store whose programs do not run in this process (its runtime or kernels) shows here, and its
+        first programs are dropped and compiled afresh (once). The prefill and mixed programs are not
+        run (a 128-token chunk at the widest span is most of a warm start's time on a busy CPU); they
+        come from the same store, key and runtime."""
         plans = {self._exact_bucket(p): p for p in self.warmup_plans()}
         for attempt in (0, 1):
             try:
                 for k in keys:
-                    if k[0] == "serve" and k[1:] in plans:
+                    if k[0] == "serve" and k[1] == "decode" and k[1:] in plans:
                         h, state = self.step(state, plans[k[1:]])
                         self.read(h)
                 state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))
@@ -890,7 +901,10 @@ class Model:
         compiled = store.load(name, self.devices) if store and use_store else None
         if compiled is None and not compile_missing:
             return
+        t0 = time.perf_counter()
+        how = "loaded"
         if compiled is None:
+            how = "compiled"
             lowered = self._lower(key)
             if store:
                 # Compiled afresh, not taken from JAX's persistent cache: on XLA:CPU an executable read
@@ -901,6 +915,8 @@ class Model:
                 store.save(name, compiled)
             else:
                 compiled = lowered.compile()
+        self.program_seconds[key] = (how, time.perf_counter() - t0)
+        log.debug("%s: %s %s in %.2f s", self.name, how, _program_name(key), self.program_seconds[key][1])
         self._add_program(key, compiled)
 
     def _lower(self, key: tuple) -> Any:

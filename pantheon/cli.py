@@ -51,7 +51,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace):
     from pantheon.runtime.engine import LoadOptions, load
-    return load(_model_arg(args.model), LoadOptions(name=args.model, max_seq=args.max_seq, n_slots=1))
+    return load(_model_arg(args.model), LoadOptions(name=args.model, max_seq=args.max_seq, n_slots=1,
+                                                    kv_dtype=getattr(args, "kv_dtype", None)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", required=True, help="comma-separated token ids")
     p.add_argument("--out", required=True)
     p.add_argument("--max-seq", type=int, default=2048)
+    # The numerics tool computes at full precision: the serving default (f16 on CPU) moves logits by
+    # ~5e-3 against an f32/f64 oracle, f32 by ~1e-5; pass --kv-dtype auto to see what serving computes.
+    p.add_argument("--kv-dtype", default="float32", choices=("float32", "float16", "bfloat16", "auto"),
+                   help="KV cache dtype (default float32, unlike serving's PANTHEON_KV_DTYPE)")
     p.set_defaults(fn=cmd_logits)
 
     p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")

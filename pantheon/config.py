@@ -67,6 +67,9 @@ class Settings:
     bs_mixed: bool = True
     die_budget_mb: int = 0
     warmup: bool = True
+    warmup_background: bool = True
+    exec_store: bool = True
+    exec_store_mb: int = 4096
     native_matmul: bool = True
     native_dot: str = "exact"
     kv_dtype: str = "auto"
@@ -362,6 +365,16 @@ SETTINGS: tuple[Setting, ...] = (
             doc="0 disables the persistent compilation cache"),
     Setting("PANTHEON_WARMUP", "warmup", _flag,
             doc="0: the scheduler compiles bucket shapes on first use instead of at load (dev/tests)"),
+    Setting("PANTHEON_WARMUP_BACKGROUND", "warmup_background", _flag,
+            doc="1: a model is ready once the largest bucket of each step kind exists (any request fits it, "
+                "padded); the other buckets compile in the `compile-<model>` thread while it serves, and the "
+                "health routes say `compiled k/n`; 0: every bucket before ready"),
+    Setting("PANTHEON_EXEC_STORE", "exec_store", _flag,
+            doc="keep compiled step programs under `$PANTHEON_HOME/executables`, keyed by the model file, "
+                "engine config, machine and versions, so a restart loads them instead of tracing and "
+                "compiling; 0 turns it off"),
+    Setting("PANTHEON_EXEC_STORE_MB", "exec_store_mb", _integer(low=0),
+            doc="bound of the executable store (MiB): past it the least recently used models' programs go"),
     Setting("PANTHEON_DIE_BUDGET_MB", "die_budget_mb", _integer(),
             doc="memory budget per device when the backend reports none (CPU); else host RAM"),
     # -- the batch scheduler

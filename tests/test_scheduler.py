@@ -142,7 +142,9 @@ def test_prefix_reuse_automatic_and_by_session(model):
 
 
 def test_no_compilation_after_warmup(model, sched):
-    """Every bucket compiled at start-up: serving mixed traffic afterwards compiles nothing."""
+    """Every bucket compiled at start-up (the first ones before the scheduler serves, the rest in the
+    background): serving mixed traffic afterwards compiles nothing."""
+    assert model.wait_compiled(300) and model.compile_progress()[0] == model.compile_progress()[1]
     n0 = compile_guard.compile_count()
     ps = prompts()
     cs = [submit(sched, p + p, SamplingParams(temperature=0.5, seed=i), 9) for i, p in enumerate(ps)]

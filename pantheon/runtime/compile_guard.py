@@ -7,7 +7,9 @@ later lowering raises `CompileForbiddenError` from the call that caused it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -67,3 +69,18 @@ def enable_persistent_cache(home: Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# A compile option equal to XLA's default, so it changes no program, only the persistent cache's key
+# (the key hashes the options given): a compile under `fresh_compile` never finds an entry there.
+FRESH_OPTIONS = {"xla_embed_ir_in_executable": False}
+
+
+@contextlib.contextmanager
+def fresh_compile() -> Iterator[dict]:
+    """Compile in this block (this thread only) neither from nor into JAX's persistent cache: pass the
+    options it yields to `Lowered.compile(compiler_options=...)` (they make the cache key one nothing
+    is ever written under; the block stops this thread's writes)."""
+    from jax._src import config as jax_config  # the flag's thread-local context (no public form)
+    with jax_config.persistent_cache_min_compile_time_secs(float("inf")):
+        yield dict(FRESH_OPTIONS)

@@ -26,8 +26,12 @@ steps. The cache has one extra "scratch" slot that padding and dead rows write t
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
+import logging
 import os
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pantheon.runtime import compile_guard, decode_state
+from pantheon.runtime import compile_guard, decode_state, exec_store
 from pantheon.ops import native, weights
 from pantheon import osthread
 from pantheon.config import load_settings
@@ -50,6 +54,8 @@ from pantheon.types import GREEDY, MAX_TOP_LOGPROBS, ModelCard, ModelGeometry
 from pantheon.jax_models.common import last_valid
 from pantheon.jax_models.registry import capabilities_of
 from pantheon.ops.weights import XLA, Kernels
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,9 @@ class LoadOptions:
     native_dot: str | None = None  # their quantized products: "exact" | "int8" (None: PANTHEON_NATIVE_DOT)
     kv_dtype: str | None = None  # KV cache dtype: float32 | float16 | bfloat16 | auto (None: PANTHEON_KV_DTYPE)
     native_dir: str | None = None  # where the kernels' library is cached (default $PANTHEON_HOME/native)
+    # where compiled step programs are kept across starts (pantheon.runtime.exec_store): None is
+    # $PANTHEON_HOME/executables when PANTHEON_EXEC_STORE is on; "" keeps none
+    store_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +170,7 @@ class Forward:
     rows: Any  # decode_state.StepRows
     n_rows: int = struct.field(pytree_node=False)  # the plan's rows
     padded_rows: int = struct.field(pytree_node=False)  # the forward's rows (the bucket's, padding included)
+    aot: bool = struct.field(pytree_node=False, default=False)  # run by a stored program: so is the sampler
 
 
 @dataclass
@@ -172,6 +182,7 @@ class _Plan:
     kwargs: dict[str, Any]
     key: tuple  # the shape bucket, for compiled_shapes()
     rows: int
+    program: Any = None  # the ahead-of-time compiled program of `key`, when warm-up made one (else `fn` jits)
 
 
 class Model:
@@ -252,7 +263,24 @@ class Model:
         embed = self._embed_impl if self.shard_plan is None else self.shard_plan.wrap_forward(self._embed_impl)
         self._embed = jax.jit(embed, static_argnames=("span", "kernels"), donate_argnums=(1,))
         self._compiled_keys: set[tuple] = set()
-        self._keys_lock = osthread.Lock()  # guards _compiled_keys (steps may come from several threads)
+        # _keys_lock guards _compiled_keys, _programs, _planned and _routes (steps may come from several
+        # threads; the compile-<model> thread adds programs while the driver routes steps).
+        self._keys_lock = osthread.Lock()
+        # Ahead-of-time programs (warm-up): program key -> a compiled executable, loaded from the
+        # executable store or compiled here. ("serve", kind, D, T, span), ("advance", rows), ("insert",),
+        # ("release",), ("copy",). Once warm-up has made the first ones, steps run only these: a bucket
+        # not compiled yet is routed to the smallest larger one (_routes caches the choice).
+        self._programs: dict[tuple, Any] = {}
+        self._planned: list[tuple] = []  # every program warm-up will make, in order (progress: k of n)
+        self._routes: dict[tuple, tuple | None] = {}
+        self._aot = False  # steps run the ahead-of-time programs (set by warm-up, single-die models)
+        self._warmer: osthread.OSThread | None = None  # the compile-<model> thread
+        self._warm_stop = osthread.Event()
+        self.program_seconds: dict[tuple, tuple[str, float]] = {}  # key -> ("loaded" | "compiled", seconds)
+        self.compile_errors: list[str] = []  # programs the background compile could not make (logged)
+        self.warm_failure: str | None = None  # the compile thread itself failed (logged; steps still run)
+        self._store: exec_store.ExecStore | None | bool = None  # None: not opened yet; False: none
+        self._abstract: tuple | None = None  # (params, cache, table) as ShapeDtypeStructs, for lowering
         # The leaves of every state this model handed out, held weakly, so free() can free the caches'
         # device buffers even if a caller still holds a state. id(leaf) -> leaf; an entry goes by
         # itself when its leaf dies (donated or dropped).
@@ -307,6 +335,7 @@ class Model:
         """
         if self.released:
             return
+        self.stop_warmup()
         self.released = True
         _delete_arrays(list(self._states.values()))
         self._states.clear()
@@ -324,6 +353,9 @@ class Model:
         self.shard_plan = None
         with self._keys_lock:
             self._compiled_keys.clear()
+            self._programs.clear()
+            self._routes.clear()
+            self._aot = False
 
     def _published_geometry(self) -> ModelGeometry:
         """The value admission reads of this model (window, chunk, buckets, widths, cache bytes, dies):
@@ -352,13 +384,13 @@ class Model:
         self._check_live()
         if not 0 <= int(new.slot) < self.n_slots:
             raise ValueError(f"slot {int(new.slot)} is not one of the model's {self.n_slots}")
-        return state.replace(slots=self._track(self._insert(state.slots, new)))
+        return state.replace(slots=self._track(self._program(("insert",), self._insert)(state.slots, new)))
 
     def release(self, state: DecodeState, slot: int) -> DecodeState:
         """Take a slot back before its request finished by itself (cancel): later rows for it, even
         ones already planned, compute into the scratch slot and change nothing."""
         self._check_live()
-        return state.replace(slots=self._track(self._release(state.slots, np.int32(slot))))
+        return state.replace(slots=self._track(self._program(("release",), self._release)(state.slots, np.int32(slot))))
 
     def step(self, state: DecodeState, plan: StepPlan, want_logits: bool = False,
              mask: np.ndarray | None = None) -> tuple[StepHandle, DecodeState]:
@@ -375,9 +407,12 @@ class Model:
         self._check_live()
         p = self._serve_plan(plan)
         self._note_shape(p.key)
-        logits, rows, cache = p.fn(self.params, state.cache, state.slots, *p.args, **p.kwargs)
+        if p.program is not None:  # ahead-of-time: no tracing, no jit cache lookup, never a compile
+            logits, rows, cache = p.program(self.params, state.cache, state.slots, *p.args)
+        else:
+            logits, rows, cache = p.fn(self.params, state.cache, state.slots, *p.args, **p.kwargs)
         n = (plan.chunk is not None) + len(plan.decode)
-        return Forward(logits=logits, rows=rows, n_rows=n, padded_rows=p.rows), \
+        return Forward(logits=logits, rows=rows, n_rows=n, padded_rows=p.rows, aot=p.program is not None), \
             self._track(state.replace(cache=cache))
 
     def sample(self, state: DecodeState, fwd: Forward, mask: np.ndarray | None = None,
@@ -394,7 +429,8 @@ class Model:
             m = np.full((fwd.padded_rows, self.mask_words), -1, np.int32)
             m[:fwd.n_rows] = mask
             m, masked = self._on_device(m), self._on_device(np.bool_(True))
-        out, table = self._advance(state.slots, fwd.logits, fwd.rows, m, masked)
+        advance = self._program(("advance", fwd.padded_rows), self._advance) if fwd.aot else self._advance
+        out, table = advance(state.slots, fwd.logits, fwd.rows, m, masked)
         for x in (out.packed, out.logprobs, out.top_ids):
             if x.is_fully_addressable:  # (over several processes each reads its own replicated copy)
                 x.copy_to_host_async()  # the host reads it after dispatching the next step
@@ -421,7 +457,8 @@ class Model:
         for s in (src, dst):
             if not 0 <= s < self.n_slots:
                 raise ValueError(f"slot {s} is not one of the model's {self.n_slots}")
-        return self._track(state.replace(cache=self._copy(state.cache, np.int32(src), np.int32(dst))))
+        copy = self._program(("copy",), self._copy)
+        return self._track(state.replace(cache=copy(state.cache, np.int32(src), np.int32(dst))))
 
     def prompt_logprobs(self, state: DecodeState, tokens: Sequence[int], k: int
                         ) -> tuple[list[tuple[float, list[tuple[int, float]]] | None], DecodeState]:
@@ -517,7 +554,20 @@ class Model:
         return logits, rows, cache
 
     def _serve_plan(self, plan: StepPlan) -> _Plan:
-        """Which compiled forward a serving step runs and its padded host inputs."""
+        """Which compiled forward a serving step runs and its padded host inputs: the plan's own bucket,
+        or (ahead-of-time programs, some not compiled yet) the smallest compiled bucket that holds it."""
+        exact = self._exact_bucket(plan)
+        if not self._aot:
+            return self._padded(plan, exact, None)
+        route = self._route(exact, plan.chunk.start if plan.chunk is not None else 0)
+        if route is None:  # nothing compiled holds it (warm-up did not plan this kind): the jit compiles
+            return self._padded(plan, exact, None)
+        with self._keys_lock:
+            program = self._programs[("serve", *route)]
+        return self._padded(plan, route, program)
+
+    def _exact_bucket(self, plan: StepPlan) -> tuple:
+        """The (kind, decode rows, chunk tokens, span) bucket of a serving step; checks the plan."""
         c, dec = plan.chunk, list(plan.decode)
         if c is None and not dec:
             raise ValueError("a step needs a prompt chunk or a decoding slot")
@@ -528,14 +578,11 @@ class Model:
         if len(dec) > (self.mixed_rows if c is not None else self.n_slots):
             raise ValueError(f"{len(dec)} decode rows do not fit the step")
         reach = max(plan.reach, 1) if dec else 0
-        T, ctok, cmeta = 0, np.zeros((1, 1), np.int32), np.zeros(3, np.int32)
+        T = 0
         if c is not None:
             # A one-token chunk (a prompt whose prefix is all cached) runs unpadded: padding it to the
             # smallest chunk bucket would cost ~30x its compute, right on the time to first token.
             T = 1 if len(c.tokens) == 1 else _bucket(len(c.tokens), self.chunk_buckets)
-            ctok = np.zeros((1, T), np.int32)
-            ctok[0, : len(c.tokens)] = c.tokens
-            cmeta = np.array([c.slot, len(c.tokens), int(c.final)], np.int32)
             reach = max(reach, c.start + T)
         span = self._span_for(reach)
         if c is not None and dec:
@@ -544,10 +591,22 @@ class Model:
             kind, D = "prefill", 0
         else:
             kind, D = "decode", _bucket(len(dec), self.row_buckets)
+        return (kind, D, T, span)
+
+    def _padded(self, plan: StepPlan, bucket: tuple, program: Any) -> _Plan:
+        """The step's host inputs padded to `bucket` (its own or a larger one: extra chunk positions
+        are zeros past the chunk's real count, extra decode rows are the scratch slot, a wider span
+        only attends over more masked positions -- the same tokens come out)."""
+        kind, D, T, span = bucket
+        c, dec = plan.chunk, plan.decode
+        ctok, cmeta = np.zeros((1, max(T, 1)), np.int32), np.zeros(3, np.int32)
+        if c is not None:
+            ctok[0, : len(c.tokens)] = c.tokens
+            cmeta = np.array([c.slot, len(c.tokens), int(c.final)], np.int32)
         ds = np.full((max(D, 1),), self.scratch_slot, np.int32)
         ds[: len(dec)] = dec
         return _Plan(self._serve, (ctok, cmeta, ds), dict(span=span, kernels=self.kernels, kind=kind),
-                     (kind, D, T, span), (1 if c is not None else 0) + D)
+                     bucket, (1 if c is not None else 0) + D, program)
 
     # ---- teacher-forced rows (numerics: logits, tests, tools) ------------------------------------
     def forward_rows(self, state: DecodeState, tokens: Sequence[Sequence[int]], slots: Sequence[int],
@@ -661,12 +720,53 @@ class Model:
         return plans
 
     def warmup(self, state: DecodeState, decode: bool = True, prefill: bool = True,
-               mixed: bool = True) -> DecodeState:
-        """Compile every step shape the scheduler can ask for; returns the state.
+               mixed: bool = True, background: bool | None = None) -> DecodeState:
+        """Make the step programs the scheduler can ask for; returns the state.
 
-        XLA compiles with the GIL released: the forwards are compiled ahead of time on every core,
-        then each shape runs once on the scratch slot (which also compiles the few sampler programs).
+        On one die the programs are made ahead of time, each loaded from the executable store
+        (pantheon.runtime.exec_store: no tracing, no lowering, no compile) or compiled and stored.
+        The first ones -- the largest bucket of each step kind, their samplers and the slot verbs --
+        are made before this returns, in parallel, and run once on the scratch slot: with them any
+        request can be served (padded into the largest bucket). The rest follow in the
+        `compile-<model>` thread when `background` (default PANTHEON_WARMUP_BACKGROUND), each one
+        serving its bucket as soon as it exists; `compile_progress()` counts them. Several dies
+        (a mesh, maybe over processes that must run the same programs) compile everything here.
         """
+        if self.shard_plan is not None:
+            return self._warmup_jit(state, decode, prefill, mixed)
+        if background is None:
+            background = load_settings().warmup_background
+        self.stop_warmup()  # a second warm-up (another scheduler on this model) takes over the list
+        keys = self.program_keys(decode, prefill, mixed)
+        first = [k for k in keys if k in self._first_programs(decode, prefill, mixed)]
+        rest = [k for k in keys if k not in first]
+        self._abstract = (_abstract(self.params), _abstract(state.cache), _abstract(state.slots))
+        with self._keys_lock:
+            self._planned = list(dict.fromkeys([*self._planned, *keys]))
+        self._exec_store()  # opened here, once, before the compile threads read it
+        osthread.map_threads(self._obtain, [k for k in first if not self._has(k)], os.cpu_count() or 1,
+                             name=f"compile-{self.name}")
+        with self._keys_lock:
+            self._aot = True
+            self._routes.clear()
+        state = self._exercise(state, first)
+        if not rest:
+            self._store_done()
+        elif background:
+            self._warm_stop = osthread.Event()
+            stop = self._warm_stop
+            self._warmer = osthread.start_thread(lambda: self._warm_rest(rest, stop), name=f"compile-{self.name}")
+            _WARMING.add(self)
+        else:
+            for k in rest:
+                self._obtain(k)
+            self._store_done()
+        return state
+
+    def _warmup_jit(self, state: DecodeState, decode: bool, prefill: bool, mixed: bool) -> DecodeState:
+        """Several dies: compile every step shape (jit, cores in parallel), then run each once on the
+        scratch slot (which also compiles the sampler programs). Every process of a cluster runs the
+        same list, so they compile and route alike."""
         step_plans = self.warmup_plans(decode, prefill, mixed)
         plans = [self._serve_plan(p) for p in step_plans]
         osthread.map_threads(
@@ -679,9 +779,286 @@ class Model:
         state = self.copy_slot(state, 0, 0)  # ... the n > 1 fork
         return self.release(state, 0)  # ... and release, leaving slot 0 idle
 
+    def program_keys(self, decode: bool = True, prefill: bool = True, mixed: bool = True) -> list[tuple]:
+        """Every ahead-of-time program warm-up makes, in the order it makes them: the first ones
+        (`_first_programs`), then the sampler of each row count, then the step buckets from the
+        narrowest span up (short contexts are the common case), fewest rows and tokens first."""
+        serve = list(dict.fromkeys(self._exact_bucket(p) for p in self.warmup_plans(decode, prefill, mixed)))
+        serve.sort(key=lambda b: (b[3], b[1] + b[2], ("decode", "prefill", "mixed").index(b[0])))
+        rows = sorted({_rows_of(b) for b in serve})
+        first = self._first_programs(decode, prefill, mixed)
+        out = [k for k in first if k[0] != "serve" or k[1:] in serve]
+        out += [("advance", r) for r in rows] + [("serve", *b) for b in serve]
+        return list(dict.fromkeys(out))
+
+    def _first_programs(self, decode: bool, prefill: bool, mixed: bool) -> list[tuple]:
+        """What the first request needs, whatever it is: the largest bucket of each step kind (any
+        step fits it, padded), the samplers of their row counts, and the slot verbs."""
+        top, cap = self.chunk_buckets[-1], self.capacity
+        serve = []
+        if decode:
+            serve.append(("decode", self.row_buckets[-1], 0, cap))
+        if prefill:
+            serve.append(("prefill", 0, top, cap))
+        if mixed and self.supports_mixed:
+            serve.append(("mixed", self.mixed_rows, top, cap))
+        rows = sorted({_rows_of(b) for b in serve})
+        return [("insert",), ("release",), ("copy",), *[("advance", r) for r in rows], *[("serve", *b) for b in serve]]
+
+    def _has(self, key: tuple) -> bool:
+        with self._keys_lock:
+            return key in self._programs
+
+    def _program(self, key: tuple, jitted: Any) -> Any:
+        """The ahead-of-time program `key` if warm-up made it, else the jitted function."""
+        with self._keys_lock:
+            return self._programs.get(key, jitted) if self._aot else jitted
+
+    def _route(self, exact: tuple, chunk_start: int) -> tuple | None:
+        """The compiled bucket a step of bucket `exact` runs in: itself once compiled, else the cheapest
+        compiled bucket of its kind at least as large in rows, tokens and span (its sampler compiled
+        too), whose span also holds the padded chunk. None: no compiled bucket holds it."""
+        kind, D, T, span = exact
+        with self._keys_lock:
+            if ("serve", *exact) in self._programs:
+                return exact
+            cands = self._routes.get(exact)
+            if cands is None:
+                cands = sorted((k[1:] for k in self._programs
+                                if k[0] == "serve" and k[1] == kind and k[2] >= D and k[3] >= T and k[4] >= span
+                                and ("advance", _rows_of(k[1:])) in self._programs),
+                               key=lambda b: (b[3] * (b[1] + b[2]), b))
+                self._routes[exact] = cands
+        for b in cands:
+            if kind == "decode" or b[3] >= chunk_start + b[2]:
+                return b
+        return None
+
+    def _add_program(self, key: tuple, compiled: Any) -> None:
+        with self._keys_lock:
+            self._programs[key] = compiled
+            self._routes.clear()
+
+    def compile_progress(self) -> tuple[int, int]:
+        """(programs made, programs warm-up plans): `compiled k/n` on the health routes."""
+        with self._keys_lock:
+            return sum(1 for k in self._planned if k in self._programs), len(self._planned)
+
+    def warming(self) -> bool:
+        """Whether the compile-<model> thread is still making programs."""
+        return self._warmer is not None and self._warmer.is_alive()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background compile to end; True when it has (or none runs)."""
+        w = self._warmer
+        return w is None or w.join(timeout)
+
+    def stop_warmup(self, timeout: float = 300.0) -> None:
+        """Stop the background compile after the program it is making (unload, a new warm-up)."""
+        self._warm_stop.set()
+        if self._warmer is not None:
+            if not self._warmer.join(timeout):
+                log.warning("%s: the compile thread did not stop within %.0f s", self.name, timeout)
+            self._warmer = None
+
+    def _warm_rest(self, keys: list[tuple], stop: Any) -> None:
+        """The compile-<model> thread: make each remaining program; a program that fails is logged
+        and counted (its bucket keeps being served by a larger one); a failure of the loop itself is
+        logged and kept in `warm_failure` -- never a silent end."""
+        t0 = time.perf_counter()
+        try:
+            store = self._exec_store()
+            if store:  # what the store holds first, a few at a time (a load is milliseconds, not seconds)
+                stored = [k for k in keys if store.has(_program_name(k))]
+                osthread.map_threads(lambda k: stop.is_set() or self._obtain(k, compile_missing=False), stored,
+                                     min(4, os.cpu_count() or 1), name=f"compile-{self.name}")
+            for k in keys:
+                if stop.is_set():
+                    return
+                if self._has(k):
+                    continue
+                try:
+                    self._obtain(k)
+                except Exception as exc:  # noqa: BLE001 - one bucket lost, the rest still compile
+                    log.exception("%s: compiling %s failed; a larger bucket serves it", self.name, k)
+                    self.compile_errors.append(f"{k}: {type(exc).__name__}: {exc}")
+            done, n = self.compile_progress()
+            log.info("%s: %d/%d programs ready after %.1f s in the background", self.name, done, n,
+                     time.perf_counter() - t0)
+            self._store_done()
+        except BaseException as exc:  # noqa: BLE001 - the thread never dies quietly
+            self.warm_failure = f"{type(exc).__name__}: {exc}"
+            log.critical("%s: the compile thread failed: %s", self.name, self.warm_failure, exc_info=True)
+
+    def _store_done(self) -> None:
+        kinds: dict[str, list[float]] = {}
+        for key, (how, sec) in list(self.program_seconds.items()):
+            if how == "compiled":
+                kinds.setdefault(key[1] if key[0] == "serve" else key[0], []).append(sec)
+        if kinds:  # what each kind of program costs to trace, lower and compile (chooses buckets)
+            log.info("%s: compile seconds by kind: %s", self.name, ", ".join(
+                f"{k} {len(v)} x {sum(v) / len(v):.1f} s" for k, v in sorted(kinds.items())))
+        store = self._exec_store()
+        if store:
+            log.info("%s: executable store %s: %d programs loaded, %d compiled and saved", self.name,
+                     store.dir, store.loaded, store.saved)
+            store.prune()
+
+    def _exercise(self, state: DecodeState, keys: list[tuple]) -> DecodeState:
+        """Run the slot verbs and the decode program of the first ones once on the scratch slot: a
+        store whose programs do not run in this process (its runtime or kernels) shows here, and its
+        first programs are dropped and compiled afresh (once). The prefill and mixed programs are not
+        run (a 128-token chunk at the widest span is most of a warm start's time on a busy CPU); they
+        come from the same store, key and runtime."""
+        plans = {self._exact_bucket(p): p for p in self.warmup_plans()}
+        for attempt in (0, 1):
+            try:
+                for k in keys:
+                    if k[0] == "serve" and k[1] == "decode" and k[1:] in plans:
+                        h, state = self.step(state, plans[k[1:]])
+                        self.read(h)
+                state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))
+                state = self.copy_slot(state, 0, 0)
+                return self.release(state, 0)
+            except Exception:
+                store = self._exec_store()
+                if attempt or not store or not store.loaded:
+                    raise
+                log.warning("%s: a stored program failed to run; compiling the first programs afresh",
+                            self.name, exc_info=True)
+                for k in keys:
+                    store.discard(_program_name(k))
+                    with self._keys_lock:
+                        self._programs.pop(k, None)
+                osthread.map_threads(lambda k: self._obtain(k, use_store=False), keys, os.cpu_count() or 1,
+                                     name=f"compile-{self.name}")
+                state = self.new_state()  # the failed call may have consumed the donated state
+        raise AssertionError("unreachable")
+
+    def _obtain(self, key: tuple, use_store: bool = True, compile_missing: bool = True) -> None:
+        """Make program `key`: load it from the executable store, else (`compile_missing`) lower and
+        compile it, and store it."""
+        store = self._exec_store()
+        name = _program_name(key)
+        compiled = store.load(name, self.devices) if store and use_store else None
+        if compiled is None and not compile_missing:
+            return
+        t0 = time.perf_counter()
+        how = "loaded"
+        if compiled is None:
+            how = "compiled"
+            lowered = self._lower(key)
+            if store:
+                # Compiled afresh, not taken from JAX's persistent cache: on XLA:CPU an executable read
+                # from that cache serialises without some of its functions ("Function ... not found"
+                # when the stored copy runs), so what goes into the store must be compiled here.
+                with compile_guard.fresh_compile() as options:
+                    compiled = lowered.compile(compiler_options=options)
+                store.save(name, compiled)
+            else:
+                compiled = lowered.compile()
+        self.program_seconds[key] = (how, time.perf_counter() - t0)
+        log.debug("%s: %s %s in %.2f s", self.name, how, _program_name(key), self.program_seconds[key][1])
+        self._add_program(key, compiled)
+
+    def _lower(self, key: tuple) -> Any:
+        """Trace and lower program `key` for this model's abstract params, cache and slot table."""
+        params, cache, table = self._abstract
+        if key[0] == "serve":
+            kind, D, T, span = key[1:]
+            args = (np.zeros((1, max(T, 1)), np.int32), np.zeros(3, np.int32), np.zeros((max(D, 1),), np.int32))
+            return self._serve.lower(params, cache, table, *args, span=span, kernels=self.kernels, kind=kind)
+        if key[0] == "advance":
+            r = key[1]
+            logits = jax.ShapeDtypeStruct((r, self.config.vocab), self._logits_dtype(), sharding=table.pos.sharding)
+            rows = decode_state.StepRows(slot=np.zeros(r, np.int32), emit=np.zeros(r, bool),
+                                         pos=np.zeros(r, np.int32), live=np.zeros(r, bool))
+            return self._advance.lower(table, logits, rows, np.zeros((r, self.mask_words), np.int32), np.bool_(False))
+        if key[0] == "insert":
+            return self._insert.lower(table, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))
+        if key[0] == "release":
+            return self._release.lower(table, np.int32(0))
+        if key[0] == "copy":
+            return self._copy.lower(cache, np.int32(0), np.int32(0))
+        raise ValueError(f"unknown program {key!r}")
+
+    def _logits_dtype(self) -> Any:
+        """The dtype of a step's logits (what the sampler program takes), from the forward's abstract
+        evaluation (a trace, only when a sampler is compiled rather than loaded)."""
+        params, cache, table = self._abstract
+        out = jax.eval_shape(functools.partial(self._serve_impl, span=self.span_buckets[0], kernels=self.kernels,
+                                               kind="decode"),
+                             params, cache, table, np.zeros((1, 1), np.int32), np.zeros(3, np.int32),
+                             np.zeros((1,), np.int32))
+        return out[0].dtype
+
+    def _exec_store(self) -> exec_store.ExecStore | None:
+        """This model's executable store, or None: turned off, or no identity for it. Opened by warm-up
+        before any compile thread starts (so it is never built twice)."""
+        if self._store is None and self._abstract is not None:
+            self._store = False
+            where = self.opts.store_dir
+            settings = load_settings()
+            if where is None and settings.exec_store:
+                where = str(settings.home / "executables")
+            if where:
+                try:
+                    self._store = exec_store.ExecStore(Path(where), self._identity(), settings.exec_store_mb << 20)
+                except Exception as exc:  # no store is slower, never wrong
+                    log.warning("%s: no executable store: %s: %s", self.name, type(exc).__name__, exc)
+        return self._store or None
+
+    def _identity(self) -> dict[str, Any]:
+        """Everything a step program depends on (pantheon.runtime.exec_store explains each part)."""
+        params, cache, table = self._abstract
+        return {
+            "runtime": exec_store.runtime_identity(self.devices),
+            "file": exec_store.file_identity(Path(self.card.path)),
+            "arch": [self.config.arch, self.arch.__name__, repr(self.config)],
+            "engine": {"n_slots": self.n_slots, "max_seq": self.max_seq, "chunk": self.chunk,
+                       "capacity": self.capacity, "rows": self.row_buckets, "chunks": self.chunk_buckets,
+                       "spans": self.span_buckets, "mixed_rows": self.mixed_rows, "mixed": self.supports_mixed,
+                       "dtype": jnp.dtype(self.dtype).name, "kv_dtype": self.kv_dtype.name,
+                       "kernels": repr(self.kernels), "mask_words": self.mask_words},
+            "native": native.library_id() if self.kernels.matmul or self.kernels.attention else None,
+            "params": exec_store.signature(params), "cache": exec_store.signature(cache),
+            "table": exec_store.signature(table),
+        }
+
     def compiled_shapes(self) -> set[tuple]:
         with self._keys_lock:
             return set(self._compiled_keys)
+
+
+# Models whose compile-<model> thread may still run: stopped at exit (after the program in progress),
+# so the interpreter never tears JAX's backends down under a compile.
+_WARMING: weakref.WeakSet[Model] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_warmers() -> None:
+    for m in list(_WARMING):
+        m.stop_warmup(timeout=60.0)
+
+
+def _rows_of(bucket: tuple) -> int:
+    """The output rows of a step bucket (kind, D, T, span): its chunk row, if any, and its decode rows."""
+    kind, D = bucket[0], bucket[1]
+    return (0 if kind == "decode" else 1) + D
+
+
+def _program_name(key: tuple) -> str:
+    return "-".join(str(p) for p in key)
+
+
+def _abstract(tree: Any) -> Any:
+    """A pytree of arrays as ShapeDtypeStructs with their shardings: what lowering needs, without
+    holding (or reading) the buffers."""
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+    return jax.tree.map(one, tree)
 
 
 def _score_rows(logits: jax.Array, nxt: jax.Array, *, k: int) -> tuple[jax.Array, jax.Array]:

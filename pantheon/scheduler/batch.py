@@ -195,9 +195,11 @@ class BatchScheduler:
         self._mask_builder = MaskBuilder(f"mask-{model.name}", settings.grammar_mask_ms / 1000.0,
                                          live=self.n_slots, spare=self.n_slots)
         if settings.warmup if warmup is None else warmup:
-            self._state = model.warmup(self._state, mixed=self.mixed)
-            # compiling ~70 programs leaves ~150 MB of freed compiler heap in glibc's arenas (SmolLM2,
-            # measured by tools/rss_breakdown.py): hand it back before serving
+            # Returns once the programs any request fits are made (loaded or compiled); the rest compile
+            # in the model's compile-<model> thread while this driver serves (load_info's "compiled").
+            self._state = model.warmup(self._state, mixed=self.mixed, background=settings.warmup_background)
+            # compiling leaves ~150 MB of freed compiler heap in glibc's arenas (SmolLM2, measured by
+            # tools/rss_breakdown.py): hand it back before serving
             memory.release_freed_memory()
         self._thread = osthread.start_thread(self._drive, name=f"driver-{model.name}")
 
@@ -292,6 +294,9 @@ class BatchScheduler:
                      running=sum(1 for sl in self._slots if sl.state != IDLE),
                      native_kernels=int(bool(getattr(self.model, "native_matmul", False))),
                      failure=self.failure)
+        progress = getattr(self.model, "compile_progress", None)
+        if callable(progress):  # (a test's fake model has none)
+            s["compiled"], s["programs"] = progress()
             return s
 
     def close(self, timeout: float = 10.0) -> None:

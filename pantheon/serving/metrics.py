@@ -64,6 +64,8 @@ _SCHED_GAUGES = (
     ("running", "running_requests", "Requests holding a slot (prefilling or decoding)."),
     ("queued", "queued_requests", "Requests waiting for a free slot."),
     ("slots", "batch_slots", "Slots the backend can run at once."),
+    ("compiled", "compiled_programs", "Step programs made so far (loaded from the executable store or compiled)."),
+    ("programs", "planned_programs", "Step programs warm-up makes in all (the rest compile in the background)."),
     ("native_kernels", "native_kernels", "1 when the model's steps use pantheon.ops.native's CPU kernels, "
                                          "0 on XLA's dot and attention (the maximum over its replicas)."),
 )

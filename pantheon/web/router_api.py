@@ -28,7 +28,7 @@ from flask import Blueprint, Response, jsonify
 
 from pantheon import osthread
 from pantheon.errors import RequestError
-from pantheon.web.routes import handle_chat, handle_completion, server
+from pantheon.web.routes import compile_progress, handle_chat, handle_completion, server
 
 bp = Blueprint("router_api", __name__)
 
@@ -142,7 +142,8 @@ def model_health(model: str) -> Response:
     ready = st.registry.ready_entries(model)
     failed = st.registry.failures(model)
     if ready and len(failed) < len(ready):
-        return jsonify(service="pantheon", status="ok", model=model)
+        mine = [(n, i) for n, i in st.registry.load_infos() if n == model]
+        return jsonify(service="pantheon", status="ok", model=model, **compile_progress(mine))
     if failed:  # every instance of it has a failed driver: the router should stop sending it work
         resp = jsonify(service="pantheon", status="failed", error="; ".join(failed), model=model)
         resp.status_code = 503

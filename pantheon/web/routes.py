@@ -66,7 +66,27 @@ def health_body() -> tuple[dict, int]:
     body = {"service": "pantheon", "status": status}
     if error:
         body["error"] = error
+    if status == "ok":
+        body.update(compile_progress(st.registry.load_infos()))
     return body, 200 if status == "ok" else 503
+
+
+def compile_progress(infos: Any) -> dict:
+    """While ready models still compile step programs in the background (they serve meanwhile, a
+    bucket not compiled yet padded into a larger one): {"progress": "compiled k/n" over all of them,
+    "compiling": {model: "compiled k/n"}}; {} once every program exists."""
+    per: dict[str, list[int]] = {}
+    for name, info in infos:
+        k, n = info.get("compiled"), info.get("programs")
+        if isinstance(k, int) and isinstance(n, int):
+            acc = per.setdefault(name, [0, 0])
+            acc[0] += k
+            acc[1] += n
+    busy = {name: kn for name, kn in per.items() if kn[0] < kn[1]}
+    if not busy:
+        return {}
+    k, n = sum(kn[0] for kn in per.values()), sum(kn[1] for kn in per.values())
+    return {"progress": f"compiled {k}/{n}", "compiling": {name: f"compiled {a}/{b}" for name, (a, b) in busy.items()}}
 
 
 @bp.get("/")

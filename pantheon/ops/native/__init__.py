@@ -92,6 +92,7 @@ TEMP_PREFIX = ".building-"  # in-progress builds: .building-<host>-<pid>-<random
 
 _build_lock = osthread.Lock()  # serialises build/registration; guards _ready and _failed
 _ready = False  # the FFI targets are registered in this process
+_library_id: str | None = None  # the registered library's file name (a hash of its source, flags, jaxlib)
 _failed: str | None = None  # why the kernels are unavailable (set once; not retried)
 
 
@@ -196,7 +197,7 @@ def enable(cache_dir: Path) -> bool:
 
     Idempotent and safe from several threads. A failure is logged once and leaves XLA's forms in place.
     """
-    global _ready, _failed
+    global _ready, _failed, _library_id
     with _build_lock:
         if _ready or _failed:
             return _ready
@@ -213,11 +214,18 @@ def enable(cache_dir: Path) -> bool:
                                         platform="cpu")
             jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.PantheonDecodeAttention),
                                         platform="cpu")
+            _library_id = lib_path.name
             _ready = True
         except Exception as exc:  # XLA's forms still work; say why once
             _failed = f"{type(exc).__name__}: {exc}"
             log.warning("native matmul unavailable, using XLA's dot and attention: %s", _failed)
         return _ready
+
+
+def library_id() -> str | None:
+    """Which kernel library this process registered (None: none): compiled programs call its FFI
+    targets by name, so a stored program is only reused with the same library."""
+    return _library_id
 
 
 def unavailable_reason() -> str | None:

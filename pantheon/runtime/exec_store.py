@@ -1,0 +1,290 @@
+"""Compiled step programs kept on disk, so a restart of the same model on the same machine skips tracing,
+lowering and compiling.
+
+Why not only JAX's persistent compilation cache: it is keyed by the lowered module, so a restart still
+traces and lowers every bucket (seconds per program at depth) before it can look the module up. An
+executable serialised here (`jax.experimental.serialize_executable`) is loaded straight into the
+runtime: no Python function runs, nothing is traced, the compile guard counts nothing.
+
+Soundness rests on the key. A program is a function of everything that shapes it, and the key holds
+all of it (`Model._identity`): the model file's identity (size, mtime and a hash of its header and tensor
+table), the architecture and its config (constants such as rope theta are baked into the program),
+the abstract signature of the params, cache and slot table (tree structure with every static field,
+shapes, dtypes, shardings), the engine's geometry and buckets, the kernels and the native library they
+call (FFI targets are called by name), the device kind, the CPU's feature flags, jax / jaxlib, and a
+hash of the Pantheon source that is traced (`TRACED`). Any difference is another directory; a
+program that fails its checksum or fails to load is deleted and compiled again. Nothing here ever
+guesses: a miss compiles.
+
+Layout: `$PANTHEON_HOME/executables/<key>/key.json` (the identity, checked on open) and one file per
+program, written to a temporary name and renamed into place (a reader never sees half a file; two
+processes writing the same program write the same bytes). The store is bounded: past `max_bytes` the
+least recently used key directories go first (the open one is kept).
+
+The files are pickles (the serialised executable and its argument trees): the store is trusted like
+the rest of $PANTHEON_HOME (the compilation cache, the native library): do not point it at a
+directory others can write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import platform
+import shutil
+import tempfile
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jax
+
+log = logging.getLogger(__name__)
+
+STORE_VERSION = 1  # bump when the file layout or the key's meaning changes
+MAGIC = b"PNTHXLA1"
+_DIGEST = 32
+HEAD_BYTES = 16 << 20  # a GGUF's header, metadata and tensor table sit in its first bytes; hash at most this
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_identity(path: Path) -> dict[str, Any]:
+    """A cheap, sound identity of a checkpoint: its size and mtime, and a hash of its head (the
+    header, metadata and tensor table of a GGUF; the whole file when it is small). A directory (an HF
+    checkpoint) is identified by each of its files' size and mtime. Editing a file in place changes
+    its mtime, so at worst a touched file compiles again; it never reuses another file's programs."""
+    p = Path(path).resolve()
+    if p.is_dir():
+        entries = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in p.iterdir() if f.is_file())
+        return {"path": str(p), "dir": _sha(json.dumps(entries).encode())}
+    st = p.stat()
+    with open(p, "rb") as f:
+        head = f.read(HEAD_BYTES)
+    return {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "head": _sha(head)}
+
+
+# The parts of the package whose code is traced into a step program (the engine, the sampler and slot
+# table, the architectures, the weight formats and kernels, the request-side constants). The server,
+# scheduler, text and file-reading rooms are not traced (what the file reader builds is in the key as
+# the params' signature and the config), so editing them keeps the stored programs.
+TRACED = ("runtime", "jax_models", "ops", "types.py")
+
+
+@lru_cache(maxsize=1)
+def source_identity() -> str:
+    """A hash of the traced Python source (TRACED): an upgrade, or a local edit, of that code never
+    runs a program compiled from other code."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    files = [f for t in TRACED for f in ((root / t).rglob("*.py") if (root / t).is_dir() else [root / t])]
+    for f in sorted(files):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@lru_cache(maxsize=1)
+def _cpu_flags() -> str:
+    """The host CPU's feature flags: XLA:CPU compiles for the features it finds, so an executable built on
+    one CPU may not run on another that shares the same $PANTHEON_HOME."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return _sha(" ".join(sorted(line.split(":", 1)[1].split())).encode())
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def runtime_identity(devices: list[Any]) -> dict[str, Any]:
+    """What of this process and machine an executable depends on."""
+    import jaxlib
+    d0 = devices[0]
+    return {"store": STORE_VERSION, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "platform": d0.platform, "device_kind": d0.device_kind, "devices": [int(d.id) for d in devices],
+            "platform_version": str(getattr(d0.client, "platform_version", "")),
+            "machine": platform.machine(), "cpu": _cpu_flags(), "source": source_identity()}
+
+
+def signature(tree: Any) -> str:
+    """The abstract signature of a pytree of arrays: its structure (with every static field) and each
+    leaf's shape, dtype and sharding. Two trees with one signature feed one program."""
+    leaves, treedef = jax.tree.flatten(tree)
+    parts = [str(treedef)]
+    for x in leaves:
+        sharding = getattr(x, "sharding", None)
+        parts.append(f"{getattr(x, 'shape', ())}|{getattr(x, 'dtype', type(x).__name__)}|{sharding}")
+    return _sha("\n".join(parts).encode())
+
+
+def key_of(identity: dict[str, Any]) -> str:
+    return _sha(json.dumps(identity, sort_keys=True, default=str).encode())[:40]
+
+
+def _program_file(name: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    return f"{safe}.xla"
+
+
+class ExecStore:
+    """The executables of one key (one model file, engine config and machine) under `root/<key>/`."""
+
+    def __init__(self, root: Path, identity: dict[str, Any], max_bytes: int):
+        self.root = Path(root)
+        self.identity = identity
+        self.key = key_of(identity)
+        self.dir = self.root / self.key
+        self.max_bytes = max(0, int(max_bytes))
+        self.loaded = 0  # programs loaded / saved by this process (for logs and tests)
+        self.saved = 0
+        self._opened = False
+
+    def _open(self) -> bool:
+        """Create the key directory (with its key.json) or check the one there; False if unusable."""
+        if self._opened:
+            return True
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            kj = self.dir / "key.json"
+            text = json.dumps(self.identity, sort_keys=True, indent=1, default=str)
+            if kj.exists():
+                if kj.read_text() != text:  # a hash collision or a damaged directory: start it over
+                    log.warning("executable store %s: key.json differs from this model's key; clearing it", self.dir)
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                    self.dir.mkdir(parents=True, exist_ok=True)
+                    _atomic_write(kj, text.encode())
+            else:
+                _atomic_write(kj, text.encode())
+            os.utime(self.dir)  # the LRU order of prune()
+            self._opened = True
+        except OSError as exc:
+            log.warning("executable store %s unusable: %s", self.dir, exc)
+            return False
+        return True
+
+    def has(self, name: str) -> bool:
+        """Whether program `name` has a file here (it may still fail to load)."""
+        return self._open() and (self.dir / _program_file(name)).exists()
+
+    def load(self, name: str, devices: list[Any]) -> Any | None:
+        """The program `name` loaded onto `devices`, or None (absent, damaged, or refused by the runtime:
+        a damaged file is deleted so it is compiled and written again)."""
+        if not self._open():
+            return None
+        f = self.dir / _program_file(name)
+        try:
+            blob = f.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("executable store: cannot read %s: %s", f, exc)
+            return None
+        try:
+            if blob[:len(MAGIC)] != MAGIC:
+                raise ValueError("not an executable file")
+            digest, body = blob[len(MAGIC):len(MAGIC) + _DIGEST], blob[len(MAGIC) + _DIGEST:]
+            if hashlib.sha256(body).digest() != digest:
+                raise ValueError("checksum mismatch")
+            payload, in_tree, out_tree = pickle.loads(body)
+            from jax.experimental.serialize_executable import deserialize_and_load
+            compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+        except Exception as exc:  # any doubt about the file: compile instead, and rewrite it
+            log.warning("executable store: dropping %s (%s: %s)", f, type(exc).__name__, exc)
+            self.discard(name)
+            return None
+        self.loaded += 1
+        return compiled
+
+    def save(self, name: str, compiled: Any) -> bool:
+        """Serialise `compiled` as program `name`; False (logged) when the backend cannot serialise it
+        or the disk refuses. Never raises: a program not stored is compiled again next start."""
+        if not self._open():
+            return False
+        try:
+            from jax.experimental.serialize_executable import serialize
+            payload, in_tree, out_tree = serialize(compiled)
+            body = pickle.dumps((payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            _atomic_write(self.dir / _program_file(name), MAGIC + hashlib.sha256(body).digest() + body)
+        except Exception as exc:
+            log.warning("executable store: cannot save %s: %s: %s", name, type(exc).__name__, exc)
+            return False
+        self.saved += 1
+        return True
+
+    def discard(self, name: str) -> None:
+        try:
+            (self.dir / _program_file(name)).unlink()
+        except OSError:
+            pass
+
+    def prune(self) -> None:
+        """Keep the store under max_bytes: remove whole key directories, least recently used first,
+        never this store's own."""
+        prune(self.root, self.max_bytes, keep=self.key)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _dir_bytes(d: Path) -> int:
+    total = 0
+    for f in d.iterdir():
+        try:
+            total += f.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def prune(root: Path, max_bytes: int, keep: str | None = None) -> list[Path]:
+    """Remove key directories under `root`, least recently used first, until the rest fits `max_bytes`
+    (`keep` is never removed). Returns what was removed. Stale temporary files (a writer that died
+    mid-write) older than an hour go too."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    dirs = []
+    now = time.time()
+    for d in root.iterdir():
+        if not d.is_dir():
+            continue
+        for tmp in d.glob(".tmp-*"):
+            try:
+                if now - tmp.stat().st_mtime > 3600:
+                    tmp.unlink()
+            except OSError:
+                pass
+        try:
+            dirs.append((d.stat().st_mtime, d, _dir_bytes(d)))
+        except OSError:
+            continue
+    total = sum(b for _, _, b in dirs)
+    removed = []
+    for _, d, b in sorted(dirs, key=lambda t: t[0]):
+        if total <= max_bytes:
+            break
+        if d.name == keep:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        total -= b
+        removed.append(d)
+    return removed

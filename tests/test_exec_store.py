@@ -1,0 +1,212 @@
+"""Step programs kept across starts and served while the rest compile.
+
+A restart loads the stored executables and compiles nothing; a different file or engine config has its
+own key and compiles its own programs (never another model's); a damaged program is compiled again. While
+the background compile runs the model is ready, the health routes say `compiled k/n`, and a request
+whose bucket is not compiled yet runs padded in a larger one with the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import Collector, tiny_fixture, wait_until
+from pantheon import osthread
+from pantheon.config import Settings
+from pantheon.runtime import compile_guard, engine, reference
+from pantheon.runtime.decode_state import slot_insert
+from pantheon.runtime.engine import Chunk, StepPlan
+from pantheon.types import GREEDY
+
+# Small geometry: 2 slots, spans (32 + 16,), chunks (16,): eleven programs, seconds to compile.
+SMALL = dict(n_slots=2, max_seq=32, prefill_chunk=16, kv_dtype="float32")
+
+
+def greedy(model: engine.Model, state, prompt: list[int], n: int) -> tuple[list[int], object]:
+    """`n` greedy tokens of `prompt` in slot 0 through the serving verbs (insert, chunked prefill, decode)."""
+    state = model.insert(state, slot_insert(0, prompt, 0, GREEDY, n, ()))
+    for i in range(0, len(prompt), model.chunk):
+        part = prompt[i:i + model.chunk]
+        h, state = model.step(state, StepPlan(chunk=Chunk(0, tuple(part), i, i + model.chunk >= len(prompt))))
+    out = [int(model.read(h)[0, 0])]
+    for k in range(n - 1):
+        h, state = model.step(state, StepPlan(decode=(0,), reach=len(prompt) + k + 1))
+        out.append(int(model.read(h)[0, 0]))
+    return out, model.release(state, 0)
+
+
+def warm(path: Path, store: Path, **opts) -> tuple[engine.Model, object, int]:
+    """Load and warm up (every program before returning); the compiles warm-up made."""
+    m = engine.load(path, engine.LoadOptions(**{**SMALL, **opts}, store_dir=str(store)))
+    state = m.new_state()
+    c0 = compile_guard.compile_count()
+    state = m.warmup(state, background=False)
+    return m, state, compile_guard.compile_count() - c0
+
+
+def twin_with_other_weights(src: Path, dst: Path) -> Path:
+    """A copy of a tiny GGUF with the same shapes and other weights: its output matrix rows reversed."""
+    from pantheon.formats.gguf_reader import MappedGGUF
+    t = next(t for t in MappedGGUF(src).tensors if t.name == "output.weight")
+    raw = bytearray(src.read_bytes())
+    w = np.frombuffer(bytes(raw[t.data_offset:t.data_offset + t.n_bytes]), np.float32).reshape(t.shape[1], t.shape[0])
+    raw[t.data_offset:t.data_offset + t.n_bytes] = np.ascontiguousarray(w[::-1]).tobytes()
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from pantheon.runtime import compile_guard
+from test_exec_store import greedy, warm
+compile_guard.install()
+m, state, compiles = warm(Path(sys.argv[2]), Path(sys.argv[3]))
+c0 = compile_guard.compile_count()
+ids, state = greedy(m, state, json.loads(sys.argv[4]), 8)
+store = m._exec_store()
+print(json.dumps({"warmup_compiles": compiles, "serve_compiles": compile_guard.compile_count() - c0,
+                  "loaded": store.loaded, "saved": store.saved, "programs": m.compile_progress(), "ids": ids}))
+"""
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory) -> dict:
+    """One cold warm-up of the tiny llama into a fresh store: every program compiled here, once, and saved."""
+    path, j, _ = tiny_fixture("llama")
+    store = tmp_path_factory.mktemp("store")
+    m, state, compiles = warm(path, store)
+    k, n = m.compile_progress()
+    ids, _ = greedy(m, state, j["prompt_ids"], 8)
+    return dict(path=path, store=store, n=n, k=k, compiles=compiles, saved=m._exec_store().saved, ids=ids,
+                key=m._exec_store().key, j=j)
+
+
+def test_a_cold_start_compiles_every_program_once_and_stores_it(stored):
+    assert stored["k"] == stored["n"] > 0 and stored["compiles"] >= stored["n"]
+    assert stored["saved"] == stored["n"]
+    assert stored["ids"] == stored["j"]["greedy_ids"][:8]
+
+
+def test_a_restart_loads_the_stored_programs_and_compiles_nothing(stored):
+    """A second process on the same file, config and machine: every program comes from the store,
+    nothing is traced, lowered or compiled from warm-up through serving, and the tokens are the same."""
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).parent), str(stored["path"]),
+                          str(stored["store"]), json.dumps(stored["j"]["prompt_ids"])],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = json.loads(out.stdout.strip().splitlines()[-1])
+    n = stored["n"]
+    assert again["warmup_compiles"] == 0 and again["serve_compiles"] == 0, (again, out.stderr[-3000:])
+    assert again["loaded"] == n and again["saved"] == 0 and again["programs"] == [n, n]
+    assert again["ids"] == stored["ids"]
+
+
+def test_a_different_file_or_config_compiles_its_own_programs(stored, tmp_path):
+    path, prompt = stored["path"], stored["j"]["prompt_ids"]
+    store = tmp_path / "store"
+    shutil.copytree(stored["store"], store)
+
+    # Same shapes, other weights: its own key, its own programs, its own tokens.
+    twin = twin_with_other_weights(path, tmp_path / "twin.gguf")
+    b, sb, compiles = warm(twin, store)
+    assert compiles > 0 and b._exec_store().loaded == 0 and b._exec_store().key != stored["key"]
+    ids_b, _ = greedy(b, sb, prompt, 8)
+    assert ids_b == list(reference.generate(b, prompt, GREEDY, max_tokens=8, stop_ids=[]))
+    assert ids_b != stored["ids"]
+
+    # Same file, another engine config (three slots): another key again.
+    c, _, compiles = warm(path, store, n_slots=3)
+    assert compiles > 0 and c._exec_store().loaded == 0
+    assert len([d for d in store.iterdir() if d.is_dir()]) == 3
+
+
+def test_a_damaged_program_is_compiled_again_never_loaded(stored, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(stored["store"], store)
+    victim = store / stored["key"] / "serve-decode-2-0-48.xla"
+    blob = bytearray(victim.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    victim.write_bytes(bytes(blob))
+    b, sb, compiles = warm(stored["path"], store)
+    n = stored["n"]
+    assert b._exec_store().loaded == n - 1 and b._exec_store().saved == 1 and compiles >= 1
+    assert greedy(b, sb, stored["j"]["prompt_ids"], 8)[0] == stored["ids"]
+
+
+def test_the_store_keeps_its_bound_by_dropping_the_least_recently_used_models(tmp_path):
+    from pantheon.runtime import exec_store
+    for i, name in enumerate(("old", "mid", "new")):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "p.xla").write_bytes(b"x" * 1000)
+        os.utime(d, (1000 + i, 1000 + i))
+    removed = exec_store.prune(tmp_path, 2500, keep="old")
+    assert [p.name for p in removed] == ["mid"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "old"]
+
+
+def test_ready_before_every_bucket_compiles_and_a_request_runs_padded_in_a_larger_one(tmp_path):
+    """Serve while compiling, through the server: `/` is 200 and says `compiled k/n` while the
+    background compile is held back; a request whose buckets are not compiled yet is served by the
+    largest ones (the driver compiles nothing: PANTHEON_FORBID_COMPILE is on) with the oracle's
+    tokens; once the rest exist, the same request runs in its own buckets, same tokens, and `/`
+    drops the progress."""
+    from pantheon.scheduler import GenRequest
+    from pantheon.scheduler.batch import BatchScheduler
+    from test_web_app import registry_app
+
+    path, j, _ = tiny_fixture("llama")
+    model = engine.load(path, engine.LoadOptions(n_slots=2, max_seq=256, prefill_chunk=16, kv_dtype="float32",
+                                                 store_dir=""))
+    gate, original = osthread.Event(), model._warm_rest
+
+    def held(keys, stop):  # the compile thread waits for the test before making anything
+        gate.wait(120)
+        original(keys, stop)
+
+    model._warm_rest = held
+    settings = Settings(home=tmp_path, batch_slots=2, prefill_chunk=16, max_seq=256, forbid_compile=True)
+    app, reg = registry_app(settings, lambda p, n, d, s: model, lambda m, s: BatchScheduler(m, s))
+    try:
+        client = app.test_client()
+        k, n = model.compile_progress()
+        assert 0 < k < n
+        body = client.get("/").get_json()
+        assert client.get("/").status_code == 200 and body["status"] == "ok"
+        assert body["progress"] == f"compiled {k}/{n}" and body["compiling"] == {"m": f"compiled {k}/{n}"}
+        assert client.get("/m/m/health").get_json()["progress"] == f"compiled {k}/{n}"
+
+        backend = reg.ready_entries("m")[0].backend
+
+        def serve() -> list[int]:
+            c = Collector()
+            backend.submit(GenRequest(prompt_ids=j["prompt_ids"], params=GREEDY, max_tokens=8), c)
+            assert c.done.wait(120)
+            assert c.finished.reason == "length", c.finished
+            return c.ids
+
+        assert serve() == j["greedy_ids"][:8]
+        top = model.capacity
+        assert {key[3] for key in model.compiled_shapes()} == {top}  # every step ran in a top-span bucket
+        assert model.compiled_shapes() <= {("prefill", 0, 16, top), ("decode", 2, 0, top), ("mixed", 1, 16, top)}
+
+        gate.set()
+        assert model.wait_compiled(300) and model.compile_progress() == (n, n) and not model.compile_errors
+        with model._keys_lock:
+            model._compiled_keys.clear()
+        assert serve() == j["greedy_ids"][:8]
+        assert ("decode", 1, 0, 128) in model.compiled_shapes()  # its own bucket now
+        wait_until(lambda: "progress" not in client.get("/").get_json(), what="the progress to leave /")
+    finally:
+        gate.set()
+        reg.close()

@@ -133,6 +133,22 @@ class Engine(Protocol):
     @host
     def compiled_shapes(self) -> set: ...
 
+    # -- the background compile (one die only: a mesh compiles every program before serving) --------
+    @host
+    def program_keys(self, decode: bool = True, prefill: bool = True, mixed: bool = True) -> list: ...
+
+    @host
+    def compile_progress(self) -> tuple[int, int]: ...
+
+    @host
+    def warming(self) -> bool: ...
+
+    @host
+    def wait_compiled(self, timeout: float | None = None) -> bool: ...
+
+    @host
+    def stop_warmup(self, timeout: float = 300.0) -> None: ...
+
 
 def _methods(kind: str) -> frozenset[str]:
     return frozenset(n for n, v in vars(Engine).items() if getattr(v, "__engine_kind__", None) == kind)

@@ -145,9 +145,11 @@ def _gather_recent(cache: jax.Array, layer: int, slots: jax.Array, first: jax.Ar
 
 def forward(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
-    """Same contract as llama.forward: B rows of T tokens; logits [B, V] (or [B, T, V]) and new state."""
-    x, state = _body(params, state, tokens, slots, start, cfg=cfg, span=span)
+            all_logits: bool = False, kernels: Kernels = XLA,
+            override: common.EmbdOverride | None = None) -> tuple[jax.Array, common.KVCache]:
+    """Same contract as llama.forward: B rows of T tokens; logits [B, V] (or [B, T, V]) and new state.
+    `override`: image embeddings at some positions (their tokens attend to each other both ways)."""
+    x, state = _body(params, state, tokens, slots, start, cfg=cfg, span=span, override=override)
     if not all_logits:
         x = common.last_valid(x, n_new)
     x = common.rms_norm(x, params.norm, cfg.rms_eps)
@@ -167,7 +169,8 @@ def hidden_states(params: Gemma3Params, state: common.KVCache, tokens: jax.Array
 
 
 def _body(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array, start: jax.Array, *,
-          cfg: ModelConfig, span: int) -> tuple[jax.Array, common.KVCache]:
+          cfg: ModelConfig, span: int, override: common.EmbdOverride | None = None
+          ) -> tuple[jax.Array, common.KVCache]:
     """The layer stack shared by the logits and the hidden-state outputs: the residual stream
     [B, T, H] after the last layer (before the final norm) and the updated state."""
     B, T = tokens.shape
@@ -182,6 +185,8 @@ def _body(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots:
     local_len = min(span, W + T - 1) if W > 0 else span
     local_first = jnp.maximum(start + T - local_len, 0)  # [B]; first + local_len <= start + T <= span
     x = weights.embed(params.embed, tokens) * np.float32(math.sqrt(cfg.hidden))
+    x = common.override_embeddings(x, override)  # image rows replace the *scaled* embeddings (as HF)
+    block = None if override is None else (start[:, None] + override.lo, start[:, None] + override.hi)
     kc, vc = state.k, state.v
 
     for li, lp in enumerate(params.layers):
@@ -197,12 +202,13 @@ def _body(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots:
         vc = common.write_kv(vc, li, v, slots, start)
         if glob or local_len == span:
             ks, vs = common.gather_span(kc, li, slots, span), common.gather_span(vc, li, slots, span)
-            q_pos = positions
+            q_pos, blk = positions, block
         else:  # keys j of the slice sit at positions first + j: shift the queries to match
             ks = _gather_recent(kc, li, slots, local_first, local_len)
             vs = _gather_recent(vc, li, slots, local_first, local_len)
             q_pos = positions - local_first[:, None]
-        o = common.attention(q, ks, vs, q_pos, scale, window=0 if glob else W, softcap=cfg.attn_softcap)
+            blk = None if block is None else tuple(b - local_first[:, None] for b in block)
+        o = common.attention(q, ks, vs, q_pos, scale, window=0 if glob else W, softcap=cfg.attn_softcap, block=blk)
         x = x + common.rms_norm(weights.linear(o, lp.wo), lp.post_attn_norm, cfg.rms_eps)
         h = common.rms_norm(x, lp.ffn_norm, cfg.rms_eps)
         f = jax.nn.gelu(weights.linear(h, lp.w_gate), approximate=True) * weights.linear(h, lp.w_up)

@@ -715,6 +715,9 @@ class Model:
         for plan in step_plans:
             h, state = self.step(state, plan)
             self.read(h)
+        if self.vision is not None:  # the image encoder's one program
+            S = self.vision.image_size
+            self.encode_images([np.zeros((3, S, S), np.float32)])
         state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert
         state = self.copy_slot(state, 0, 0)  # ... the n > 1 fork
         return self.release(state, 0)  # ... and release, leaving slot 0 idle

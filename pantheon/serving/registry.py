@@ -60,11 +60,12 @@ _DIES_RE = re.compile(r"\d+(,\d+)*")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One `[NAME=]MODEL[@DIE,DIE]` item of `--model` / PANTHEON_MODELS."""
+    """One `[NAME=]MODEL[?mmproj=PROJECTOR][@DIE,DIE]` item of `--model` / PANTHEON_MODELS."""
 
     source: str  # catalog name or file path
     name: str | None = None
     dies: tuple[int, ...] = ()
+    mmproj: str | None = None  # a vision projector GGUF (the model then takes images)
 
 
 def valid_name(name: str) -> bool:
@@ -91,9 +92,15 @@ def parse_spec(text: str) -> ModelSpec:
             raise ValueError(f"model spec {text!r}: {left.strip()!r} is not a valid model name "
                              "(letters, digits and ._:/+- ; at most 128 characters)")
         name, s = left.strip(), right.strip()
+    mmproj = None
+    base, q, proj = s.rpartition("?mmproj=")
+    if q:
+        s, mmproj = base.strip(), proj.strip()
+        if not mmproj:
+            raise ValueError(f"model spec {text!r}: ?mmproj= names no projector file")
     if not s:
         raise ValueError(f"model spec {text!r} names no model")
-    return ModelSpec(source=s, name=name, dies=dies)
+    return ModelSpec(source=s, name=name, dies=dies, mmproj=mmproj)
 
 
 def default_name(source: str) -> str:
@@ -137,12 +144,13 @@ def _status_error(message: str, status: int, code: str, param: str | None = None
     return RequestError(message, param=param, status=status, code=code)
 
 
-def _load_options(name: str, settings: Settings) -> Any:
+def _load_options(name: str, settings: Settings, mmproj: str | None = None) -> Any:
     """The LoadOptions a model is loaded with: the estimate must see exactly what the load will do."""
     from pantheon.runtime.engine import LoadOptions
     return LoadOptions(name=name, dtype=settings.dtype, n_slots=max(1, settings.batch_slots),
                        max_seq=settings.max_seq, prefill_chunk=settings.prefill_chunk,
-                       native_matmul=settings.native_matmul, native_dir=str(settings.home / "native"))
+                       native_matmul=settings.native_matmul, native_dir=str(settings.home / "native"),
+                       mmproj=mmproj)
 
 
 def estimate_load(path: Path, settings: Settings, platform: str) -> Any:
@@ -158,13 +166,16 @@ def _manager_from_table(table: list[dict]) -> Any:
                            kind=t.get("kind", "cpu"), budget_source="given") for t in table])
 
 
-def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings) -> Any:
+def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings, mmproj: str | None = None) -> Any:
     from pantheon.serving import distributed
     from pantheon.runtime.engine import load_on
     cluster = distributed.leader()
     if cluster is not None:  # multi-host: the followers load their shards too (pantheon.serving.distributed)
+        if mmproj:
+            raise _status_error("a vision projector (mmproj) is not supported on a multi-host cluster", 400,
+                                "unsupported", "mmproj")
         return cluster.load(path, _load_options(name, settings), dies)
-    return load_on(path, _load_options(name, settings), list(dies) or None)
+    return load_on(path, _load_options(name, settings, mmproj), list(dies) or None)
 
 
 def _holds_memory(model: Any) -> bool:
@@ -249,7 +260,7 @@ class Registry:
 
     # ---- loading (OS thread only) --------------------------------------------------------------------
     def load(self, source: str, name: str | None = None, dies: Sequence[int] | None = None,
-             resolve: Callable[[str], Path] = _resolve) -> dict:
+             resolve: Callable[[str], Path] = _resolve, mmproj: str | None = None) -> dict:
         """Load `source` (catalog name or path, turned into a file by `resolve`) as `name`; blocks.
 
         Raises RequestError (400 bad dies/name, 409 same name loading/unloading, 507 table full),
@@ -273,7 +284,9 @@ class Registry:
             self._place(entry, path, dies)
             with self._upload_lock:
                 uploading = True
-                model = self._load_model(path, name, entry.dies, self.settings)
+                # (the projector's bytes are not in the estimate: a few hundred MB beside the text model)
+                extra = {"mmproj": mmproj} if mmproj else {}
+                model = self._load_model(path, name, entry.dies, self.settings, **extra)
             backend = self._make_backend(model, self.settings)
             with self._lock:
                 entry.model, entry.card, entry.backend = model, getattr(model, "card", None), backend

@@ -14,6 +14,7 @@ disconnect) closes the generation even if the iteration never started.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ from pantheon.text.emitter import Delta, Emitter, merge_deltas
 from pantheon.errors import BusyError, PantheonError, RequestError
 from pantheon.types import GenRequest
 from pantheon.web import bridge
+from pantheon.web import images as web_images
 from pantheon.web.body import shown
 from pantheon.web.fields import MAX_ID_CHARS
 from pantheon.web.fields import bad as _bad
@@ -128,8 +130,23 @@ def _content(msg: Mapping, where: str, required: bool) -> None:
         p = f"{where}.content[{j}]"
         if not isinstance(part, dict):
             raise _bad(p, "must be an object like {\"type\": \"text\", \"text\": \"...\"}")
+        if part.get("type") == "image_url" and msg.get("role") == "user":
+            img = part.get("image_url")
+            if isinstance(img, str):  # the short form some clients send
+                img = part["image_url"] = {"url": img}
+            if not isinstance(img, dict) or not isinstance(img.get("url"), str):
+                raise _bad(f"{p}.image_url", "must be an object like {\"url\": \"data:image/png;base64,...\"}")
+            extra = set(img) - {"url", "detail"}
+            if extra:
+                raise _bad(f"{p}.image_url.{sorted(extra)[0]}", "is not supported")
+            if img.get("detail", "auto") not in ("auto", "low", "high"):
+                raise _bad(f"{p}.image_url.detail", "must be \"auto\", \"low\" or \"high\"")
+            if set(part) - {"type", "image_url"}:
+                raise _bad(f"{p}.{sorted(set(part) - {'type', 'image_url'})[0]}", "is not supported")
+            continue
         if part.get("type") != "text":
-            raise _bad(f"{p}.type", f"only text parts are supported, got {json.dumps(part.get('type'))[:40]}")
+            allowed = "text and image_url parts (image_url in user messages)"
+            raise _bad(f"{p}.type", f"only {allowed} are supported, got {json.dumps(part.get('type'))[:40]}")
         extra = set(part) - {"type", "text"}
         if extra:
             raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
@@ -604,6 +621,7 @@ class Generation(GenerationCore):
         self.creq = creq
         self.grammars = grammars  # the server's grammar-compile pool (ServerState.grammars)
         self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
+        self.images: list[Any] = []  # the request's images, preprocessed (pantheon.formats.images.Preprocessed)
 
     # -- setup --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -612,6 +630,10 @@ class Generation(GenerationCore):
         tok = card.tokenizer
         creq = self.creq
         self.check_model_limits(card, creq.n, creq.logit_bias)
+        if web_images.image_parts(creq.messages):  # decode (maybe fetch) off the hub; 400 on any bad image
+            msgs, self.images = bridge.call_in_thread(
+                web_images.load_images, creq.messages, card, self.registry.settings, name="pantheon-image")
+            creq = self.creq = dataclasses.replace(creq, messages=msgs)
         admit = lambda: admit_prompt(card, creq.messages, lambda m: self._prompt(card, m),  # noqa: E731
                                      creq.max_tokens, self.watch, creq.truncate_oldest,
                                      text=lambda m: self._render(card, m))
@@ -677,7 +699,8 @@ class Generation(GenerationCore):
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,  # resolves the seed, once
                          stop_ids=stop_ids, session_id=session, cache_scope=creq.cache_scope,
                          request_id=self.id, n=creq.n, logprobs=creq.logprobs, logit_bias=creq.logit_bias,
-                         constraint=constraint)
+                         constraint=constraint,
+                         images=web_images.prompt_images(ids, self.images, card) if self.images else ())
         self.launch(req, emitters, reservation=reservation)
 
     def _constraint(self, tok: Any) -> Any:
@@ -708,7 +731,7 @@ class Generation(GenerationCore):
         added when the model wants one)."""
         rendered = self._render(card, messages)
         tok = card.tokenizer
-        ids = tok.encode(rendered)
+        ids = tok.encode(web_images.expand(rendered, card) if self.images else rendered)
         if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
             ids.insert(0, tok.bos_id)
         return rendered, ids

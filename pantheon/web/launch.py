@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from pantheon.errors import PantheonError
 
@@ -39,6 +40,15 @@ def serve(args: argparse.Namespace) -> int:
     from pantheon.serving.registry import parse_spec
 
     specs = [s for m in (args.model or []) for s in split_model_specs(m)]
+    mmproj = getattr(args, "mmproj", None)
+    if mmproj:  # `--mmproj PROJ` belongs to the one `--model` beside it
+        if len(specs) != 1:
+            print("pantheon: --mmproj needs exactly one --model (or write MODEL?mmproj=PROJ in each spec)",
+                  file=sys.stderr)
+            return 2
+        head, at, tail = specs[0].rpartition("@")
+        base, dies = (head, "@" + tail) if at and tail.replace(",", "").isdigit() else (specs[0], "")
+        specs = [f"{base}?mmproj={Path(mmproj).expanduser().resolve()}{dies}"]
     if not specs:
         try:
             specs = list(load_settings().models) or [DEFAULT_MODEL]

@@ -136,6 +136,19 @@ TOOL_CALL: Schema = _object({
 _CONTENT: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
                     "description": "a string, or text parts (joined with newlines)",
                     "examples": ["Hello!", [{"type": "text", "text": "Hello!"}]]}
+IMAGE_PART: Schema = _object({
+    "type": {"const": "image_url"},
+    "image_url": {"anyOf": [
+        _object({"url": {"type": "string", "description": "a data: URL (PNG, JPEG, WebP, base64); an http(s) URL "
+                                                           "only under PANTHEON_IMAGE_URL_ALLOWLIST"},
+                 "detail": {"enum": ["auto", "low", "high"]}}, required=("url",)),
+        {"type": "string"}]},
+}, required=("type", "image_url"))
+_USER_CONTENT: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [TEXT_PART, IMAGE_PART]}}],
+                         "description": "a string, or text parts (joined with newlines) and image parts (a model "
+                                        "loaded with a vision projector)",
+                         "examples": ["Hello!", [{"type": "text", "text": "What is this?"},
+                                                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]]}
 _MESSAGE_COMMON: dict[str, Schema] = {
     "content": _CONTENT,
     "name": _str(None, "alice"),
@@ -166,7 +179,8 @@ CHAT_MESSAGE: Schema = {
                    "messages, tool_call_id only on tool messages; a function message (the deprecated tool "
                    "result) names its function. Any other field is refused unless it is null.",
     "anyOf": [
-        _message(_enum(("system", "user"), examples=["user"]), ("content",)),
+        _message(_enum(("system",), examples=["system"]), ("content",)),
+        _message(_enum(("user",), examples=["user"]), ("content",), content=_USER_CONTENT),
         _message({"const": "assistant", "examples": ["assistant"]}, ("content",),
                  tool_calls=_TOOL_CALLS, function_call=_FUNCTION_CALL),
         _message({"const": "assistant", "examples": ["assistant"]}, ("tool_calls",),
@@ -365,6 +379,8 @@ LOAD_REQUEST: Schema = {**_object(_optional({
              "examples": ["chat"]},
     "dies": {"type": "array", "maxItems": ADMIN_DIES_MAX, "items": {"type": "integer", "minimum": 0},
              "examples": [[0]]},
+    "mmproj": {**_ADMIN_STR, "description": "a vision projector (llama.cpp mmproj GGUF) inside PANTHEON_MODEL_DIR: "
+               "the model takes images", "examples": ["mmproj.gguf"]},
 })), "oneOf": _exactly_one("path", "model"), "description": "exactly one of path and model"}
 
 UNLOAD_REQUEST: Schema = {**_object(_optional({

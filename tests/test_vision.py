@@ -151,6 +151,7 @@ def run(sched, req: GenRequest) -> Collector:
     return c
 
 
+@pytest.mark.slow  # a scheduler with every bucket compiled
 @pytest.mark.parametrize("case", ["one", "two"])
 def test_greedy_through_the_scheduler_equals_oracle(model, sched, case):
     """Chunks of 8 around 16-token images (the scheduler stretches or stops a chunk at an image)."""
@@ -161,6 +162,7 @@ def test_greedy_through_the_scheduler_equals_oracle(model, sched, case):
     assert got.ids == c["greedy_ids"]
 
 
+@pytest.mark.slow  # a scheduler with every bucket compiled
 def test_batched_with_text_streams_equals_alone(model, sched):
     """Two image prompts and two text-only prompts in flight together: each equals running alone."""
     j = fixture()
@@ -178,6 +180,7 @@ def test_batched_with_text_streams_equals_alone(model, sched):
     assert [c.ids for c in cs] == [one["greedy_ids"], two["greedy_ids"]] + alone
 
 
+@pytest.mark.slow  # a scheduler with every bucket compiled
 def test_prefix_reuse_is_keyed_by_image_content(model):
     """The same ids with another picture reuse nothing past the image's first token; the same picture
     again reuses the whole prompt but its last token."""

@@ -212,12 +212,15 @@ class GenRequest:
 @dataclass(frozen=True)
 class PromptImage:
     """One image of a prompt: its preprocessed pixels (f32 [3, S, S], host), the sha256 of those
-    pixels, and the `n_tokens` prompt positions from `offset` on that its embeddings fill."""
+    pixels, and the `n_tokens` prompt positions from `offset` on that its embeddings fill. `embd`
+    [n_tokens, H] (host) when the request already had it encoded (the web layer does, off the
+    driver thread); else the scheduler encodes the pixels at insert."""
 
     pixels: Any = field(repr=False, compare=False)
     digest: str
     offset: int
     n_tokens: int
+    embd: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

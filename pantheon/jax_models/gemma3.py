@@ -42,7 +42,7 @@ from pantheon.jax_models import common
 from pantheon.jax_models.interface import Capabilities
 
 ARCHS = ("gemma3",)
-CAPABILITIES = Capabilities()
+CAPABILITIES = Capabilities(image_inputs=True)
 SWA_PATTERN = 6  # llama.cpp's gemma3 loader: every 6th layer is global (no GGUF key carries this)
 LOCAL_ROPE_BASE = 10000.0  # hard-coded in llama.cpp for gemma3's local layers
 
@@ -145,10 +145,17 @@ def _gather_recent(cache: jax.Array, layer: int, slots: jax.Array, first: jax.Ar
 
 def forward(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
-            all_logits: bool = False, kernels: Kernels = XLA,
-            override: common.EmbdOverride | None = None) -> tuple[jax.Array, common.KVCache]:
-    """Same contract as llama.forward: B rows of T tokens; logits [B, V] (or [B, T, V]) and new state.
-    `override`: image embeddings at some positions (their tokens attend to each other both ways)."""
+            all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
+    """Same contract as llama.forward: B rows of T tokens; logits [B, V] (or [B, T, V]) and new state."""
+    return forward_images(params, state, tokens, slots, start, n_new, None, cfg=cfg, span=span,
+                          all_logits=all_logits, kernels=kernels)
+
+
+def forward_images(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
+                   start: jax.Array, n_new: jax.Array, override: common.EmbdOverride | None, *, cfg: ModelConfig,
+                   span: int, all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
+    """`forward` with image embeddings at some positions (`override`); an image's tokens attend to each
+    other both ways, as HF's Gemma 3 mask (token_type_ids) and llama.cpp's non-causal image batch do."""
     x, state = _body(params, state, tokens, slots, start, cfg=cfg, span=span, override=override)
     if not all_logits:
         x = common.last_valid(x, n_new)

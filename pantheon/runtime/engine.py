@@ -447,9 +447,13 @@ class Model:
     # ---- the jitted parts --------------------------------------------------------------------------
     def _forward_impl(self, params, cache, tokens, slots, start, n_new, override=None, *, span: int,
                       all_logits: bool, kernels: Kernels):
-        extra = {} if override is None else {"override": override}
-        logits, cache = self.arch.forward(params, cache, tokens, slots, start, n_new, cfg=self.config,
-                                          span=span, all_logits=all_logits, kernels=kernels, **extra)
+        if override is not None:
+            logits, cache = self.arch.forward_images(params, cache, tokens, slots, start, n_new, override,
+                                                     cfg=self.config, span=span, all_logits=all_logits,
+                                                     kernels=kernels)
+        else:
+            logits, cache = self.arch.forward(params, cache, tokens, slots, start, n_new, cfg=self.config,
+                                              span=span, all_logits=all_logits, kernels=kernels)
         last = last_valid(logits, n_new) if all_logits else logits
         return last, (logits if all_logits else None), cache
 
@@ -486,9 +490,12 @@ class Model:
             logits, cache = self.arch.forward_groups(params, cache, tuple(groups), cfg=self.config, span=span,
                                                      kernels=kernels)
         else:
-            extra = {} if override is None or kind != "prefill" else {"override": override}
-            logits, cache = self.arch.forward(params, cache, *groups[0], cfg=self.config, span=span,
-                                              all_logits=False, kernels=kernels, **extra)
+            if override is not None and kind == "prefill":
+                logits, cache = self.arch.forward_images(params, cache, *groups[0], override, cfg=self.config,
+                                                         span=span, all_logits=False, kernels=kernels)
+            else:
+                logits, cache = self.arch.forward(params, cache, *groups[0], cfg=self.config, span=span,
+                                                  all_logits=False, kernels=kernels)
         rows = decode_state.StepRows(slot=jnp.concatenate(slot), emit=jnp.concatenate(emit),
                                      pos=jnp.concatenate(pos), live=jnp.concatenate(live))
         return logits, rows, cache
@@ -927,7 +934,7 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
         raise
 
 
-# text architectures whose forward takes image embeddings (an `override`), per projector type
+# the text architectures each projector type was made for (their modules declare image_inputs)
 VISION_TEXT_ARCHS = {"gemma3": ("gemma3",)}
 IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 
@@ -939,7 +946,7 @@ def _load_vision(path: Path, cfg: ModelConfig, tokenizer: Any, kernels: Kernels,
     from pantheon.types import VisionCard
     f = open_mmproj(path)
     vc = f.config
-    if cfg.arch not in VISION_TEXT_ARCHS.get(vc.projector, ()):
+    if cfg.arch not in VISION_TEXT_ARCHS.get(vc.projector, ()) or not capabilities_of(_arch_module(cfg, path)).image_inputs:
         raise ModelLoadError(path, f"a {vc.projector!r} projector does not fit a {cfg.arch!r} text model")
     if vc.text_hidden != cfg.hidden:
         raise ModelLoadError(path, f"the projector outputs width {vc.text_hidden}, the text model's embeddings "

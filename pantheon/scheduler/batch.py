@@ -530,9 +530,19 @@ class BatchScheduler(EmbedDriver):
         self._state = self.model.insert(self._state, self._slot_insert(sl, req, sl.reused))
         sl.matcher = self._matcher(req)
         if req.images and job.embd is None:  # images whose rows are still to prefill need their embeddings
-            todo = [im for im in req.images if im.offset + im.n_tokens > sl.reused]
+            todo = [im for im in req.images if im.embd is None and im.offset + im.n_tokens > sl.reused]
             got = dict(zip((id(im) for im in todo), self.model.encode_images([im.pixels for im in todo])))
-            job.embd = [got.get(id(im)) for im in req.images]
+            job.embd = [im.embd if im.embd is not None else got.get(id(im)) for im in req.images]
+
+    def encode_images(self, pixels: list[Any]) -> Any:
+        """Embeddings [N, tokens, H] (host) of preprocessed images, for a request to carry into `submit`.
+
+        Any thread may call it (it reads only the params): the web layer encodes a request's images in
+        its own OS thread, so the driver's steps for the other streams do not wait behind an encoder
+        (a real SigLIP image costs seconds on a CPU)."""
+        if getattr(self.model, "vision", None) is None:
+            raise RequestError(f"model {self.model.name!r} does not take images", code="model_not_multimodal")
+        return self.model.encode_images(pixels)
 
     def _chunk_part(self, sl: _Slot) -> tuple[int, ...]:
         """The next prompt chunk of `sl`: at most `chunk` tokens, but never ending inside an image (whose

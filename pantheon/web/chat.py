@@ -622,6 +622,7 @@ class Generation(GenerationCore):
         self.grammars = grammars  # the server's grammar-compile pool (ServerState.grammars)
         self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
         self.images: list[Any] = []  # the request's images, preprocessed (pantheon.formats.images.Preprocessed)
+        self.image_embd: Any = None  # their embeddings [N, tokens, H] when the backend encoded them here
 
     # -- setup --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -646,6 +647,9 @@ class Generation(GenerationCore):
             self.observe_admission("denied")
             raise
         self.capped = self.prompt_capped
+        encode = getattr(self.entry.backend, "encode_images", None)
+        if self.images and encode is not None:  # after admission: a refused prompt costs no encode
+            self.image_embd = bridge.call_in_thread(encode, [p.pixels for p in self.images], name="pantheon-image")
         max_tokens = self.budget(card, len(ids), creq.max_tokens)
         self.observe_admission("capped" if self.capped else "fit")
         constraint, reservation = None, None
@@ -700,7 +704,8 @@ class Generation(GenerationCore):
                          stop_ids=stop_ids, session_id=session, cache_scope=creq.cache_scope,
                          request_id=self.id, n=creq.n, logprobs=creq.logprobs, logit_bias=creq.logit_bias,
                          constraint=constraint,
-                         images=web_images.prompt_images(ids, self.images, card) if self.images else ())
+                         images=web_images.prompt_images(ids, self.images, card, self.image_embd) if self.images
+                         else ())
         self.launch(req, emitters, reservation=reservation)
 
     def _constraint(self, tok: Any) -> Any:

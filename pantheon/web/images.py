@@ -141,7 +141,8 @@ def expand(rendered: str, card: Any) -> str:
     return rendered.replace(v.marker, v.expansion)
 
 
-def prompt_images(ids: list[int], pics: list[images.Preprocessed], card: Any) -> tuple[PromptImage, ...]:
+def prompt_images(ids: list[int], pics: list[images.Preprocessed], card: Any, embd: Any = None
+                  ) -> tuple[PromptImage, ...]:
     """Where each image's embeddings go in the tokenized prompt: runs of the image token, n_tokens each.
 
     Turns dropped to fit the context take their images with them (the oldest first), so the runs
@@ -161,5 +162,7 @@ def prompt_images(ids: list[int], pics: list[images.Preprocessed], card: Any) ->
     if len(runs) > len(pics) or any(n != v.n_tokens for _, n in runs):
         raise RequestError("messages: the text contains the model's image tokens (or image markers) outside "
                            "image parts", param="messages", code="invalid_image")
-    kept = pics[len(pics) - len(runs):]
-    return tuple(PromptImage(pixels=p.pixels, digest=p.digest, offset=o, n_tokens=n) for p, (o, n) in zip(kept, runs))
+    first = len(pics) - len(runs)
+    return tuple(PromptImage(pixels=p.pixels, digest=p.digest, offset=o, n_tokens=n,
+                             embd=None if embd is None else embd[first + k])
+                 for k, (p, (o, n)) in enumerate(zip(pics[first:], runs)))

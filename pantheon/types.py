@@ -21,6 +21,7 @@ A request that cannot start (queue timeout, shutdown, admission denied) gets onl
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -187,7 +188,7 @@ class GenRequest:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}")
 
-    @property
+    @functools.cached_property
     def prefix_key(self) -> list[int]:
         """The prompt as prefix reuse compares it: the ids, except that every position of an image
         holds a negative number derived from the image's full content hash (never a token id).

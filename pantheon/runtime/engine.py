@@ -916,6 +916,9 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
                                     f"{cfg.vocab} rows: ids past the embedding would read nothing")
         vision = vcard = None
         if opts.mmproj:
+            if len(devices) > 1:
+                raise ModelLoadError(Path(opts.mmproj), "a vision projector is supported on one die only (the "
+                                                        "tensor-parallel steps take no image rows yet)")
             stage[0] = "loading the vision projector"
             vision, vparams, vcard = _load_vision(Path(opts.mmproj).expanduser(), cfg, tokenizer, kernels, devices)
             if vision.bidirectional and opts.prefill_chunk < vision.tokens_per_image:

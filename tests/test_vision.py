@@ -245,3 +245,19 @@ def test_chunk_is_raised_to_hold_an_image():
     """Gemma 3's image tokens attend both ways, so the engine's chunk holds at least one image."""
     m = load(prefill_chunk=8, n_slots=1)
     assert m.chunk == 16
+
+
+def test_model_specs_carry_the_projector(tmp_path):
+    """`--mmproj` is written into the model spec the worker reads (before a die list); parse_spec reads it."""
+    from pantheon.serving.registry import parse_spec
+    from pantheon.web.launch import with_mmproj
+    proj = tmp_path / "p.gguf"
+    (spec,) = with_mmproj(["vlm=model.gguf@0,1"], str(proj))
+    assert spec == f"vlm=model.gguf?mmproj={proj}@0,1"
+    assert parse_spec(spec) == parse_spec(f"vlm=model.gguf@0,1").__class__(
+        source="model.gguf", name="vlm", dies=(0, 1), mmproj=str(proj))
+    assert parse_spec("model.gguf").mmproj is None
+    with pytest.raises(ValueError, match="exactly one"):
+        with_mmproj(["a.gguf", "b.gguf"], str(proj))
+    with pytest.raises(ValueError, match="names no projector"):
+        parse_spec("model.gguf?mmproj=")

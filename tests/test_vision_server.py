@@ -20,12 +20,14 @@ from server_util import start_server
 pytestmark = pytest.mark.slow
 
 VLM = FIXTURES / "tiny-vlm"
+ADMIN = "vision-admin"
 
 
 @pytest.fixture(scope="module")
 def srv():
     models = [f"vlm={VLM / 'gemma3-vlm.gguf'}?mmproj={VLM / 'gemma3-vlm.mmproj.gguf'}", f"text={TINY / 'gemma3.gguf'}"]
     s = start_server(models, env={"PANTHEON_BATCH_SLOTS": "8", "PANTHEON_KV_DTYPE": "float32",
+                                  "PANTHEON_MODEL_DIR": str(VLM), "PANTHEON_ADMIN_KEY": ADMIN,
                                   "PANTHEON_PREFILL_CHUNK": "32", "PANTHEON_MAX_IMAGES": "2",
                                   "PANTHEON_MAX_IMAGE_PIXELS": "10000"}, timeout=400)
     yield s
@@ -155,3 +157,19 @@ def test_refusals_are_400s_naming_the_part(client):
         chat(client, one_image(a), model="text")
     assert error_of(e)["code"] == "model_not_multimodal"
     assert "does not take images" in error_of(e)["message"]
+
+
+def test_admin_load_with_a_projector(srv, client):
+    """The admin load takes `mmproj` (a file in the model directory); the loaded copy answers the oracle."""
+    r = srv.post("/admin/models/load", {"path": "gemma3-vlm.gguf", "mmproj": "gemma3-vlm.mmproj.gguf",
+                                        "name": "vlm2"}, key=ADMIN, timeout=600)
+    assert r.status_code == 200, r.text
+    try:
+        j = fixture()
+        got = chat(client, one_image(data_url(j["image_files"][0])), model="vlm2")
+        assert token_bytes(got) == oracle_bytes(j["cases"]["one"]["greedy_ids"])
+        bad = srv.post("/admin/models/load", {"path": "gemma3-vlm.gguf", "mmproj": "missing.gguf", "name": "vlm3"},
+                       key=ADMIN)
+        assert bad.status_code == 404 and bad.json()["error"]["param"] == "mmproj"
+    finally:
+        assert srv.post("/admin/models/unload", {"name": "vlm2"}, key=ADMIN, timeout=120).status_code == 200

@@ -73,10 +73,11 @@ def valid_name(name: str) -> bool:
 
 
 def parse_spec(text: str) -> ModelSpec:
-    """Parse `[NAME=]MODEL[@DIE,DIE]`; raises ValueError saying what is wrong.
+    """Parse `[NAME=]MODEL[?mmproj=PROJ][@DIE,DIE]`; raises ValueError saying what is wrong.
 
-    A trailing `@digits[,digits]` is the die list; a leading `NAME=` is the served name unless the
-    whole text is an existing file (so a path containing "=" still works).
+    A trailing `@digits[,digits]` is the die list; before it, `?mmproj=PROJ` names a vision projector;
+    a leading `NAME=` is the served name unless the whole text is an existing file (so a path
+    containing "=" still works).
     """
     s = text.strip()
     dies: tuple[int, ...] = ()
@@ -85,6 +86,12 @@ def parse_spec(text: str) -> ModelSpec:
         s, dies = head.strip(), tuple(int(x) for x in tail.split(","))
         if len(set(dies)) != len(dies):
             raise ValueError(f"model spec {text!r} lists a die twice")
+    mmproj = None
+    base, q, proj = s.rpartition("?mmproj=")
+    if q:
+        s, mmproj = base.strip(), proj.strip()
+        if not mmproj:
+            raise ValueError(f"model spec {text!r}: ?mmproj= names no projector file")
     name = None
     left, eq, right = s.partition("=")
     if eq and not Path(s).expanduser().exists():
@@ -92,12 +99,6 @@ def parse_spec(text: str) -> ModelSpec:
             raise ValueError(f"model spec {text!r}: {left.strip()!r} is not a valid model name "
                              "(letters, digits and ._:/+- ; at most 128 characters)")
         name, s = left.strip(), right.strip()
-    mmproj = None
-    base, q, proj = s.rpartition("?mmproj=")
-    if q:
-        s, mmproj = base.strip(), proj.strip()
-        if not mmproj:
-            raise ValueError(f"model spec {text!r}: ?mmproj= names no projector file")
     if not s:
         raise ValueError(f"model spec {text!r} names no model")
     return ModelSpec(source=s, name=name, dies=dies, mmproj=mmproj)

@@ -222,7 +222,7 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
         argmax_equal = bool((l1.argmax(-1) == l2.argmax(-1)).all())
         leaves = jax.tree_util.tree_leaves_with_path(many.params)
         # one name per weight: a layer's index in its tuple and a quantized weight's `.data` dropped
-        split = sorted({re.sub(r"\[\d+\]|\.data$", "", jax.tree_util.keystr(p)) for p, x in leaves
+        split = sorted({re.sub(r"\[\d+\]|\.groups|\.data$", "", jax.tree_util.keystr(p)) for p, x in leaves
                         if any(s is not None for s in x.sharding.spec)})
         state = many.new_state()
         out[f"{name}@{len(dies)}"] = {

@@ -43,11 +43,11 @@ def test_fused_projections_compute_what_the_separate_ones_do():
     nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     w, b = lay.wqkv, lay.bqkv  # per layer: rows [q | k | v] of one weight
 
-    def rows(ws, lo, hi):
-        return tuple(weights.row_slice(x, lo, hi) for x in ws)
+    def rows(ws, lo, hi):  # rows [lo, hi) of every layer's matrix, still one stack over the layers
+        return ws.replace(groups=tuple(weights.row_slice(g, lo, hi) for g in ws.groups))
 
     gu = lay.w_gu
-    half = gu[0].rows // 2
+    half = gu.groups[0].rows // 2
     sep = lay.replace(wqkv=None, bqkv=None, w_gu=None,
                       wq=rows(w, 0, nq), wk=rows(w, nq, nq + nk), wv=rows(w, nq + nk, nq + 2 * nk),
                       bq=b[:, :nq], bk=b[:, nq:nq + nk], bv=b[:, nq + nk:],

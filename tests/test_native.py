@@ -12,7 +12,7 @@ import pytest
 
 from conftest import tiny_fixture
 from pantheon.runtime import engine
-from pantheon.ops import native
+from pantheon.ops import native, weights
 from pantheon.runtime.decode_state import slot_insert
 from pantheon.runtime.engine import Chunk, StepPlan
 from pantheon.types import GREEDY
@@ -110,11 +110,12 @@ def test_decode_steps_and_prefill_chunks_run_the_kernels(kernel):
 
     n_layers = model.config.n_layers
     decode, chunk = _lowered(model, 2, 1), _lowered(model, 1, 64)
-    # decode: qkv, o, gate-up and down of every layer (one switch branch each) and the LM head
-    assert decode.count("call @" + native.TARGET) == 4 * n_layers + 1
+    # decode: qkv, o, gate-up and down, once in the layer scan's body whatever the depth (each reads
+    # its layer of the stack), and the LM head
+    assert n_layers > 1 and decode.count("call @" + native.TARGET) == 4 + 1
     assert decode.count("call @" + native.ATTENTION_TARGET) == 1  # in the layer scan's body
     # a 64-token chunk: the same matmuls; its attention (many queries per row) stays XLA's
-    assert chunk.count("call @" + native.TARGET) == 4 * n_layers + 1
+    assert chunk.count("call @" + native.TARGET) == 4 + 1
     assert native.ATTENTION_TARGET not in chunk
 
 
@@ -246,11 +247,13 @@ def test_a_quantized_file_decodes_from_its_blocks_with_the_f32_results(kernel, t
     on = engine.load(path, engine.LoadOptions(native_matmul=True, **opts))
     off = engine.load(path, engine.LoadOptions(native_matmul=False, **opts))
     lay = common.present(on.params.layers)
-    assert {k for k in lay if isinstance(lay[k], tuple)} == {"wqkv", "wo", "w_gu", "w_down"}  # fused in place
-    assert [w.qtype for w in lay["wqkv"]] == ["Q4_1"] * 2 and on.params.embed.qtype == "Q8_0"
+    assert {k for k in lay if isinstance(lay[k], weights.LayerStack)} == {"wqkv", "wo", "w_gu", "w_down"}  # fused
+    assert [w.qtype for w in lay["wqkv"].groups] == ["Q4_1"] and len(lay["wqkv"]) == 2  # one stack of 2 layers
+    assert on.params.embed.qtype == "Q8_0"
     text = _lowered(on, 2, 1)
-    # every layer's 4 matmuls (one switch branch each) and the tied LM head read their blocks
-    assert text.count("call @" + native.QUANT_TARGET) == 4 * on.config.n_layers + 1
+    # the layer body's 4 matmuls (each reads its layer of the stack in place) and the tied LM head
+    # read their blocks
+    assert text.count("call @" + native.QUANT_TARGET) == 4 + 1
     assert "call @pantheon" not in _lowered(off, 2, 1)
     ids = list(range(5, 25))
     got = [np.asarray(reference.logits(m, ids, chunk=1)) for m in (on, off)]
@@ -265,7 +268,8 @@ def test_matrices_whose_formats_differ_stay_apart_each_in_its_own_format(kernel,
     model = engine.load(path, engine.LoadOptions(native_matmul=True, n_slots=1, max_seq=32, prefill_chunk=16))
     lay = model.params.layers
     assert lay.wqkv is None and lay.w_gu is not None  # q/k/v differ (v is F32); gate/up share Q4_0
-    assert (lay.wq[0].qtype, lay.wk[0].qtype, lay.wv[0].qtype) == ("Q4_1", "Q8_0", "F32")
+    assert (lay.wq.host_layer(0).qtype, lay.wk.host_layer(0).qtype, lay.wv.host_layer(0).qtype) == (
+        "Q4_1", "Q8_0", "F32")
     assert model.params.embed.qtype == "F32"
     assert len(list(reference.generate(model, [5, 6, 7], max_tokens=3, stop_ids=[]))) == 3
 

@@ -21,8 +21,9 @@ window, not the context. A window-sized ring would also bound their memory, but 
 the batch scheduler's prefix reuse may rewind to (a slot reused at length P needs keys P-W..P-1 that a
 longer previous occupant has already overwritten), so it needs a scheduler-side cap first.
 
-The layer loop is unrolled in Python: local and global layers read different key lengths, so they
-cannot share one ``lax.scan`` body.
+The layer loop is a ``lax.scan`` like llama.py's, so a step's program does not grow with depth: each
+kind of matrix is one weights.LayerStack read in place by layer, and local and global layers, which
+read different key lengths, are the two branches of one ``lax.cond`` on the layer's kind.
 """
 
 from __future__ import annotations
@@ -60,61 +61,67 @@ def attn_scale(cfg: ModelConfig) -> float:
     return cfg.attn_scale
 
 
-@struct.dataclass
-class Gemma3Layer:
-    """One layer's parameters: matrices as QuantWeights, vectors f32 (norms as stored: the GGUF
-    converter already folded Gemma's (1 + w))."""
+_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
-    attn_norm: Any  # [H]
-    wq: QuantWeight  # [nh*hd, H]
-    wk: QuantWeight  # [nkv*hd, H]
-    wv: QuantWeight  # [nkv*hd, H]
-    wo: QuantWeight  # [H, nh*hd]
-    q_norm: Any  # [hd]
-    k_norm: Any  # [hd]
-    post_attn_norm: Any  # [H]
-    ffn_norm: Any  # [H]
-    w_gate: QuantWeight  # [F, H]
-    w_up: QuantWeight  # [F, H]
-    w_down: QuantWeight  # [H, F]
-    post_ffw_norm: Any  # [H]
+
+@struct.dataclass
+class Gemma3Layers:
+    """Every layer's parameters: each matrix kind a tuple of per-layer QuantWeights as loaded (a
+    weights.LayerStack once the engine stacks them), vectors f32 stacked [L, ...] (norms as stored:
+    the GGUF converter already folded Gemma's (1 + w))."""
+
+    attn_norm: Any  # [L, H]
+    wq: Any  # [nh*hd, H] per layer
+    wk: Any  # [nkv*hd, H]
+    wv: Any  # [nkv*hd, H]
+    wo: Any  # [H, nh*hd]
+    q_norm: Any  # [L, hd]
+    k_norm: Any  # [L, hd]
+    post_attn_norm: Any  # [L, H]
+    ffn_norm: Any  # [L, H]
+    w_gate: Any  # [F, H]
+    w_up: Any  # [F, H]
+    w_down: Any  # [H, F]
+    post_ffw_norm: Any  # [L, H]
 
 
 @struct.dataclass
 class Gemma3Params:
-    """One `Gemma3Layer` per layer, in a tuple: the forward is unrolled (local and global layers read
-    different key lengths), so nothing is stacked and no step slices a copy. `head` None: tied."""
+    """The embedding, final norm, the layers and an untied head (None: tied)."""
 
     embed: QuantWeight  # [V, H]
     norm: Any  # [H]
-    layers: tuple[Gemma3Layer, ...]
+    layers: Gemma3Layers
     head: Optional[QuantWeight] = None
 
 
 def load_params(src: TensorSource, cfg: ModelConfig) -> Gemma3Params:
     """Matrices as the file stores them (QuantWeight views of the mapped file), vectors f32."""
     H, nh, nkv, hd, F = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn
-    shapes = {  # our name -> (GGUF name, shape, is a matrix)
-        "attn_norm": ("attn_norm", (H,), False),
-        "wq": ("attn_q", (nh * hd, H), True),
-        "wk": ("attn_k", (nkv * hd, H), True),
-        "wv": ("attn_v", (nkv * hd, H), True),
-        "wo": ("attn_output", (H, nh * hd), True),
-        "q_norm": ("attn_q_norm", (hd,), False),
-        "k_norm": ("attn_k_norm", (hd,), False),
-        "post_attn_norm": ("post_attention_norm", (H,), False),
-        "ffn_norm": ("ffn_norm", (H,), False),
-        "w_gate": ("ffn_gate", (F, H), True),
-        "w_up": ("ffn_up", (F, H), True),
-        "w_down": ("ffn_down", (H, F), True),
-        "post_ffw_norm": ("post_ffw_norm", (H,), False),
+    shapes = {  # our name -> (GGUF name, shape)
+        "attn_norm": ("attn_norm", (H,)),
+        "wq": ("attn_q", (nh * hd, H)),
+        "wk": ("attn_k", (nkv * hd, H)),
+        "wv": ("attn_v", (nkv * hd, H)),
+        "wo": ("attn_output", (H, nh * hd)),
+        "q_norm": ("attn_q_norm", (hd,)),
+        "k_norm": ("attn_k_norm", (hd,)),
+        "post_attn_norm": ("post_attention_norm", (H,)),
+        "ffn_norm": ("ffn_norm", (H,)),
+        "w_gate": ("ffn_gate", (F, H)),
+        "w_up": ("ffn_up", (F, H)),
+        "w_down": ("ffn_down", (H, F)),
+        "post_ffw_norm": ("post_ffw_norm", (H,)),
     }
-    layers = tuple(
-        Gemma3Layer(**{ours: (src.matrix if matrix else src.get)(f"blk.{i}.{name}.weight", shape)
-                       for ours, (name, shape, matrix) in shapes.items()})
-        for i in range(cfg.n_layers))
+    layers: dict[str, Any] = {}
+    for ours, (name, shape) in shapes.items():
+        names = [f"blk.{i}.{name}.weight" for i in range(cfg.n_layers)]
+        if ours in _MATRICES:
+            layers[ours] = tuple(src.matrix(n, shape) for n in names)
+        else:
+            layers[ours] = np.stack([src.get(n, shape) for n in names])
     return Gemma3Params(embed=src.matrix("token_embd.weight", (cfg.vocab, H)),
-                        norm=src.get("output_norm.weight", (H,)), layers=layers,
+                        norm=src.get("output_norm.weight", (H,)), layers=Gemma3Layers(**layers),
                         head=None if cfg.tied_output else src.matrix("output.weight", (cfg.vocab, H)))
 
 
@@ -194,19 +201,10 @@ def _body(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots:
     x = weights.embed(params.embed, tokens) * np.float32(math.sqrt(cfg.hidden))
     x = common.override_embeddings(x, override)  # image rows replace the *scaled* embeddings (as HF)
     block = None if override is None else (start[:, None] + override.lo, start[:, None] + override.hi)
-    kc, vc = state.k, state.v
+    kinds = [is_global(cfg, i) for i in range(cfg.n_layers)]
+    mixed = len(set(kinds)) > 1
 
-    for li, lp in enumerate(params.layers):
-        glob = is_global(cfg, li)
-        cos, sin = rope[glob]
-        h = common.rms_norm(x, lp.attn_norm, cfg.rms_eps)
-        q = common.rms_norm(weights.linear(h, lp.wq).reshape(B, T, nh, hd), lp.q_norm, cfg.rms_eps)
-        k = common.rms_norm(weights.linear(h, lp.wk).reshape(B, T, nkv, hd), lp.k_norm, cfg.rms_eps)
-        v = weights.linear(h, lp.wv).reshape(B, T, nkv, hd)
-        q = common.apply_rope(q, cos, sin, cfg.n_rot, cfg.rope_type)
-        k = common.apply_rope(k, cos, sin, cfg.n_rot, cfg.rope_type)
-        kc = common.write_kv(kc, li, k, slots, start)  # write before any read of the cache
-        vc = common.write_kv(vc, li, v, slots, start)
+    def attend(q: jax.Array, kc: jax.Array, vc: jax.Array, li: jax.Array, glob: bool) -> jax.Array:
         if glob or local_len == span:
             ks, vs = common.gather_span(kc, li, slots, span), common.gather_span(vc, li, slots, span)
             q_pos, blk = positions, block
@@ -214,10 +212,44 @@ def _body(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots:
             ks = _gather_recent(kc, li, slots, local_first, local_len)
             vs = _gather_recent(vc, li, slots, local_first, local_len)
             q_pos = positions - local_first[:, None]
-            blk = None if block is None else tuple(b - local_first[:, None] for b in block)
-        o = common.attention(q, ks, vs, q_pos, scale, window=0 if glob else W, softcap=cfg.attn_softcap, block=blk)
-        x = x + common.rms_norm(weights.linear(o, lp.wo), lp.post_attn_norm, cfg.rms_eps)
+            blk = None if block is None else (block[0] - local_first[:, None], block[1] - local_first[:, None])
+        return common.attention(q, ks, vs, q_pos, scale, window=0 if glob else W, softcap=cfg.attn_softcap,
+                                block=blk)
+
+    def mm(lp: Gemma3Layers, name: str, h: jax.Array, li: jax.Array) -> jax.Array:
+        return weights.pick_linear(getattr(lp, name), li, h)
+
+    def layer(carry, inputs):
+        x, kc, vc = carry
+        lp, li, glob = inputs
+        lp = lp.replace(**listed)
+        if mixed:  # the layer's RoPE: elementwise choice between the two tables (no branch)
+            cos = jnp.where(glob, rope[True][0], rope[False][0])
+            sin = jnp.where(glob, rope[True][1], rope[False][1])
+        else:
+            cos, sin = rope[kinds[0]]
+        h = common.rms_norm(x, lp.attn_norm, cfg.rms_eps)
+        q = common.rms_norm(mm(lp, "wq", h, li).reshape(B, T, nh, hd), lp.q_norm, cfg.rms_eps)
+        k = common.rms_norm(mm(lp, "wk", h, li).reshape(B, T, nkv, hd), lp.k_norm, cfg.rms_eps)
+        v = mm(lp, "wv", h, li).reshape(B, T, nkv, hd)
+        q = common.apply_rope(q, cos, sin, cfg.n_rot, cfg.rope_type)
+        k = common.apply_rope(k, cos, sin, cfg.n_rot, cfg.rope_type)
+        kc = common.write_kv(kc, li, k, slots, start)  # write before any read of the cache
+        vc = common.write_kv(vc, li, v, slots, start)
+        if mixed:
+            o = jax.lax.cond(glob, lambda *a: attend(*a, True), lambda *a: attend(*a, False), q, kc, vc, li)
+        else:
+            o = attend(q, kc, vc, li, kinds[0])
+        x = x + common.rms_norm(mm(lp, "wo", o, li), lp.post_attn_norm, cfg.rms_eps)
         h = common.rms_norm(x, lp.ffn_norm, cfg.rms_eps)
-        f = jax.nn.gelu(weights.linear(h, lp.w_gate), approximate=True) * weights.linear(h, lp.w_up)
-        x = x + common.rms_norm(weights.linear(f, lp.w_down), lp.post_ffw_norm, cfg.rms_eps)
+        f = jax.nn.gelu(mm(lp, "w_gate", h, li), approximate=True) * mm(lp, "w_up", h, li)
+        x = x + common.rms_norm(mm(lp, "w_down", f, li), lp.post_ffw_norm, cfg.rms_eps)
+        return (x, kc, vc), None
+
+    # As in llama.py: the matrices' stacks stay out of the scan's inputs (the body reads layer li in
+    # place); the scan slices the stacked vectors.
+    listed = {k: getattr(params.layers, k) for k in _MATRICES}
+    per_layer = params.layers.replace(**{k: None for k in _MATRICES})
+    xs = (per_layer, jnp.arange(cfg.n_layers, dtype=jnp.int32), jnp.asarray(kinds))
+    (x, kc, vc), _ = jax.lax.scan(layer, (x, state.k, state.v), xs)
     return x, state.replace(k=kc, v=vc)

@@ -2,8 +2,9 @@
 and the MoE variants mixtral / qwen3moe (router top-k over stacked experts).
 
 Pure functions of (params, state, inputs) -> (outputs, state). The layer loop is a `lax.scan` (fast
-to compile, one code path for any depth) over the stacked vectors (norms, biases); matrices are one
-QuantWeight per layer, which the scan body switches over (weights.pick_linear).
+to compile, one code path for any depth) over the stacked vectors (norms, biases); each kind of matrix
+is one weights.LayerStack over the layers (per-layer QuantWeights as loaded, stacked by the engine),
+which the scan body reads layer li of in place (weights.pick_linear).
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ from pantheon.jax_models.interface import Capabilities, Group
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
 CAPABILITIES = Capabilities(mixed_steps=True, fused_projections=True)
 
-Matrices = tuple[QuantWeight, ...]  # one weight per layer, in layer order
+Matrices = tuple[QuantWeight, ...] | weights.LayerStack  # one weight per layer, in layer order
 Vectors = Any  # a stacked [L, ...] array (numpy on the host, jax on the device)
 
 
 @struct.dataclass
 class LlamaLayers:
-    """Every layer's parameters. Matrices are a tuple of per-layer QuantWeights (the scan body
-    switches over them, so no step copies a weight out of a stack); vectors are stacked [L, ...]
-    and sliced by the scan. Exactly one form of each projection is set: the separate q/k/v and
+    """Every layer's parameters. Matrices are a tuple of per-layer QuantWeights as loaded, then a
+    weights.LayerStack once the engine stacks them (the scan body reads layer li of it in place, so
+    the program has no branch per layer); vectors are stacked [L, ...] and sliced by the scan. Exactly one form of each projection is set: the separate q/k/v and
     gate/up as loaded, or the fused `wqkv` / `w_gu` after `fuse_projections`; a dense FFN or the
     MoE experts. Absent parts are None."""
 
@@ -154,8 +155,8 @@ def fuse_projections(params: LlamaParams) -> LlamaParams:
 
 def matmul(lp: LlamaLayers, name: str, h: jax.Array, li: jax.Array, bias: str | None = None,
            skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """weights.linear with layer li's weight `name` (a tuple over layers: a switch reads it in place)
-    and, when the file has it, this layer's bias `bias`."""
+    """weights.linear with layer li's weight `name` (read in place from its stack over layers) and,
+    when the file has it, this layer's bias `bias`."""
     return weights.pick_linear(getattr(lp, name), li, h, getattr(lp, bias) if bias else None, skip)
 
 
@@ -175,14 +176,11 @@ def state_bytes_per_sequence(cfg: ModelConfig) -> int:
 
 def moe(h: jax.Array, lp: LlamaLayers, li: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Softmax router -> top-k -> renormalise -> weighted SwiGLU experts (the shared MoE kernels),
-    with layer li's experts (per-layer tuples: one branch per layer reads its own in place)."""
+    with layer li's experts, read in place from their stacks over layers (weights.with_layer)."""
     def run(h: jax.Array, wg: Any, wu: Any, wd: Any) -> jax.Array:
         return moe_kernels.moe_ffn(h, lp.router, wg, wu, wd, cfg.n_experts_used)
 
-    wg, wu, wd = lp.w_gate_e, lp.w_up_e, lp.w_down_e
-    if not isinstance(wg, tuple):
-        return run(h, wg, wu, wd)
-    return jax.lax.switch(li, [lambda v, i=i: run(v, wg[i], wu[i], wd[i]) for i in range(len(wg))], h)
+    return weights.with_layer((lp.w_gate_e, lp.w_up_e, lp.w_down_e), li, run, h)
 
 
 def forward(params: LlamaParams, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
@@ -306,11 +304,11 @@ def _body(params: LlamaParams, state: common.KVCache, groups: tuple[Group, ...],
             x = x + matmul(lp, "w_down", jax.nn.silu(g) * u, li, skip=skip)
         return (x, kc, vc), None
 
-    # Per-layer weight tuples stay out of the scan's inputs: the body switches over them by layer
-    # (weights.pick_linear) instead of slicing a stack, which would copy every matrix each step.
-    # The scan slices the stacked vectors (the matrices' fields set to None there) and the body puts
-    # the matrix tuples back, whole.
-    listed = {k: a for k, a in common.present(params.layers).items() if isinstance(a, tuple)}
+    # The matrices' stacks stay out of the scan's inputs: the body reads layer li of each in place
+    # (weights.pick_linear) instead of letting the scan slice it, which would copy every matrix each
+    # step. The scan slices the stacked vectors (the matrices' fields set to None there) and the body
+    # puts the matrix stacks back, whole.
+    listed = {k: a for k, a in common.present(params.layers).items() if isinstance(a, (tuple, weights.LayerStack))}
     per_layer = params.layers.replace(**{k: None for k in listed})
 
     def scanned(carry, inputs):

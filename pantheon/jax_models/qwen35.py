@@ -122,9 +122,9 @@ def hybrid_dims(cfg: ModelConfig) -> HybridDims:
 
 # ---- parameters ------------------------------------------------------------------------------------
 # Vectors of a layer kind are stacked [G, per, ...] (G periods of `per` layers of that kind) for the
-# period scan; matrices are a tuple over that kind's layers in layer order (the scan body switches
-# over them, so no step copies a weight out of a stack).
-Matrices = tuple[QuantWeight, ...]
+# period scan; matrices are a tuple over that kind's layers in layer order as loaded, a
+# weights.LayerStack once the engine stacks them (the scan body reads its period's layer in place).
+Matrices = tuple[QuantWeight, ...] | weights.LayerStack
 Stacked = Any  # [G, per, ...] f32 (numpy on the host, jax on the device)
 
 
@@ -531,7 +531,7 @@ def _swiglu(h: jax.Array, wg: Any, wu: Any, wd: Any, g: jax.Array) -> jax.Array:
 
 def _ffn(h: jax.Array, lp: BlockLayers, g: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Dense SwiGLU (qwen35) or routed experts + sigmoid-gated shared expert (section 5.6).
-    The experts of this layer position over the periods are a tuple: one branch per period."""
+    The experts of this layer position over the periods are read in place from their stacks."""
     if lp.router is None:
         return _swiglu(h, lp.w_gate, lp.w_up, lp.w_down, g)
     scale = float(cfg.extra.get("expert_weights_scale", 0.0) or 0.0)
@@ -540,11 +540,7 @@ def _ffn(h: jax.Array, lp: BlockLayers, g: jax.Array, cfg: ModelConfig) -> jax.A
     def routed(v: jax.Array, wg: Any, wu: Any, wd: Any) -> jax.Array:
         return moe_kernels.moe_ffn(v, lp.router, wg, wu, wd, cfg.n_experts_used, scale=scale)
 
-    wg, wu, wd = lp.w_gate_e, lp.w_up_e, lp.w_down_e
-    if isinstance(wg, tuple):
-        y = jax.lax.switch(g, [lambda v, i=i: routed(v, wg[i], wu[i], wd[i]) for i in range(len(wg))], h)
-    else:
-        y = routed(h, wg, wu, wd)
+    y = weights.with_layer((lp.w_gate_e, lp.w_up_e, lp.w_down_e), g, routed, h)
     if lp.sh_gate is not None:
         s = jax.nn.sigmoid(jnp.einsum("...h,h->...", h.astype(jnp.float32), lp.sh_gate_inp.astype(jnp.float32)))
         y = y + (s[..., None] * _swiglu(h, lp.sh_gate, lp.sh_up, lp.sh_down, g)).astype(y.dtype)
@@ -599,13 +595,13 @@ def _body(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: ja
     conv0 = conv0.reshape((G, d.n_lin // G) + conv0.shape[1:])
     ssm0 = ssm0.reshape((G, d.n_lin // G) + ssm0.shape[1:])
 
-    # Matrices (tuples over the layers of a kind, in layer order) stay outside the scan's inputs
-    # (their fields set to None there): position j of a period reads entries j, j + per, ... and the
-    # body switches over the period (weights.pick_linear), so no step copies a weight out of a stack.
+    # Matrices (stacks over the layers of a kind, in layer order) stay outside the scan's inputs
+    # (their fields set to None there): position j of a period reads entries j, j + per, ... of the
+    # stack, layer `period` of them in place (weights.pick_linear), so no step copies a weight.
     def split(group: Any) -> tuple[Any, dict[str, tuple]]:
         if group is None:
             return None, {}
-        ws = {k: a for k, a in common.present(group).items() if isinstance(a, tuple)}
+        ws = {k: a for k, a in common.present(group).items() if isinstance(a, (tuple, weights.LayerStack))}
         return group.replace(**{k: None for k in ws}), ws
 
     per_layer, layer_w = split(params.layer)
@@ -613,8 +609,8 @@ def _body(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: ja
     attn_v, attn_w = split(params.attn)
     n_lin_per, n_attn_per = sum(pattern), attn_per
 
-    def position(ws: dict[str, tuple], j: int, per: int) -> dict[str, tuple]:
-        return {k: a[j::per] for k, a in ws.items()}
+    def position(ws: dict[str, Any], j: int, per: int) -> dict[str, Any]:
+        return {k: a.every(j, per) if isinstance(a, weights.LayerStack) else a[j::per] for k, a in ws.items()}
 
     def period(carry, xs):
         x, kc, vc = carry

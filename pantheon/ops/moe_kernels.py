@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pantheon.ops import weights
-from pantheon.ops.weights import QuantWeight
+from pantheon.ops.weights import LayerView, QuantWeight
 
 IMPLS = ("auto", "dense", "capacity", "tiles", "pallas", "pallas_interpret", "pallas_prefetch",
          "pallas_prefetch_interpret")
@@ -131,20 +131,21 @@ def _combine(out_rows: jax.Array, dest: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("nkh,nk->nh", out_rows[dest].reshape(n, k, -1), w)
 
 
-# One layer's experts: a QuantWeight [E, out, in] in the file's format (what the engine loads), or a
-# plain [E, out, in] array (tests, benchmarks). The tile loop multiplies one expert at a time with
-# weights.linear, so it reads quantized experts as they are stored; the other paths expand the layer.
-Experts = QuantWeight | jax.Array
+# One layer's experts: a QuantWeight [E, out, in] in the file's format, one layer of the engine's
+# stack of them over layers (a LayerView of [L, E, out, in]), or a plain [E, out, in] array (tests,
+# benchmarks). The tile loop multiplies one expert at a time with weights.linear_at, so it reads
+# quantized experts where they are stored; the other paths expand the layer.
+Experts = QuantWeight | LayerView | jax.Array
 
 
 def layer_experts(w: Experts) -> jax.Array:
     """The [E, out, in] weights of this layer as an array (expanded when quantized)."""
-    return w.expand() if isinstance(w, QuantWeight) else w
+    return w.expand() if isinstance(w, (QuantWeight, LayerView)) else w
 
 
 def _expert_linear(x: jax.Array, w: Experts, e: jax.Array) -> jax.Array:
     """x @ expert e's matrix.T: read in place from a quantized stack (weights.linear_at)."""
-    if isinstance(w, QuantWeight):
+    if isinstance(w, (QuantWeight, LayerView)):
         return weights.linear_at(x, w, e)
     return weights.linear(x, w[e])
 
@@ -337,8 +338,8 @@ def experts(x: jax.Array, w: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up:
     w_down [E, H, F] in the GGUF (out, in) layout.
     """
     if impl == "auto":
-        spec = (jax.ShapeDtypeStruct(w_gate.shape, jnp.dtype(w_gate.compute)) if isinstance(w_gate, QuantWeight)
-                else w_gate)
+        quant = isinstance(w_gate, (QuantWeight, LayerView))
+        spec = jax.ShapeDtypeStruct(w_gate.shape, jnp.dtype(w_gate.compute)) if quant else w_gate
         impl = "tiles" if jax.default_backend() == "cpu" else pick_impl(idx.size, spec)
     if not impl.startswith("tiles"):  # only the tile loop reads experts as they are stored
         w_gate, w_up, w_down = layer_experts(w_gate), layer_experts(w_up), layer_experts(w_down)

@@ -95,16 +95,23 @@ class QuantWeight:
 Weight = QuantWeight | jax.Array
 
 
-def linear(x: jax.Array, w: Weight, b: jax.Array | None = None,
+def linear(x: jax.Array, w: "Weight | LayerView", b: jax.Array | None = None,
            skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """y = x @ W.T (+ b) for W stored (out, in): the one place a weight meets an activation.
 
+    `w` is a weight, a plain array, or one layer of a `LayerStack` (a `LayerView`: the stack and a
+    traced layer index), which the native kernels read in place.
     `skip`: flattened rows [first, end) of x whose products nobody reads (a prefill chunk's padding);
     the native kernels leave them out (zeros), XLA's forms compute them anyway.
     XLA's path: from WEIGHT_MAJOR_ROWS rows on the product is formed weight-major (w @ x.T, then
     transposed): XLA:CPU's GEMM runs 1.3-1.9x faster that way at 8 rows for the SmolLM2 FFN and
     fused QKV shapes (measured), while one row stays a plain matrix-vector product.
     """
+    if isinstance(w, LayerView):
+        y = _stacked_linear(x, w.stack, w.index, skip)
+        if b is not None:
+            y = y + b.astype(jnp.float32)
+        return y.astype(x.dtype)
     if not isinstance(w, QuantWeight):  # a plain array (tests, small heads): stored f32/bf16
         w = QuantWeight(data=w, qtype=_float_name(w.dtype), cols=int(w.shape[-1]))
     rows = math.prod(x.shape[:-1])
@@ -122,17 +129,194 @@ def linear(x: jax.Array, w: Weight, b: jax.Array | None = None,
     return y.astype(x.dtype)
 
 
-def linear_at(x: jax.Array, w: QuantWeight, index: jax.Array) -> jax.Array:
-    """`linear(x, w.at(index))` for a stack of matrices w [E, out, in] (an MoE layer's experts).
+def _stacked_linear(x: jax.Array, w: QuantWeight, index: jax.Array,
+                    skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """f32 x @ w[index].T for a stack w [E, out, in]: in place where the native kernels serve it.
 
-    The native kernels read matrix `index` of the stack in place; any other path slices it out
-    (a copy of one matrix's bytes, which a dynamic slice costs in XLA).
+    Any other path slices matrix `index` out: on a GPU the slice fuses into the expansion that feeds
+    the dot (the matrix is read once); on XLA:CPU it is a copy of one matrix.
     """
     rows = math.prod(x.shape[:-1])
     if (w.kernel == "native" and w.qtype != "F32"
             and native.stacked_matmul_applies(rows, w.cols, w.data, w.qtype)):
-        return native.weight_matmul(x, w.data, w.qtype, index=index).astype(x.dtype)
-    return linear(x, w.at(index))
+        return native.weight_matmul(x, w.data, w.qtype, skip, index=index)
+    return linear(x, LayerView(stack=w, index=index).matrix(), None, skip).astype(jnp.float32)
+
+
+def linear_at(x: jax.Array, w: "QuantWeight | LayerView", index: jax.Array) -> jax.Array:
+    """`linear(x, w.at(index))` for a stack of matrices w [E, out, in] (an MoE layer's experts).
+
+    The native kernels read matrix `index` of the stack in place; any other path slices it out
+    (a copy of one matrix's bytes, which a dynamic slice costs in XLA). `w` may be one layer of a
+    stack of expert stacks (a `LayerView` of [L, E, out, in]): expert `index` of that layer.
+    """
+    if isinstance(w, LayerView):
+        w, index = w.flat_experts(index)
+    return _stacked_linear(x, w, index).astype(x.dtype)
+
+
+# ---- weights stacked over layers ---------------------------------------------------------------------
+@struct.dataclass
+class LayerView:
+    """Layer `index` (traced) of a stack [n, ...] of one format: what a layer's body multiplies with.
+
+    Nothing is sliced when the view is made: `linear` passes the stack and the index to the native
+    kernels, which read the layer where it lies. It answers the questions a QuantWeight does
+    (`shape`, `qtype`, `compute`, `expand`, `at`) for the layer's matrix (or stack of experts).
+    """
+
+    stack: QuantWeight
+    index: Any
+
+    @property
+    def qtype(self) -> str:
+        return self.stack.qtype
+
+    @property
+    def compute(self) -> str:
+        return self.stack.compute
+
+    @property
+    def kernel(self) -> str:
+        return self.stack.kernel
+
+    @property
+    def cols(self) -> int:
+        return self.stack.cols
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    def matrix(self) -> QuantWeight:
+        """The layer's weight sliced out of the stack (XLA's paths: a copy on CPU, fused on GPU)."""
+        return self.stack.replace(data=jax.lax.dynamic_index_in_dim(self.stack.data, self.index, 0, keepdims=False))
+
+    def expand(self, dtype: Any = None) -> jax.Array:
+        return self.matrix().expand(dtype)
+
+    def flat_experts(self, expert: jax.Array) -> tuple[QuantWeight, jax.Array]:
+        """The stack [n, E, out, in] seen as [n * E, out, in] (a reshape, no copy) and the flat index
+        of expert `expert` of this layer."""
+        data = self.stack.data
+        n_e = int(data.shape[1])
+        flat = self.stack.replace(data=data.reshape((data.shape[0] * n_e,) + tuple(data.shape[2:])))
+        return flat, jnp.asarray(self.index, jnp.int32) * n_e + jnp.asarray(expert, jnp.int32)
+
+    def at(self, index: Any) -> QuantWeight:
+        """Matrix `index` of this layer's stack of experts (sliced out: XLA's paths)."""
+        flat, i = self.flat_experts(index)
+        return flat.at(i)
+
+
+@struct.dataclass
+class LayerStack:
+    """One kind of matrix (wq, w_down, an MoE layer's experts...) of every layer, stacked by format.
+
+    Why: a layer loop (`lax.scan`) must reach layer l's matrix without a branch per layer, or every
+    step program grows with depth (trace, lowering, compile time and the programs' memory all did:
+    a 28-layer file compiled 14x what a 2-layer one did). Layers of one file need not share a format
+    (a Q4_K_M file keeps some ffn_down / attn_v in Q6_K), so the layers are grouped by format:
+    `groups[g]` is a stack [n_g, ...] of the layers stored in that format, and layer l is entry
+    `index_in[l]` of group `group_of[l]` (both static). A body picks its layer with `layer(li)`:
+    one branch per *format*, never per layer.
+    """
+
+    groups: tuple[QuantWeight, ...]
+    group_of: tuple[int, ...] = struct.field(pytree_node=False)
+    index_in: tuple[int, ...] = struct.field(pytree_node=False)
+
+    def __len__(self) -> int:
+        return len(self.group_of)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape of one layer's weight."""
+        return self.groups[0].shape[1:]
+
+    def every(self, first: int, step: int) -> "LayerStack":
+        """Layers first, first + step, ... (a hybrid's layers of one kind): the same buffers, re-indexed."""
+        return self.replace(group_of=self.group_of[first::step], index_in=self.index_in[first::step])
+
+    def host_layer(self, layer: int) -> QuantWeight:
+        """Layer `layer`'s weight, sliced on the host (tests, load-time checks)."""
+        return self.groups[self.group_of[layer]].at(self.index_in[layer])
+
+
+def layer_stack(parts: Sequence[QuantWeight]) -> LayerStack:
+    """Per-layer weights (views of the file) as a LayerStack, each format's layers copied once into
+    one aligned buffer (the file pages read are dropped from this process as they are copied)."""
+    keys: list[tuple] = []
+    members: dict[tuple, list[int]] = {}
+    for i, p in enumerate(parts):
+        key = (p.qtype, tuple(p.data.shape), str(p.data.dtype), p.kernel, p.compute)
+        if key not in members:
+            keys.append(key)
+            members[key] = []
+        members[key].append(i)
+    group_of = [0] * len(parts)
+    index_in = [0] * len(parts)
+    groups = []
+    for g, key in enumerate(keys):
+        for j, i in enumerate(members[key]):
+            group_of[i], index_in[i] = g, j
+        groups.append(stack([parts[i] for i in members[key]]))
+    return LayerStack(groups=tuple(groups), group_of=tuple(group_of), index_in=tuple(index_in))
+
+
+def _is_layer_tuple(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) > 0 and all(isinstance(w, QuantWeight) for w in x)
+
+
+def stack_layers(params: Any) -> Any:
+    """Every per-layer tuple of weights in `params` as a LayerStack (the engine's form of a model)."""
+    return jax.tree.map(lambda x: layer_stack(x) if _is_layer_tuple(x) else x, params,
+                        is_leaf=lambda x: _is_layer_tuple(x) or isinstance(x, QuantWeight))
+
+
+PerLayer = "LayerStack | Sequence[QuantWeight] | QuantWeight | jax.Array"
+
+
+def with_layer(stacks: Sequence[Any], index: jax.Array | int, fn: Callable[..., Any], *operands: Any) -> Any:
+    """fn(*operands, *views): views[i] is layer `index` of stacks[i], read in place.
+
+    stacks[i] is a LayerStack (one branch per combination of the stacks' formats: at most a few,
+    whatever the depth), a tuple of per-layer weights (one branch per layer: host params built by
+    hand, kept for tests), or one weight used by every layer.
+    """
+    stacks = tuple(stacks)
+    if any(isinstance(s, (tuple, list)) for s in stacks):
+        n = max(len(s) for s in stacks if isinstance(s, (tuple, list)))
+        pick = [lambda *ops, i=i: fn(*ops, *(s[i] if isinstance(s, (tuple, list)) else s for s in stacks))
+                for i in range(n)]
+        return pick[0](*operands) if n == 1 else jax.lax.switch(index, pick, *operands)
+    if not any(isinstance(s, LayerStack) for s in stacks):
+        return fn(*operands, *stacks)
+    combos: list[tuple[int, ...]] = []
+    per_layer: list[int] = []
+    layered = [s for s in stacks if isinstance(s, LayerStack)]
+    for t in zip(*(s.group_of for s in layered)):
+        if t not in combos:
+            combos.append(t)
+        per_layer.append(combos.index(t))
+    index = jnp.asarray(index, jnp.int32)
+
+    def branch(combo: tuple[int, ...]) -> Callable[..., Any]:
+        def run(*ops: Any) -> Any:
+            it = iter(combo)
+            views = []
+            for s in stacks:
+                if isinstance(s, LayerStack):
+                    g = next(it)
+                    views.append(LayerView(stack=s.groups[g], index=jnp.asarray(s.index_in, jnp.int32)[index]))
+                else:
+                    views.append(s)
+            return fn(*ops, *views)
+        return run
+
+    if len(combos) == 1:
+        return branch(combos[0])(*operands)
+    return jax.lax.switch(jnp.asarray(per_layer, jnp.int32)[index], [branch(c) for c in combos], *operands)
 
 
 def embed(w: Weight, ids: jax.Array) -> jax.Array:
@@ -334,17 +518,7 @@ def tree_bytes(params: Any) -> int:
     return int(sum(int(x.nbytes) for x in jax.tree.leaves(params) if hasattr(x, "nbytes")))
 
 
-def pick_linear(ws: Weight | Sequence[Weight], index: jax.Array | int, x: jax.Array, b: jax.Array | None = None,
+def pick_linear(ws: Any, index: jax.Array | int, x: jax.Array, b: jax.Array | None = None,
                 skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """`linear(x, ws[index], b)` for per-layer weights inside a layer loop.
-
-    Why a switch and not a stacked array sliced by the loop: XLA:CPU materialises a dynamic slice of
-    a stacked weight (a copy of every matrix on every step, about half of a batch-1 step), and
-    layers of one file need not even share a format (Q4_K_M files mix Q4_K and Q6_K ffn_down).
-    With one weight per layer each branch multiplies its own weight in place.
-    """
-    if isinstance(ws, (tuple, list)):
-        if len(ws) == 1:
-            return linear(x, ws[0], b, skip)
-        return jax.lax.switch(index, [lambda v, w=w: linear(v, w, b, skip) for w in ws], x)
-    return linear(x, ws, b, skip)
+    """`linear(x, ws[index], b)` for per-layer weights inside a layer loop (see `with_layer`)."""
+    return with_layer((ws,), index, lambda v, w: linear(v, w, b, skip), x)

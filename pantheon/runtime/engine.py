@@ -897,7 +897,7 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
         raise ModelLoadError(p, f"failed to build parameters: {type(exc).__name__}: {exc}") from exc
     if len(devices) == 1 and capabilities_of(arch).fused_projections:  # sharding splits q/k/v by their own heads
         host_params = arch.fuse_projections(host_params)
-    host_params = weights.stamp(host_params, kernels)
+    host_params = weights.stack_layers(weights.stamp(host_params, kernels))
     weight_bytes = weights.tree_bytes(host_params)
     stage[0] = "placing the weights on the device"
     if len(devices) > 1:  # tensor-parallel over the dies: each leaf goes straight into its shards

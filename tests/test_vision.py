@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, Collector, centered, tiny_fixture
+from conftest import FIXTURES, Collector, centered, tiny_fixture, wait_until
 from pantheon.config import Settings
 from pantheon.errors import ModelLoadError, RequestError
 from pantheon.formats import images
@@ -261,3 +261,18 @@ def test_model_specs_carry_the_projector(tmp_path):
         with_mmproj(["a.gguf", "b.gguf"], str(proj))
     with pytest.raises(ValueError, match="names no projector"):
         parse_spec("model.gguf?mmproj=")
+
+
+@pytest.mark.slow  # a scheduler with every bucket compiled
+def test_two_choices_fork_after_the_image(model, sched):
+    """n = 2: the prompt (image included) is prefilled once and forked; both greedy choices are the oracle's."""
+    j = fixture()
+    c = j["cases"]["one"]
+    req = request(model, c["prompt_ids"], [pixels(j["image_files"][0], model)])
+    req = GenRequest(prompt_ids=req.prompt_ids, params=GREEDY, max_tokens=8, images=req.images, n=2)
+    from pantheon.types import Finished, Tokens
+    col = Collector()
+    sched.submit(req, col)
+    wait_until(lambda: sum(isinstance(e, Finished) for e in list(col.events)) == 2, 120, "both choices to finish")
+    for choice in (0, 1):
+        assert [i for e in col.events if isinstance(e, Tokens) and e.choice == choice for i in e.ids] == c["greedy_ids"]

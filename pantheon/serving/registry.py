@@ -32,6 +32,8 @@ they are real locks even under gevent monkey-patching.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import re
 import secrets
@@ -282,10 +284,9 @@ class Registry:
             path = resolve(source)
             # A damaged file fails in the estimate (pantheon.serving.dies) or the load (engine.load_on), each
             # of which turns whatever it trips over into a ModelLoadError naming the file.
-            self._place(entry, path, dies)
+            self._place(entry, path, dies, mmproj)
             with self._upload_lock:
                 uploading = True
-                # (the projector's bytes are not in the estimate: a few hundred MB beside the text model)
                 extra = {"mmproj": mmproj} if mmproj else {}
                 model = self._load_model(path, name, entry.dies, self.settings, **extra)
             backend = self._make_backend(model, self.settings)
@@ -330,8 +331,9 @@ class Registry:
             self._entries[entry.slot] = entry
             return entry
 
-    def _place(self, entry: Entry, path: Path, dies: tuple[int, ...]) -> None:
-        """Phase 2: estimate the model's bytes and reserve them on `dies` (or the emptiest die)."""
+    def _place(self, entry: Entry, path: Path, dies: tuple[int, ...], mmproj: str | None = None) -> None:
+        """Phase 2: estimate the model's bytes and reserve them on `dies` (or the emptiest die).
+        A vision projector adds its file's size, held in full on the die (it is never split)."""
         from pantheon.serving.dies import LoadEstimate
         mgr = self.die_manager()
         known = {d.id: d for d in mgr.dies}
@@ -339,6 +341,14 @@ class Registry:
         est = self._estimate(path, self.settings, first.platform if first is not None else mgr.dies[0].platform)
         if not isinstance(est, LoadEstimate):
             est = LoadEstimate(weights_bytes=int(est), replicated_weight_bytes=int(est))
+        if mmproj:
+            try:
+                extra = Path(mmproj).expanduser().stat().st_size
+            except OSError as exc:
+                raise _status_error(f"the projector file {mmproj!r} cannot be read ({exc.strerror})", 404,
+                                    "model_not_found", "mmproj") from None
+            est = dataclasses.replace(est, weights_bytes=est.weights_bytes + extra,
+                                      replicated_weight_bytes=est.replicated_weight_bytes + extra)
         placed = tuple(mgr.reserve(entry.instance_id, entry.name, est, dies=list(dies) or None))
         with self._lock:
             entry.dies, entry.bytes = placed, est.per_die(len(placed))

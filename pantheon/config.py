@@ -46,6 +46,8 @@ class Settings:
     body_min_rate: float = 1024.0
     max_connections: int = 1000
     max_echo_logprobs: int = 65536
+    responses_store: int = 1024
+    responses_store_mb: float = 64.0
     grammar_threads: int = 2
     grammar_queue: int = 8
     grammar_timeout_s: float = 10.0
@@ -302,6 +304,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PANTHEON_MAX_ECHO_LOGPROBS", "max_echo_logprobs", _integer(low=0),
             doc="legacy completions with `echo` and `logprobs`: at most this many prompt log-probability "
                 "entries in one answer (n x prompt tokens x (logprobs + 1)); more is a 400 naming `logprobs`"),
+    Setting("PANTHEON_RESPONSES_STORE", "responses_store", _integer(low=0),
+            doc="stored `/v1/responses` answers kept for `previous_response_id` and `GET` (the oldest go first; "
+                "0 keeps none)"),
+    Setting("PANTHEON_RESPONSES_STORE_MB", "responses_store_mb", _number(low=0.0),
+            doc="and the size of their conversations together, in MB of JSON text"),
     # -- structured outputs (pantheon.text.structured, pantheon.web.bridge.WorkPool, pantheon.scheduler.masks)
     Setting("PANTHEON_GRAMMAR_THREADS", "grammar_threads", _integer(low=1),
             doc="structured-output grammars compiling at once (OS threads started on demand, `pantheon-grammar-<i>`)"),

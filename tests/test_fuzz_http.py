@@ -17,6 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pantheon.web.chat import TOP_FIELDS
+from pantheon.web.messages import COUNT_FIELDS
+from pantheon.web.messages import TOP_FIELDS as MESSAGES_FIELDS
+from pantheon.web.responses import TOP_FIELDS as RESPONSES_FIELDS
 from server_util import LLAMA, start_server
 
 pytestmark = pytest.mark.slow  # a real server process (make test-quick leaves it out)
@@ -172,6 +175,62 @@ def test_hostile_admin_bodies(srv, session, body, route):
     r = session.post(srv.url + route, data=json.dumps(body), timeout=30,
                      headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
     check_json_4xx(r)
+
+
+# ---- the Responses and Messages routes (issue 32) --------------------------------------------------------------
+AGENT_ROUTES = {  # route -> (a valid body, its fields, whether errors are in Anthropic's shape)
+    "/v1/responses": ({"model": "llama", "input": "hi", "max_output_tokens": 1, "store": False},
+                      RESPONSES_FIELDS, False),
+    "/v1/messages": ({"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                     MESSAGES_FIELDS, True),
+    "/v1/messages/count_tokens": ({"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+                                  COUNT_FIELDS, True),
+}
+item_like = st.one_of(json_value, st.fixed_dictionaries({
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "text", "tool_use",
+                             "tool_result", "thinking", "image", "input_text", "x"]),
+    "role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "x"]),
+    "content": st.one_of(json_value, st.lists(st.dictionaries(st.sampled_from(
+        ["type", "text", "id", "name", "input", "tool_use_id", "content", "thinking"]), json_value, max_size=4),
+        max_size=3)),
+    "call_id": json_leaf, "name": json_leaf, "arguments": st.one_of(json_leaf, st.just("{bad")), "output": json_value}))
+
+
+@st.composite
+def hostile_agent_body(draw, route: str):
+    base, allowed, _ = AGENT_ROUTES[route]
+    body = json.loads(json.dumps(base))
+    kind = draw(st.integers(0, 4))
+    if kind == 0:  # not an object
+        return draw(st.one_of(json_leaf, st.lists(json_value, max_size=3)))
+    if kind == 1:  # a known field with any value at all
+        body[draw(st.sampled_from(sorted(allowed)))] = draw(json_value)
+    elif kind == 2:  # an unknown field
+        body[draw(st.text(min_size=1, max_size=12).filter(lambda k: k not in allowed))] = draw(json_value)
+    elif kind == 3:  # odd items / blocks where the conversation goes
+        key = "input" if route == "/v1/responses" else "messages"
+        body[key] = draw(st.lists(item_like, min_size=1, max_size=3))
+    else:  # deep nesting
+        depth = draw(st.integers(50, 20000))
+        return json.dumps(base)[:-1] + ', "tools": ' + "[" * depth + "]" * depth + "}"
+    return body
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), route=st.sampled_from(sorted(AGENT_ROUTES)))
+def test_hostile_responses_and_messages_bodies(srv, session, data, route):
+    """Anything goes into the two agent APIs: never a 5xx; every error in the route's own shape."""
+    body = data.draw(hostile_agent_body(route))
+    raw = body if isinstance(body, str) else json.dumps(body)
+    r = session.post(srv.url + route, data=raw.encode(), timeout=60, headers={"Content-Type": "application/json"})
+    assert r.status_code < 500, (route, raw[:300], r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert r.headers["Content-Type"].startswith("application/json")
+        if AGENT_ROUTES[route][2]:
+            err = r.json()
+            assert err["type"] == "error" and set(err["error"]) == {"type", "message"}, err
+        else:
+            check_json_4xx(r)
 
 
 def test_server_survived(srv, session):

@@ -32,7 +32,7 @@ from pantheon.config import Settings
 from pantheon.types import Embedded
 from pantheon.serving.registry import Registry
 from pantheon.web import create_app, schema
-from pantheon.web.errors import ERROR_TYPES
+from pantheon.web.errors import ANTHROPIC_PATHS, ANTHROPIC_TYPES, ERROR_TYPES
 from pantheon.web.openapi import ADMIN, OPERATIONS, Operation, document
 from test_web_app import CharTokenizer, FakeModel, Handle
 
@@ -122,8 +122,22 @@ def served(app: Any) -> set[tuple[str, str]]:
     return out
 
 
-def error_shape(status: int, raw: bytes, ctype: str) -> dict:
+def anthropic_error_shape(status: int, raw: bytes, ctype: str) -> dict:
+    """The error of a 4xx answer on an Anthropic route, as OpenAI's error fields (param from the message)."""
+    assert ctype.startswith("application/json"), f"{status} answered {ctype!r}: {raw[:200]!r}"
+    body = json.loads(raw)
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+    assert body["error"]["type"] == ANTHROPIC_TYPES.get(status, "invalid_request_error"), body
+    message = body["error"]["message"]
+    return {"message": message, "type": body["error"]["type"], "code": None,
+            "param": message.split(":", 1)[0] if ": " in message else None}
+
+
+def error_shape(status: int, raw: bytes, ctype: str, anthropic: bool = False) -> dict:
     """The error object of a 4xx answer; fails unless it is exactly the documented shape."""
+    if anthropic:
+        return anthropic_error_shape(status, raw, ctype)
     assert ctype.startswith("application/json"), f"{status} answered {ctype!r}: {raw[:200]!r}"
     body = json.loads(raw)
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
@@ -178,7 +192,7 @@ def test_with_an_api_key_the_document_is_open_and_says_which_routes_need_it(tmp_
     assert "adminKey" not in doc["components"]["securitySchemes"]
     for path, item in doc["paths"].items():
         for method, op in item.items():
-            url = path.replace("{model}", MODEL).replace("{model_id}", MODEL)
+            url = path.replace("{model}", MODEL).replace("{model_id}", MODEL).replace("{response_id}", "resp_1")
             r = c.open(url, method=method.upper(), json={} if method == "post" else None)
             if path.startswith("/admin/"):  # no admin key configured: the admin API is off, for everyone
                 assert op["security"] == [] and r.status_code == 403, (path, r.status_code)
@@ -186,7 +200,10 @@ def test_with_an_api_key_the_document_is_open_and_says_which_routes_need_it(tmp_
                 assert r.status_code == 200, (path, r.status_code)
             else:
                 assert r.status_code == 401, (path, r.status_code)
-                assert error_shape(401, r.data, r.content_type)["code"] == "invalid_api_key"
+                if path.endswith(ANTHROPIC_PATHS):  # Anthropic's shape has no code: its type says it
+                    assert error_shape(401, r.data, r.content_type, True)["type"] == "authentication_error"
+                else:
+                    assert error_shape(401, r.data, r.content_type)["code"] == "invalid_api_key"
 
 
 # ---- the validators hold to the schema --------------------------------------------------------------------
@@ -223,6 +240,12 @@ BODY_ROUTES = {
     "completions": BodyRoute("/v1/completions", schema.COMPLETION_REQUEST, {"prompt": "hi", "max_tokens": 1}, 200,
                              {"stream_options": {"stream": True}}, at_edge=BY_MODEL),
     "embeddings": BodyRoute("/v1/embeddings", schema.EMBEDDING_REQUEST, {"input": "hi"}, 200, at_edge=BY_MODEL),
+    "responses": BodyRoute("/v1/responses", schema.RESPONSES_REQUEST, {"input": "hi", "max_output_tokens": 1}, 200,
+                           {"stream_options": {"stream": True}},
+                           # no stored response has the example's id: a 404 naming it is the valid answer
+                           at_edge={"previous_response_id": {404}}),
+    "messages": BodyRoute("/v1/messages", schema.MESSAGES_REQUEST, {"messages": HELLO, "max_tokens": 1}, 200),
+    "count_tokens": BodyRoute("/v1/messages/count_tokens", schema.COUNT_TOKENS_REQUEST, {"messages": HELLO}, 200),
 }
 
 # Values of every JSON kind, some at the edges: each one a property's schema refuses must be refused.
@@ -284,7 +307,7 @@ def _with(route: BodyRoute, name: str, value: Any) -> dict:
 
 def _refused_naming(route: BodyRoute, name: str, status: int, raw: bytes, ctype: str) -> None:
     assert status == 400, f"{name}: answered {status} {raw[:200]!r}"
-    param = error_shape(status, raw, ctype)["param"] or ""
+    param = error_shape(status, raw, ctype, route.path.endswith(ANTHROPIC_PATHS))["param"] or ""
     assert param == name or param.startswith((name + ".", name + "[")), f"{name}: the 400 names {param!r}"
 
 
@@ -294,7 +317,7 @@ def test_each_property_example_is_accepted(app, admin_app, route_name, name):
     prop = route.schema["properties"][name]
     assert prop.get("examples"), f"{name}: every property carries an example"
     status, raw, _ = _post(admin_app if route.admin else app, route, _with(route, name, prop["examples"][0]))
-    assert status == route.ok, f"{name}={prop['examples'][0]!r}: {status} {raw[:300]!r}"
+    assert status in route.at_edge.get(name, {route.ok}), f"{name}={prop['examples'][0]!r}: {status} {raw[:300]!r}"
 
 
 @pytest.mark.parametrize("route_name, name", _field_cases("refuses"))
@@ -402,16 +425,20 @@ def check_answer(doc: dict, op: Operation, mode: GenerationMode, case: Any, resp
     ctype = (resp.headers.get("content-type") or [""])[0]
     sent = f"{case.method} {case.formatted_path} {str(case.body)[:300]}"
     assert status < 500, f"{sent} -> {status} {resp.content[:300]!r}"
-    err = error_shape(status, resp.content, ctype) if status >= 400 else None
+    err = error_shape(status, resp.content, ctype, op.error == "AnthropicError") if status >= 400 else None
     # A body that got as far as the model lookup was taken: the schema must not refuse it.
-    taken = status < 300 or (err is not None and err["code"] == "model_not_found")
+    taken = status < 300 or (err is not None and (err["code"] == "model_not_found" or (
+        op.error == "AnthropicError" and status == 404 and err["param"] == "model")))
     if mode is GenerationMode.NEGATIVE and taken and op.body is not None:
         body_check = jsonschema_rs.Draft202012Validator(doc["components"]["schemas"][op.body])
         wrong = list(body_check.iter_errors(case.body))
         assert not wrong, f"{sent} -> {status}: a body the schema refuses was taken ({wrong[0].message[:200]})"
     if status == 200 and ctype.startswith("text/event-stream"):
         frames = [f[6:] for f in resp.content.split(b"\n\n") if f.startswith(b"data: ")]
-        if not getattr(resp, "stream_cut_short", False):  # the client stopped reading a long stream
+        if op.error == "AnthropicError":  # Anthropic's stream: named events, message_stop (or error) last
+            if not getattr(resp, "stream_cut_short", False):
+                assert frames and json.loads(frames[-1])["type"] in ("message_stop", "error"), resp.content[-200:]
+        elif not getattr(resp, "stream_cut_short", False):  # the client stopped reading a long stream
             assert frames and frames[-1] == b"[DONE]", f"{sent} -> {resp.content[-200:]!r}"
         assert all(isinstance(json.loads(f), dict) for f in frames if f != b"[DONE]"), f"{sent} -> {resp.content!r}"
     elif status == 200:

@@ -214,6 +214,19 @@ def test_sse_through_the_router_equals_sse_direct(fleet):
     assert strip(routed) == strip(direct) and routed[-1] == "[DONE]" and len(routed) > 3
 
 
+def test_responses_and_messages_through_the_router(fleet):
+    """Issue 32: the router forwards both agent APIs to a worker's model root, which answers in its shape."""
+    router, servers = fleet
+    r = requests.post(router.url + "/v1/responses", timeout=120,
+                      json={"model": "qwen2", "input": "hello", "max_output_tokens": 4, "store": False})
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["object"] == "response" and r.json()["model"] == "qwen2"
+    r = requests.post(router.url + "/v1/messages", timeout=120,
+                      json={"model": "qwen2", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["type"] == "message" and r.json()["model"] == "qwen2"
+
+
 def test_a_saturated_instance_gets_no_new_requests(fleet):
     router, servers = fleet
     wait_for(lambda: router.ready_urls() == worker_urls(servers), 60, "four healthy workers")

@@ -79,6 +79,13 @@ BAD_CHAT = [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
      "response_format.json_schema.x"),
     ({"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"}, "response_format"),
+    # issue 32: a tool call in the history whose arguments are not a JSON object names its message
+    ({"messages": HELLO + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": "}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": HELLO + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "[1]"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
 ]
 
 
@@ -300,6 +307,30 @@ def test_completion_streamed_with_echo_logprobs_and_n(client, fake):
     assert [c["finish_reason"] for c in whole["choices"]] == ["length", "stop"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_list_of_prompts_is_one_choice_per_prompt_and_n(client, fake, stream):
+    """Issue 32: prompt p's choice i is at index p * n + i, each prompt generated from its own ids."""
+    fake.texts = ["ab", "cde"]
+    seen = []
+    submit = fake.submit
+    fake.submit = lambda req, sink: (seen.append(list(req.prompt_ids)), submit(req, sink))[1]
+    r = complete(client, prompt=["hi", "yo", "ok"], n=2, max_tokens=8, stream=stream,
+                 **({"stream_options": {"include_usage": True}} if stream else {}))
+    assert r.status_code == 200
+    assert seen == [[104, 105], [121, 111], [111, 107]]
+    if stream:
+        chunks = sse(r)
+        usage = chunks[-2]["usage"]
+        texts = ["".join(t) for t in by_choice(chunks, 6, "text")]
+    else:
+        body = r.get_json()
+        usage = body["usage"]
+        assert [c["index"] for c in body["choices"]] == list(range(6))
+        texts = [c["text"] for c in body["choices"]]
+    assert texts == ["ab", "cde"] * 3
+    assert usage["prompt_tokens"] == 6 and usage["completion_tokens"] == 3 * (2 + 3)
+
+
 def test_completion_stop_string(client, fake):
     fake.script = ("one, two. three", "length")
     c = complete(client, stop=[". "], max_tokens=40).get_json()["choices"][0]
@@ -315,8 +346,9 @@ BAD_COMPLETIONS = [
     ({"prompt": None}, "prompt"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": ["a", [1]]}, "prompt"),  # texts and token lists are not mixed
+    ({"prompt": [[1], []]}, "prompt[1]"),
+    ({"prompt": ["a"] * 65}, "prompt"),  # at most 64 prompts
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": [True]}, "prompt"),
     ({"prompt": [0x110000]}, "prompt"),

@@ -250,6 +250,7 @@ class Emitter:
         self._cut = False  # finish(cut=True): generation ended at the token limit
         self.cut_call = False  # the last call was cut short and went out partial
         self.stopped = False
+        self.stop_hit: str | None = None  # the stop string that ended the content (Anthropic's stop_sequence)
         self.tool_calls: list[dict] = []
         self.content = ""
         self.reasoning = ""
@@ -420,12 +421,13 @@ class Emitter:
         if self.stopped or not text:
             return
         self._stop_buf += text
-        pos, _ = _earliest(self._stop_buf, self._stops)
+        pos, hit = _earliest(self._stop_buf, self._stops)
         if pos >= 0:
             self._release(pos)
             self._stop_buf = ""
             self._held_calls = []
             self.stopped = True
+            self.stop_hit = hit
             return
         self._release(len(self._stop_buf) - _held_suffix_len(self._stop_buf, self._stops))
 

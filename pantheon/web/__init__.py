@@ -46,6 +46,8 @@ class ServerState:
     _throughput: Any = field(default=None, repr=False)  # pantheon.web.router_api's per-model token rates
     # pantheon.web.bridge.WorkPool of the structured-output grammar compiles (threads start on demand)
     grammars: Any = field(default=None, repr=False)
+    # pantheon.web.responses.ResponseStore: stored Responses-API answers (made on first use)
+    responses: Any = field(default=None, repr=False)
 
 
 def _configure_logging() -> None:
@@ -174,8 +176,10 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.register_blueprint(admin.bp)
     app.register_blueprint(tokens.bp)
     app.register_blueprint(openapi.bp)
-    from pantheon.web import embeddings
+    from pantheon.web import embeddings, messages, responses
     app.register_blueprint(embeddings.bp)
+    app.register_blueprint(responses.bp)
+    app.register_blueprint(messages.bp)
     if settings.registry_url:  # otherwise nothing here ever contacts a router
         from pantheon.serving.registration import Registration
         state.registration = Registration(settings, served=lambda: served_models(state.registry)).start()

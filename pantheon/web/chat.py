@@ -178,6 +178,19 @@ def _tool_calls(msg: Mapping, where: str) -> None:
         args = fn.get("arguments")
         if args is not None and not isinstance(args, (str, dict)):
             raise _bad(f"{p}.function.arguments", "must be a JSON string")
+        if isinstance(args, str) and args.strip():
+            check_arguments(args, f"{p}.function.arguments")
+
+
+def check_arguments(args: str, where: str) -> None:
+    """A tool call's `arguments` string in the history must be a JSON object: the template renders it
+    as one, and a client that sends broken JSON back has a bug to hear about (peers answer 400 too)."""
+    try:
+        value = json.loads(args)
+    except ValueError as exc:
+        raise _bad(where, f"is not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(value, dict):
+        raise _bad(where, "must be a JSON object")
 
 
 def _messages(body: Mapping) -> list[dict]:
@@ -608,6 +621,26 @@ def admit_prompt(card: Any, messages: Sequence[dict], render: Callable[[list[dic
                        "is too long)", param="messages", code="context_length_exceeded")
 
 
+def render_prompt(card: Any, creq: ChatRequest, messages: list[dict] | None = None) -> str:
+    """The chat template applied to `messages` (default: the request's) with the request's tools, tool
+    choice and thinking switch: the one rendering every chat-shaped route (and count_tokens) uses."""
+    kwargs: dict[str, Any] = {"tools": creq.template_tools(), "add_generation_prompt": True}
+    if kwargs["tools"]:  # words the generic tool format's instruction (pantheon.text.tool_format)
+        kwargs["tool_choice"] = creq.tool_choice
+    if creq.enable_thinking is not None:
+        kwargs["enable_thinking"] = creq.enable_thinking
+    return card.template.render(creq.messages if messages is None else messages, **kwargs)
+
+
+def prompt_ids(card: Any, rendered: str) -> list[int]:
+    """The token ids of a rendered prompt, BOS added when the model wants one."""
+    tok = card.tokenizer
+    ids = tok.encode(rendered)
+    if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+        ids.insert(0, tok.bos_id)
+    return ids
+
+
 # ---- running one completion --------------------------------------------------------------------------
 class Generation(GenerationCore):
     """One chat completion in flight (see pantheon.web.generation for its life). Greenlet only."""
@@ -724,22 +757,13 @@ class Generation(GenerationCore):
 
     def _render(self, card: Any, messages: list[dict] | None = None) -> str:
         """The chat template applied to `messages` (default: the request's) and the request's tools."""
-        kwargs: dict[str, Any] = {"tools": self.creq.template_tools(), "add_generation_prompt": True}
-        if kwargs["tools"]:  # words the generic tool format's instruction (pantheon.text.tool_format)
-            kwargs["tool_choice"] = self.creq.tool_choice
-        if self.creq.enable_thinking is not None:
-            kwargs["enable_thinking"] = self.creq.enable_thinking
-        return card.template.render(self.creq.messages if messages is None else messages, **kwargs)
+        return render_prompt(card, self.creq, messages)
 
     def _prompt(self, card: Any, messages: list[dict] | None = None) -> tuple[str, list[int]]:
         """The rendered chat template of `messages` (default: the request's) and its token ids (BOS
         added when the model wants one)."""
         rendered = self._render(card, messages)
-        tok = card.tokenizer
-        ids = tok.encode(web_images.expand(rendered, card) if self.images else rendered)
-        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids.insert(0, tok.bos_id)
-        return rendered, ids
+        return rendered, prompt_ids(card, web_images.expand(rendered, card) if self.images else rendered)
 
     # -- response shapes ---------------------------------------------------------------------------------
     def _chunk_logprobs(self, piece_logprobs: Sequence[Any]) -> dict | None:

@@ -9,7 +9,9 @@ strings per choice, logprobs carried on the chunks they belong to.
 
 Choices that differ from OpenAI's (stated in docs/http-api.md):
 
-* one prompt per request (a list of several prompts is a 400, not a batch);
+* a list of prompts is a batch (`BatchCompletion`): each prompt is its own generation, all submitted at
+  once, and the answer holds n choices per prompt, choice i of prompt p at index p * n + i, streamed
+  prompt after prompt; `usage` sums them;
 * `suffix` (fill-in-the-middle) is a 400, and so is `best_of` other than 1 or `n` (no server-side ranking);
 * `max_tokens` is at least 1 (scoring a prompt alone is `echo` + `logprobs` with `max_tokens: 1`);
 * `top_logprobs` lists the k most likely tokens and always the token itself (up to k + 1 entries), as
@@ -24,6 +26,7 @@ threads, once for all the choices.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +54,7 @@ from pantheon.web.fields import (
 )
 from pantheon.web.generation import GenerationCore, Piece, json_line
 from pantheon.web.logprobs import Positioned, legacy_logprobs
-from pantheon.web.schema import COMPLETION_REQUEST, fields
+from pantheon.web.schema import COMPLETION_REQUEST, PROMPTS_MAX, fields
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
 LARGE_ECHO_ENTRIES = 4096  # echoed prompt logprob entries (n x tokens x (k + 1)) past which work leaves the hub
@@ -63,6 +66,7 @@ COMPLETION_FIELDS = fields(COMPLETION_REQUEST)  # pantheon.web.schema describes 
 class CompletionRequest:
     model: str | None
     prompt: str | list[int]  # text, or token ids taken as they are
+    prompts: list[str | list[int]] | None  # a batch of several (BatchCompletion); None for one
     params: SamplingParams
     max_tokens: int
     stop: tuple[str, ...]
@@ -93,32 +97,37 @@ def _token_ids(v: Any, where: str) -> list[int] | None:
     return v
 
 
-def _prompt(body: Mapping) -> str | list[int]:
-    """`prompt`: a string, a list of token ids, or a list holding one of either."""
+def _prompts(body: Mapping) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a list of either kind (not a mix), as the list of prompts."""
     p = body.get("prompt")
     if p is None:
         raise bad("prompt", "is required")
     if isinstance(p, str):
-        return p
+        return [p]
     ids = _token_ids(p, "prompt")
     if ids is not None:
-        return ids
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        if len(p) > 1:
-            raise bad("prompt", f"one prompt per request (got {len(p)}); send them as separate requests")
-        if isinstance(p[0], str):
-            return p[0]
-        ids = _token_ids(p[0], "prompt[0]")
-        if ids is not None:
-            return ids
-    raise bad("prompt", "must be a string, a list of token ids, or a list holding one of either")
+        return [ids]
+    if isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p)):
+        if len(p) > PROMPTS_MAX:
+            raise bad("prompt", f"at most {PROMPTS_MAX} prompts per request, got {len(p)}")
+        out: list[str | list[int]] = []
+        for k, x in enumerate(p):
+            if isinstance(x, str):
+                out.append(x)
+                continue
+            ids = _token_ids(x, f"prompt[{k}]")
+            if ids is None:
+                raise bad(f"prompt[{k}]", "must be a list of token ids")
+            out.append(ids)
+        return out
+    raise bad("prompt", "must be a string, a list of token ids, or a list of strings or of token-id lists")
 
 
 def parse_completion_request(body: Any, headers: Mapping[str, str]) -> CompletionRequest:
     """Validate a legacy completions body; raises RequestError (400) naming the first bad field."""
     body = body_object(body, COMPLETION_FIELDS)
     model = string(body, "model")
-    prompt = _prompt(body)
+    prompts = _prompts(body)
     if body.get("suffix") not in (None, ""):
         raise bad("suffix", "suffix is not supported (no fill-in-the-middle)")
     max_tokens = integer(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
@@ -131,7 +140,8 @@ def parse_completion_request(body: Any, headers: Mapping[str, str]) -> Completio
         raise bad("best_of", f"only 1 or n ({n}) is supported: choices are not ranked on the server")
     logprobs = top_logprobs(body, "logprobs") if body.get("logprobs") is not None else None
     echo = bool(boolean(body, "echo"))
-    return CompletionRequest(model=model, prompt=prompt, params=params,
+    return CompletionRequest(model=model, prompt=prompts[0], prompts=prompts if len(prompts) > 1 else None,
+                             params=params,
                              max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=stop,
                              stream=stream, include_usage=include_usage, n=n, logprobs=logprobs, echo=echo,
                              logit_bias=logit_bias(body), ignore_eos=bool(boolean(body, "ignore_eos")),
@@ -172,6 +182,7 @@ class CompletionGeneration(GenerationCore):
         super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch, settings=settings)
         self.creq = creq
         self.echo_text = ""  # the prompt as returned with echo
+        self.index_base = 0  # in a batch, prompt p's choices are numbered from p * n
         self._prompt_lp: dict | None = None  # the prompt's `logprobs` columns (echo + logprobs), built once
 
     def _check_echo_size(self, n_prompt: int) -> None:
@@ -272,7 +283,7 @@ class CompletionGeneration(GenerationCore):
                 texts[piece.choice].append(piece.delta.text)
             items[piece.choice] += piece.logprobs
         prefix = self.echo_text if self.creq.echo else ""
-        choices = [{"text": prefix + "".join(texts[c.index]), "index": c.index,
+        choices = [{"text": prefix + "".join(texts[c.index]), "index": self.index_base + c.index,
                     "logprobs": self._choice_logprobs(items[c.index]) if self.want_logprobs else None,
                     "finish_reason": c.finish_reason} for c in self.choices]
         out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name,
@@ -290,7 +301,8 @@ class CompletionGeneration(GenerationCore):
                     stepwise: bool = False, **extra: Any) -> bytes:
         return json_line({"id": self.id, "object": "text_completion", "created": self.created,
                           "model": self.model_name,
-                          "choices": [{"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason}],
+                          "choices": [{"text": text, "index": self.index_base + index, "logprobs": lp,
+                                       "finish_reason": finish_reason}],
                           **extra}, stepwise=stepwise)
 
     def _echo_chunks(self) -> list[bytes]:
@@ -316,3 +328,79 @@ class CompletionGeneration(GenerationCore):
         if self.creq.include_usage:
             yield json_line({"id": self.id, "object": "text_completion", "created": self.created,
                              "model": self.model_name, "choices": [], "usage": self.usage()})
+
+
+class _SharedRef:
+    """The registry as a batch's parts see it: the batch holds the one model ref and gives it back itself."""
+
+    def __init__(self, registry: Any):
+        self.settings = registry.settings
+
+    def release(self, entry: Any) -> None:
+        pass
+
+
+class BatchCompletion(GenerationCore):
+    """A legacy completion of several prompts: one `CompletionGeneration` per prompt, all submitted before
+    any is read (the backend batches them), answered prompt after prompt with each one's choices
+    numbered from p * n. Greenlet only."""
+
+    id_prefix = "cmpl-"
+
+    def __init__(self, registry: Any, entry: Any, creq: CompletionRequest, environ: dict, metrics: Any = None,
+                 t0: float | None = None, watch: Any = None, settings: Any = None):
+        super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch, settings=settings)
+        self.creq = creq
+        assert creq.prompts is not None
+        shared = _SharedRef(registry)
+        self.parts: list[CompletionGeneration] = []
+        for p, prompt in enumerate(creq.prompts):
+            one = dataclasses.replace(creq, prompt=prompt, prompts=None, include_usage=False)
+            part = CompletionGeneration(shared, entry, one, environ, metrics=metrics, t0=t0, watch=watch,
+                                        settings=settings)
+            part.id, part.created, part.index_base = self.id, self.created, p * creq.n
+            self.parts.append(part)
+
+    def start(self) -> None:
+        for part in self.parts:
+            part.start()
+        self.large_answer = any(p.large_answer for p in self.parts)
+        self.capped = any(p.capped for p in self.parts)
+
+    def usage(self) -> dict:
+        prompt = sum(p.prompt_tokens for p in self.parts)
+        completion = sum(p.completion_tokens for p in self.parts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(p.cached_tokens for p in self.parts)}}
+
+    def complete(self) -> dict:
+        choices = []
+        for part in self.parts:
+            choices += part.complete()["choices"]
+        out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name,
+               "choices": choices, "usage": self.usage()}
+        if any(p.capped for p in self.parts):
+            out["context_capped"] = True
+        return out
+
+    def frames(self) -> Iterator[bytes]:
+        for part in self.parts:
+            yield from part.frames()
+        if self.creq.include_usage:
+            yield json_line({"id": self.id, "object": "text_completion", "created": self.created,
+                             "model": self.model_name, "choices": [], "usage": self.usage()})
+
+    def close(self) -> None:
+        """Close every part (each cancels what it still runs), then give the one model ref back."""
+        try:
+            for part in self.parts:
+                part.close()
+        finally:
+            super().close()
+
+
+def make_completion(registry: Any, entry: Any, creq: CompletionRequest, environ: dict, **kwargs: Any) -> GenerationCore:
+    """The generation a completions request needs: one prompt, or a batch of them."""
+    if creq.prompts is not None:
+        return BatchCompletion(registry, entry, creq, environ, **kwargs)
+    return CompletionGeneration(registry, entry, creq, environ, **kwargs)

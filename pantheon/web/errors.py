@@ -1,4 +1,5 @@
-"""Every failure leaves the server as one OpenAI-style JSON error, built here and nowhere else.
+"""Every failure leaves the server as one OpenAI-style JSON error, built here and nowhere else (on the
+Anthropic routes, the same error in Anthropic's shape: `anthropic_body`).
 
 Shape: `{"error": {"message", "type", "param", "code"}}`. `type` follows the HTTP status (so a client
 can branch on it without a table of our codes); `code` is the specific reason (`context_length_exceeded`,
@@ -41,6 +42,24 @@ _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# Anthropic's error types by status, for the Anthropic routes (/v1/messages, /v1/messages/count_tokens).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def anthropic_body(status: int, body: dict) -> dict:
+    """An OpenAI-shaped error body in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """A path of Anthropic's API (also under a model root), whose errors are in Anthropic's shape."""
+    return path.endswith(ANTHROPIC_PATHS)
 
 
 def from_exception(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
@@ -94,6 +113,8 @@ def init_app(app: Flask) -> None:
 
 
 def _json(status: int, body: Any, headers: dict[str, str]) -> Response:
+    if is_anthropic_path(request.path):
+        body = anthropic_body(status, body)
     resp = Response(json.dumps(body), status=status, mimetype="application/json")
     for k, v in headers.items():
         resp.headers[k] = v

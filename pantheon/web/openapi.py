@@ -58,6 +58,7 @@ class Operation:
     access: str = API
     stream: bool = False  # stream: true answers text/event-stream
     media: str = "application/json"  # the 200 answer's media type when it is not JSON
+    error: str = "Error"  # the errors' component: Anthropic's routes answer in Anthropic's shape
 
 
 OPERATIONS: tuple[Operation, ...] = (
@@ -89,6 +90,23 @@ OPERATIONS: tuple[Operation, ...] = (
               "CompletionRequest", BODY_ERRORS + MODEL_ERRORS, stream=True),
     Operation("post", "/m/{model}/v1/embeddings", "Embeddings on this model only", "EmbeddingList",
               "EmbeddingRequest", BODY_ERRORS + MODEL_ERRORS),
+    Operation("post", "/v1/responses", "OpenAI Responses API: a response, streamed (typed SSE events) or not; "
+              "stored for previous_response_id unless store is false", "Response", "ResponseRequest",
+              BODY_ERRORS + MODEL_ERRORS + (507,), stream=True),
+    Operation("get", "/v1/responses/{response_id}", "A stored response (only with the API key that made it)",
+              "Response", errors=(404,)),
+    Operation("delete", "/v1/responses/{response_id}", "Delete a stored response (only with the API key that made "
+              "it)", "ResponseDeleted", errors=(404,)),
+    Operation("post", "/v1/messages", "Anthropic Messages API: a message, streamed (Anthropic's SSE events) or not",
+              "Message", "MessagesRequest", BODY_ERRORS + MODEL_ERRORS + (507,), stream=True, error="AnthropicError"),
+    Operation("post", "/v1/messages/count_tokens", "The prompt tokens a Messages request would take",
+              "TokenCount", "CountTokensRequest", BODY_ERRORS + (404, 503), error="AnthropicError"),
+    Operation("post", "/m/{model}/v1/responses", "Responses API on this model only", "Response", "ResponseRequest",
+              BODY_ERRORS + MODEL_ERRORS + (507,), stream=True),
+    Operation("post", "/m/{model}/v1/messages", "Messages API on this model only", "Message", "MessagesRequest",
+              BODY_ERRORS + MODEL_ERRORS + (507,), stream=True, error="AnthropicError"),
+    Operation("post", "/m/{model}/v1/messages/count_tokens", "count_tokens on this model only", "TokenCount",
+              "CountTokensRequest", BODY_ERRORS + (404, 503), error="AnthropicError"),
     Operation("post", "/admin/models/load", "Load a model (blocks until it is ready)", "Loaded", "LoadRequest",
               BODY_ERRORS + (401, 403, 404, 409, 500, 507), access=ADMIN),
     Operation("post", "/admin/models/unload", "Unload a model or one instance (waits for its requests)", "Unloaded",
@@ -124,7 +142,14 @@ def _responses(op: Operation, key_required: bool) -> dict[str, Any]:
         if status == 503 and op.answer == "Health":  # a health probe's 503 is its own body
             out["503"] = {"description": "loading, failed, or not ready", "content": content}
             continue
+        if op.error != "Error":
+            out[str(status)] = {"description": ERROR_MEANING.get(status, "an error"),
+                                "content": {"application/json": {"schema": _ref(op.error)}}}
+            continue
         out[str(status)] = {"$ref": f"#/components/responses/Error{status}"}
+    if op.error != "Error":
+        out["default"] = {"description": "an error", "content": {"application/json": {"schema": _ref(op.error)}}}
+        return out
     out["default"] = {"$ref": "#/components/responses/Error"}
     return out
 
@@ -132,7 +157,7 @@ def _responses(op: Operation, key_required: bool) -> dict[str, Any]:
 def _parameters(path: str) -> list[dict]:
     names = [part[1:-1] for part in path.split("/") if part.startswith("{")]
     return [{"name": n, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
-             "description": "a model name" if n in ("model", "model_id") else n} for n in names]
+             "description": "a model name" if n in ("model", "model_id") else n.replace("_", " ")} for n in names]
 
 
 def _security(op: Operation, settings: Settings) -> list | None:

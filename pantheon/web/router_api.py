@@ -6,7 +6,9 @@
 * `/m/<model>/...`: a root that serves one model, so a process serving several models registers
   each as its own worker (the router keeps one worker per URL and routes by the request's
   `model`): `health` (200 ready, 503 loading or unloading, 404 not served here), `v1/models` (that
-  model only), `v1/chat/completions` and `v1/completions` (that model only), `v1/loads`.
+  model only), `v1/chat/completions` and `v1/completions` (that model only), `v1/loads`; the Responses
+  and Messages APIs' roots (`v1/responses`, `v1/messages`, `v1/messages/count_tokens`) are registered by
+  pantheon.web.responses and pantheon.web.messages.
 
 What the load figures mean, from what the backends count (`load_info`):
 `num_running_reqs` requests holding a slot, `num_waiting_reqs` queued ones, `max_running_requests`

@@ -23,7 +23,7 @@ from pantheon.errors import RequestError
 from pantheon.web.body import parse_json, read_body
 from pantheon.web import bridge
 from pantheon.web.chat import Generation, cache_scope, parse_chat_request
-from pantheon.web.completions import CompletionGeneration, parse_completion_request
+from pantheon.web.completions import make_completion, parse_completion_request
 from pantheon.web.generation import ClientGone, GenerationCore, SSEStream, json_text
 from pantheon.web.security import presented_key
 
@@ -110,7 +110,7 @@ def handle_chat(root_model: str | None = None) -> Response:
 
 def handle_completion(root_model: str | None = None) -> Response:
     """One legacy completion (`root_model` as for chat)."""
-    return serve_generation(parse_completion_request, CompletionGeneration, root_model)
+    return serve_generation(parse_completion_request, make_completion, root_model)
 
 
 def parse_for_root(raw: bytes, parse: Callable[[], Any], root_model: str | None) -> Any:

@@ -298,11 +298,14 @@ CHAT_REQUEST: Schema = _object(_optional({
 
 # ---- completions (legacy) and embeddings ------------------------------------------------------------------
 _IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPTS_MAX = 64  # prompts in one /v1/completions call
 PROMPT: Schema = {
-    "anyOf": [{"type": "string"}, _IDS, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-              {"type": "array", "items": _IDS, "minItems": 1, "maxItems": 1}],
-    "description": "a text or token ids, or a list holding one of either (one prompt per request)",
-    "examples": ["Once upon a time", [1, 2, 3]],
+    "anyOf": [{"type": "string"}, _IDS,
+              {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": PROMPTS_MAX},
+              {"type": "array", "items": _IDS, "minItems": 1, "maxItems": PROMPTS_MAX}],
+    "description": "a text or token ids, or a list of texts or of token-id lists (not a mix): n choices each, "
+                   "choice i of prompt p at index p * n + i",
+    "examples": ["Once upon a time", [1, 2, 3], ["Once upon a time", "The end"]],
 }
 
 COMPLETION_REQUEST: Schema = _object(_optional({
@@ -388,6 +391,122 @@ UNLOAD_REQUEST: Schema = {**_object(_optional({
     "instance_id": {**_ADMIN_STR, "examples": ["inst-8f2a61c0d9e4"]},
     "timeout_s": _num(0, UNLOAD_TIMEOUT_MAX_S, 30, description="give up (409) if requests are still in flight"),
 })), "oneOf": _exactly_one("name", "instance_id"), "description": "exactly one of name and instance_id"}
+
+# ---- OpenAI Responses and Anthropic Messages ---------------------------------------------------------------
+_ITEM: Schema = {"type": "object", "description": "an input item: a message (role user/system/developer/assistant, "
+                 "content a string or input_text/output_text parts), function_call, function_call_output or "
+                 "reasoning; fields set to null count as absent"}
+_FORMAT_NAME: Schema = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+TEXT_FORMAT: Schema = {
+    "oneOf": [
+        _object({"type": {"const": "text"}}, required=("type",)),
+        _object({"type": {"const": "json_object"}}, required=("type",)),
+        _object({"type": {"const": "json_schema"}, "name": _FORMAT_NAME, "schema": _JSON_SCHEMA_OBJECT,
+                 "strict": {"type": ["boolean", "null"]}, "description": {"type": ["string", "null"]}},
+                required=("type", "name", "schema")),
+    ],
+    "examples": [{"type": "text"}, {"type": "json_object"}],
+}
+RESPONSES_REQUEST: Schema = _object(_optional({
+    "model": CHAT_REQUEST["properties"]["model"],
+    "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": _ITEM, "minItems": 1}],
+              "description": "a user message, or a list of input items",
+              "examples": ["Hello!", [{"role": "user", "content": "Hello!"}]]},
+    "instructions": _str(None, "Answer briefly.", description="the system prompt (not carried to later turns)"),
+    "max_output_tokens": _int(1, MAX_TOKENS_MAX, 16, description="clamped to the room left in the context"),
+    "temperature": _num(0.0, 2.0, 0.7),
+    "top_p": _num(0.0, 1.0, 0.9, lo_open=True),
+    "top_k": _int(-1, TOP_K_MAX, 40, description="-1 and 0 both mean off (the SMG router sends -1)"),
+    "min_p": _num(0.0, 1.0, 0.05),
+    "repetition_penalty": _num(0.0, 10.0, 1.1, lo_open=True),
+    "priority": _int(0, 0, 0, description="SGLang's request priority, which the SMG router sends: only 0"),
+    "stream": _bool(False, description="typed server-sent events (response.created ... response.completed)"),
+    "stream_options": {**_object({"include_obfuscation": nullable(_bool())}), "description": "only with stream",
+                       "examples": [{"include_obfuscation": False}]},
+    "tools": {"type": "array", "items": {"type": "object", "properties": {"type": {"type": "string"}},
+                                         "required": ["type"]},
+              "description": "function tools {type: function, name, description, parameters, strict}; built-in "
+                             "tool types are refused", "examples": [[{"type": "function", "name": "get_weather",
+                                                                      "parameters": {"type": "object"}}]]},
+    "tool_choice": {"anyOf": [_enum(TOOL_CHOICES), _object({"type": {"const": "function"}, "name": {"type": "string"}},
+                                                            required=("type", "name"), closed=False)],
+                    "examples": ["none"], "description": "anything but \"none\" needs tools"},
+    "parallel_tool_calls": _bool(),
+    "text": {**_object({"format": nullable(TEXT_FORMAT), "verbosity": nullable(_enum(VERBOSITY))}),
+             "examples": [{"format": {"type": "text"}}]},
+    "reasoning": {**_object({"effort": nullable(_enum(REASONING_EFFORTS)),
+                             "summary": nullable(_enum(("auto", "concise", "detailed"))),
+                             "generate_summary": nullable(_enum(("auto", "concise", "detailed")))}),
+                  "description": "effort: the chat template's thinking switch (none/minimal off, others on)",
+                  "examples": [{"effort": "low"}]},
+    "store": _bool(True, description="keep the response for previous_response_id and GET (default true)"),
+    "previous_response_id": _str(example="resp_0123", description="continue a stored response's conversation"),
+    "include": {"type": "array", "items": _enum(("reasoning.encrypted_content",)), "examples": [[]],
+                "description": "accepted for compatibility; reasoning is never encrypted here"},
+    "truncation": _enum(("disabled", "auto"), description="auto: drop the oldest turns to fit the context"),
+    "background": {"const": False, "examples": [False], "description": "background responses are not supported"},
+    "metadata": CHAT_REQUEST["properties"]["metadata"],
+    "user": _str(example="user-1234"),
+    "service_tier": _enum(SERVICE_TIERS),
+    "prompt_cache_key": _str(PROMPT_CACHE_KEY_CHARS, "k1"),
+    "safety_identifier": _str(example="u-hash"),
+}, keep=("input",)), required=("input",))
+
+_BLOCK: Schema = {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"],
+                  "description": "a content block: text, tool_use, tool_result, thinking or redacted_thinking "
+                                 "(images are refused)"}
+ANTHROPIC_MESSAGE: Schema = _object({
+    "role": _enum(("user", "assistant")),
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}],
+                "examples": ["Hello!"]},
+}, required=("role", "content"))
+_SYSTEM: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}],
+                   "description": "the system prompt: a string or text blocks", "examples": ["Answer briefly."]}
+_ANTHROPIC_TOOLS: Schema = {"type": "array", "items": {"type": "object", "properties": {
+    "name": {"type": "string", "minLength": 1, "maxLength": TOOL_NAME_CHARS}, "description": {"type": "string"},
+    "input_schema": {"type": "object"}}, "required": ["name", "input_schema"]},
+    "description": "custom tools (name, description, input_schema); server tool types are refused",
+    "examples": [[{"name": "get_weather", "input_schema": {"type": "object"}}]]}
+_ANTHROPIC_TOOL_CHOICE: Schema = {"type": "object", "properties": {
+    "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+    "disable_parallel_tool_use": {"type": "boolean"}}, "required": ["type"],
+    "description": "tool needs name, one of the tools", "examples": [{"type": "auto"}]}
+_THINKING: Schema = {"type": "object", "properties": {"type": {"enum": ["enabled", "disabled", "adaptive"]},
+                                                      "budget_tokens": {"type": "integer", "minimum": 1},
+                                                      "display": {"enum": ["summarized", "omitted", None]}},
+                     "required": ["type"], "description": "the chat template's thinking switch",
+                     "examples": [{"type": "disabled"}]}
+_MESSAGES_COMMON: dict[str, Schema] = {
+    "model": CHAT_REQUEST["properties"]["model"],
+    "messages": {"type": "array", "minItems": 1, "items": ANTHROPIC_MESSAGE,
+                 "examples": [[{"role": "user", "content": "Hello!"}]]},
+    "system": _SYSTEM,
+    "tools": _ANTHROPIC_TOOLS,
+    "tool_choice": _ANTHROPIC_TOOL_CHOICE,
+    "thinking": _THINKING,
+}
+MESSAGES_REQUEST: Schema = _object(_optional({
+    **_MESSAGES_COMMON,
+    "max_tokens": _int(1, MAX_TOKENS_MAX, 16, description="required, as Anthropic requires it"),
+    "stop_sequences": {"type": "array", "maxItems": STOP_MAX, "items": {"type": "string", "maxLength": STOP_CHARS},
+                       "examples": [["END"]]},
+    "stream": _bool(False, description="Anthropic's server-sent events (message_start ... message_stop)"),
+    "temperature": _num(0.0, 1.0, 0.7),
+    "top_p": _num(0.0, 1.0, 0.9, lo_open=True),
+    "top_k": _int(0, TOP_K_MAX, 40),
+    "metadata": {**_object({"user_id": nullable(_str())}), "examples": [{"user_id": "u-1"}]},
+    "output_config": {**_object({"format": nullable(_object({"type": {"const": "json_schema"},
+                                                             "schema": _JSON_SCHEMA_OBJECT},
+                                                            required=("type", "schema"))),
+                                 "effort": {"type": "null", "description": "not supported"}}),
+                      "description": "format: JSON valid for the schema, through the grammar path",
+                      "examples": [{"format": {"type": "json_schema", "schema": {"type": "object"}}}]},
+    "cache_control": {**_object({"type": {"const": "ephemeral"}, "ttl": {"enum": ["5m", "1h"]}}, required=("type",)),
+                      "description": "accepted; the prefix cache is automatic here",
+                      "examples": [{"type": "ephemeral"}]},
+    "service_tier": _enum(("auto", "standard_only")),
+}, keep=("messages", "max_tokens")), required=("messages", "max_tokens"))
+COUNT_TOKENS_REQUEST: Schema = _object(_optional(_MESSAGES_COMMON, keep=("messages",)), required=("messages",))
 
 # ---- responses ------------------------------------------------------------------------------------------
 ERROR: Schema = {
@@ -495,6 +614,41 @@ DIES: Schema = {"type": "object", "properties": {
     "memory": {"type": ["object", "null"], "description": "the memory watch's latest reading"}},
     "required": ["object", "data"]}
 
+_RESPONSE_USAGE: Schema = {"type": "object", "properties": {
+    "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
+    "input_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}},
+    "required": ["input_tokens", "output_tokens", "total_tokens"]}
+RESPONSE: Schema = {"type": "object", "properties": {
+    "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
+    "status": {"enum": ["completed", "incomplete", "in_progress"]}, "model": {"type": "string"},
+    "output": {"type": "array", "items": {"type": "object", "properties": {
+        "type": {"enum": ["message", "reasoning", "function_call"]}}, "required": ["type"]}},
+    "usage": {"anyOf": [_RESPONSE_USAGE, {"type": "null"}]},
+    "incomplete_details": {"type": ["object", "null"]}},
+    "required": ["id", "object", "created_at", "status", "model", "output"]}
+RESPONSE_DELETED: Schema = {"type": "object", "properties": {
+    "id": {"type": "string"}, "object": {"const": "response"}, "deleted": {"const": True}},
+    "required": ["id", "deleted"]}
+MESSAGE: Schema = {"type": "object", "properties": {
+    "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+    "model": {"type": "string"},
+    "content": {"type": "array", "items": {"type": "object", "properties": {
+        "type": {"enum": ["text", "tool_use", "thinking"]}}, "required": ["type"]}},
+    "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use", None]},
+    "stop_sequence": {"type": ["string", "null"]},
+    "usage": {"type": "object", "properties": {
+        "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
+        "cache_read_input_tokens": {"type": "integer"}, "cache_creation_input_tokens": {"type": "integer"}},
+        "required": ["input_tokens", "output_tokens"]}},
+    "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"]}
+TOKEN_COUNT: Schema = {"type": "object", "properties": {"input_tokens": {"type": "integer"}},
+                       "required": ["input_tokens"]}
+ANTHROPIC_ERROR: Schema = {
+    "type": "object", "description": "An error on the Anthropic routes (/v1/messages...), in Anthropic's shape",
+    "properties": {"type": {"const": "error"}, "error": {"type": "object", "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}, "required": ["type", "message"]}},
+    "required": ["type", "error"]}
+
 # Named schemas, as `components.schemas` of the OpenAPI document.
 COMPONENTS: dict[str, Schema] = {
     "Error": ERROR,
@@ -506,6 +660,9 @@ COMPONENTS: dict[str, Schema] = {
     "Health": HEALTH, "Model": MODEL, "ModelList": MODEL_LIST, "Loads": LOADS,
     "LoadRequest": LOAD_REQUEST, "Loaded": LOADED, "UnloadRequest": UNLOAD_REQUEST, "Unloaded": UNLOADED,
     "Dies": DIES,
+    "ResponseRequest": RESPONSES_REQUEST, "Response": RESPONSE, "ResponseDeleted": RESPONSE_DELETED,
+    "MessagesRequest": MESSAGES_REQUEST, "Message": MESSAGE, "CountTokensRequest": COUNT_TOKENS_REQUEST,
+    "TokenCount": TOKEN_COUNT, "AnthropicError": ANTHROPIC_ERROR,
 }
 
 

@@ -23,8 +23,8 @@ from pantheon.config import Settings
 from pantheon.errors import RequestError
 from pantheon.web.body import announced_length, check_transfer_coding, shown
 
-CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Session-Id, X-SMG-Routing-Key"
-CORS_METHODS = "GET, POST, OPTIONS"
+CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Session-Id, X-SMG-Routing-Key, Anthropic-Version"
+CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 NAME_MAX_BYTES = 255  # the longest file-name component Linux file systems take (NAME_MAX)
 
 

@@ -173,3 +173,31 @@ def test_admin_load_with_a_projector(srv, client):
         assert bad.status_code == 404 and bad.json()["error"]["param"] == "mmproj"
     finally:
         assert srv.post("/admin/models/unload", {"name": "vlm2"}, key=ADMIN, timeout=120).status_code == 200
+
+
+def test_anthropic_and_responses_image_blocks(srv, client):
+    """The Anthropic Messages `image` block (base64 source) and the Responses `input_image` part carry
+    the image as a chat image part does: the same answer as the chat route's."""
+    j = fixture()
+    url = data_url(j["image_files"][0])
+    want = chat(client, one_image(url)).choices[0].message.content
+    b64 = url.split(",", 1)[1]
+    r = srv.post("/v1/messages", {"model": "vlm", "max_tokens": 8, "temperature": 0, "messages": [{
+        "role": "user", "content": [{"type": "text", "text": "What is in this image?"},
+                                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                 "data": b64}},
+                                    {"type": "text", "text": "Describe it."}]}]})
+    assert r.status_code == 200, r.text
+    assert "".join(b["text"] for b in r.json()["content"] if b["type"] == "text") == want
+    r = srv.post("/v1/responses", {"model": "vlm", "max_output_tokens": 8, "temperature": 0, "input": [{
+        "role": "user", "content": [{"type": "input_text", "text": "What is in this image?"},
+                                    {"type": "input_image", "image_url": url},
+                                    {"type": "input_text", "text": "Describe it."}]}]})
+    assert r.status_code == 200, r.text
+    out = r.json()["output"]
+    assert "".join(c["text"] for item in out if item["type"] == "message" for c in item["content"]
+                   if c["type"] == "output_text") == want
+    bad = srv.post("/v1/messages", {"model": "text", "max_tokens": 8, "messages": [{
+        "role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                   "data": b64}}]}]})
+    assert bad.status_code == 400 and "does not take images" in bad.text

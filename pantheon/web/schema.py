@@ -394,7 +394,8 @@ UNLOAD_REQUEST: Schema = {**_object(_optional({
 
 # ---- OpenAI Responses and Anthropic Messages ---------------------------------------------------------------
 _ITEM: Schema = {"type": "object", "description": "an input item: a message (role user/system/developer/assistant, "
-                 "content a string or input_text/output_text parts), function_call, function_call_output or "
+                 "content a string or input_text/output_text parts, and input_image parts with a data: URL in user "
+                 "items of a model with a vision projector), function_call, function_call_output or "
                  "reasoning; fields set to null count as absent"}
 _FORMAT_NAME: Schema = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
 TEXT_FORMAT: Schema = {
@@ -453,8 +454,8 @@ RESPONSES_REQUEST: Schema = _object(_optional({
 }, keep=("input",)), required=("input",))
 
 _BLOCK: Schema = {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"],
-                  "description": "a content block: text, tool_use, tool_result, thinking or redacted_thinking "
-                                 "(images are refused)"}
+                  "description": "a content block: text, tool_use, tool_result, thinking or redacted_thinking; "
+                                 "image (a base64 source) in user turns of a model with a vision projector"}
 ANTHROPIC_MESSAGE: Schema = _object({
     "role": _enum(("user", "assistant")),
     "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}],

@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     p.add_argument("--model", action="append", default=[], help="[NAME=]MODEL[@DIE,DIE] (repeatable)")
+    p.add_argument("--mmproj", default=None, metavar="GGUF",
+                   help="vision projector (llama.cpp's mmproj GGUF) of the --model: the model takes images")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=int, default=0, help="gunicorn worker timeout (0 = none)")

@@ -55,6 +55,10 @@ class Settings:
     grammar_max_properties: int = 400
     grammar_mask_ms: float = 200.0
     embed_max_tokens: int = 65536
+    max_images: int = 8
+    max_image_bytes: int = 10 * 1024 * 1024
+    max_image_pixels: int = 16_000_000
+    image_url_allowlist: tuple[str, ...] = ()
     dtype: str = "auto"
     max_seq: int = 2048
     forbid_compile: bool = False
@@ -339,6 +343,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PANTHEON_EMBED_MAX_TOKENS", "embed_max_tokens", _integer(low=1),
             doc="tokens one `/v1/embeddings` request may hold, summed over its inputs; more is a 400 naming both "
                 "figures"),
+    Setting("PANTHEON_MAX_IMAGES", "max_images", _integer(low=0),
+            doc="images one chat request may carry (vision models); more is a 400"),
+    Setting("PANTHEON_MAX_IMAGE_BYTES", "max_image_bytes", _integer(low=1),
+            doc="encoded size of one image (after base64 decoding, or as fetched); more is a 400"),
+    Setting("PANTHEON_MAX_IMAGE_PIXELS", "max_image_pixels", _integer(low=1),
+            doc="width x height of one image, read from its header before its pixels are decoded; more is a 400"),
+    Setting("PANTHEON_IMAGE_URL_ALLOWLIST", "image_url_allowlist", _origins, shown_default="unset (no fetching)",
+            doc="comma-separated URL prefixes (`https://images.example.com/`) that an `image_url` may name "
+                "to be fetched by the server; unset, only `data:` URLs are taken and any other URL is a 400 "
+                "(the server never fetches an arbitrary URL)"),
     # -- the engine
     Setting("PANTHEON_DTYPE", "dtype", _text,
             doc="compute dtype: `auto` (f32 on CPU, bf16 on GPU), `float32`, `bfloat16`"),

@@ -21,6 +21,7 @@ A request that cannot start (queue timeout, shutdown, admission denied) gets onl
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -171,6 +172,9 @@ class GenRequest:
     # (legacy completions' echo + logprobs) the prompt's own token logprobs with the top k, delivered in
     # Started.prompt_logprobs; None: not computed
     prompt_logprobs: int | None = None
+    # Images whose embeddings replace the token embeddings at their positions (PromptImage each, in
+    # prompt order; the prompt holds the model's image token at every such position)
+    images: tuple["PromptImage", ...] = ()
 
     def __post_init__(self) -> None:
         p = self.params.resolved()
@@ -184,9 +188,59 @@ class GenRequest:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}")
 
+    @functools.cached_property
+    def prefix_key(self) -> list[int]:
+        """The prompt as prefix reuse compares it: the ids, except that every position of an image
+        holds a negative number derived from the image's full content hash (never a token id).
+
+        Why: the image's positions hold the same placeholder id whatever the picture, so comparing
+        ids would reuse a cache computed for another image. Python ints compare the whole 256-bit
+        digest, so two images share a key only when their pixels are identical; the engine reads a
+        negative entry of a chunk as "an image row here"."""
+        if not self.images:
+            return self.prompt_ids
+        key = list(self.prompt_ids)
+        for im in self.images:
+            mark = -1 - int(im.digest, 16)
+            key[im.offset:im.offset + im.n_tokens] = [mark] * im.n_tokens
+        return key
+
     def choice_params(self, choice: int) -> SamplingParams:
         """The sampling knobs of choice `choice` (its own derived seed)."""
         return self.params if choice == 0 else replace(self.params, seed=choice_seed(self.params.seed, choice))
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt: its preprocessed pixels (f32 [3, S, S], host), the sha256 of those
+    pixels, and the `n_tokens` prompt positions from `offset` on that its embeddings fill. `embd`
+    [n_tokens, H] (host) when the request already had it encoded (the web layer does, off the
+    driver thread); else the scheduler encodes the pixels at insert."""
+
+    pixels: Any = field(repr=False, compare=False)
+    digest: str
+    offset: int
+    n_tokens: int
+    embd: Any = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class VisionCard:
+    """What the web layer needs to turn an image into prompt tokens: the size images are resized to,
+    the normalisation, how many embeddings one image becomes, and the token ids around them.
+
+    The chat template renders each image part as `marker`; like HF's processor, the rendered text then
+    has every marker replaced by `expansion` (Gemma 3: two newlines, <start_of_image>, n_tokens x
+    <image_soft_token>, <end_of_image>, two newlines) and is tokenized whole; the image's embeddings go
+    where the ids are `image_id`, n_tokens per image."""
+
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    n_tokens: int
+    image_id: int
+    marker: str
+    expansion: str
 
 
 @dataclass(frozen=True)
@@ -302,6 +356,7 @@ class ModelCard:
     template: Any
     native_kernels: bool = False
     geometry: ModelGeometry | None = None
+    vision: VisionCard | None = None  # None: a text-only model (an image part is a 400)
 
 
 # ---- embeddings ------------------------------------------------------------------------------------

@@ -157,7 +157,10 @@ BAD_RESPONSES = [
     ({"input": []}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    # an image for a model without a vision projector: refused where the chat path checks images, which
+    # names the part by the chat message it became (tests/test_vision_server.py: a model with one)
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "messages[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [FN], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
@@ -245,7 +248,9 @@ BAD_MESSAGES = [
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0].source.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]},
      "messages[0].content[0].input"),
     ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),

@@ -252,7 +252,10 @@ BAD = [
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    # an image part for a model loaded without a vision projector (tests/test_vision_server.py: with one)
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": "x", "weird": 1}]}, "messages[0].weird"),
     ({"messages": HELLO, "temperature": 3}, "temperature"),

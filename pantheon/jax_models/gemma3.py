@@ -43,7 +43,7 @@ from pantheon.jax_models import common
 from pantheon.jax_models.interface import Capabilities
 
 ARCHS = ("gemma3",)
-CAPABILITIES = Capabilities()
+CAPABILITIES = Capabilities(image_inputs=True)
 SWA_PATTERN = 6  # llama.cpp's gemma3 loader: every 6th layer is global (no GGUF key carries this)
 LOCAL_ROPE_BASE = 10000.0  # hard-coded in llama.cpp for gemma3's local layers
 
@@ -154,7 +154,16 @@ def forward(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slot
             start: jax.Array, n_new: jax.Array, *, cfg: ModelConfig, span: int,
             all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
     """Same contract as llama.forward: B rows of T tokens; logits [B, V] (or [B, T, V]) and new state."""
-    x, state = _body(params, state, tokens, slots, start, cfg=cfg, span=span)
+    return forward_images(params, state, tokens, slots, start, n_new, None, cfg=cfg, span=span,
+                          all_logits=all_logits, kernels=kernels)
+
+
+def forward_images(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
+                   start: jax.Array, n_new: jax.Array, override: common.EmbdOverride | None, *, cfg: ModelConfig,
+                   span: int, all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
+    """`forward` with image embeddings at some positions (`override`); an image's tokens attend to each
+    other both ways, as HF's Gemma 3 mask (token_type_ids) and llama.cpp's non-causal image batch do."""
+    x, state = _body(params, state, tokens, slots, start, cfg=cfg, span=span, override=override)
     if not all_logits:
         x = common.last_valid(x, n_new)
     x = common.rms_norm(x, params.norm, cfg.rms_eps)
@@ -174,7 +183,8 @@ def hidden_states(params: Gemma3Params, state: common.KVCache, tokens: jax.Array
 
 
 def _body(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots: jax.Array, start: jax.Array, *,
-          cfg: ModelConfig, span: int) -> tuple[jax.Array, common.KVCache]:
+          cfg: ModelConfig, span: int, override: common.EmbdOverride | None = None
+          ) -> tuple[jax.Array, common.KVCache]:
     """The layer stack shared by the logits and the hidden-state outputs: the residual stream
     [B, T, H] after the last layer (before the final norm) and the updated state."""
     B, T = tokens.shape
@@ -189,18 +199,22 @@ def _body(params: Gemma3Params, state: common.KVCache, tokens: jax.Array, slots:
     local_len = min(span, W + T - 1) if W > 0 else span
     local_first = jnp.maximum(start + T - local_len, 0)  # [B]; first + local_len <= start + T <= span
     x = weights.embed(params.embed, tokens) * np.float32(math.sqrt(cfg.hidden))
+    x = common.override_embeddings(x, override)  # image rows replace the *scaled* embeddings (as HF)
+    block = None if override is None else (start[:, None] + override.lo, start[:, None] + override.hi)
     kinds = [is_global(cfg, i) for i in range(cfg.n_layers)]
     mixed = len(set(kinds)) > 1
 
     def attend(q: jax.Array, kc: jax.Array, vc: jax.Array, li: jax.Array, glob: bool) -> jax.Array:
         if glob or local_len == span:
             ks, vs = common.gather_span(kc, li, slots, span), common.gather_span(vc, li, slots, span)
-            q_pos = positions
+            q_pos, blk = positions, block
         else:  # keys j of the slice sit at positions first + j: shift the queries to match
             ks = _gather_recent(kc, li, slots, local_first, local_len)
             vs = _gather_recent(vc, li, slots, local_first, local_len)
             q_pos = positions - local_first[:, None]
-        return common.attention(q, ks, vs, q_pos, scale, window=0 if glob else W, softcap=cfg.attn_softcap)
+            blk = None if block is None else (block[0] - local_first[:, None], block[1] - local_first[:, None])
+        return common.attention(q, ks, vs, q_pos, scale, window=0 if glob else W, softcap=cfg.attn_softcap,
+                                block=blk)
 
     def mm(lp: Gemma3Layers, name: str, h: jax.Array, li: jax.Array) -> jax.Array:
         return weights.pick_linear(getattr(lp, name), li, h)

@@ -47,6 +47,10 @@ class Capabilities:
     concatenated into one product after loading (single die only: the tensor-parallel rules split
     q/k/v by their own heads)."""
 
+    image_inputs: bool = False
+    """`forward_images` exists (`ImageInputs`): the forward takes input embeddings that replace the token
+    embeddings at some positions (a vision projector's image rows: the design's `embd_override`)."""
+
     recurrent_state: bool = False
     """The state holds per-slot recurrent parts that cannot be rolled back to an earlier position
     (`RecurrentSlots`: snapshot/restore/reset of one slot). Prefix reuse must then be all or
@@ -123,6 +127,18 @@ class FusedProjections(ArchModule, Protocol):
         format; the forward accepts both forms."""
 
 
+class ImageInputs(ArchModule, Protocol):
+    """`Capabilities.image_inputs`."""
+
+    @staticmethod
+    def forward_images(params: Any, state: Any, tokens: jax.Array, slots: jax.Array, start: jax.Array,
+                       n_new: jax.Array, override: Any, *, cfg: ModelConfig, span: int, all_logits: bool = False,
+                       kernels: Kernels = ...) -> tuple[jax.Array, Any]:
+        """`forward` with `override` (`common.EmbdOverride`): its rows replace the input embeddings where
+        `override.use` is set, and positions of one image block attend to each other where the
+        architecture says so (Gemma 3)."""
+
+
 class RecurrentSlots(ArchModule, Protocol):
     """`Capabilities.recurrent_state`."""
 
@@ -144,6 +160,7 @@ CAPABILITY_PROTOCOLS: dict[str, type] = {
     "mixed_steps": MixedSteps,
     "fused_projections": FusedProjections,
     "recurrent_state": RecurrentSlots,
+    "image_inputs": ImageInputs,
 }
 
 

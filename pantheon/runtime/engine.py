@@ -34,7 +34,7 @@ import os
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ class LoadOptions:
     # where compiled step programs are kept across starts (pantheon.runtime.exec_store): None is
     # $PANTHEON_HOME/executables when PANTHEON_EXEC_STORE is on; "" keeps none
     store_dir: str | None = None
+    mmproj: str | None = None  # a vision projector GGUF (llama.cpp's mmproj): the model takes images
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ class Chunk:
     tokens: tuple[int, ...]
     start: int
     final: bool  # the prompt's last chunk: its row samples the request's first token
+    # Image rows (vision models): a negative entry of `tokens` marks a position whose input is row i of
+    # `embd` [len(tokens), H] instead of a token embedding; a run of one negative value is one image
+    embd: Any = None
 
 
 @dataclass(frozen=True)
@@ -195,8 +199,11 @@ class Model:
 
     def __init__(self, path: Path, name: str, cfg: ModelConfig, arch: Any,
                  params: Any, tokenizer: Any, template: Any, opts: LoadOptions, devices: list[Any],
-                 compute_dtype: Any, weight_bytes: int, kernels: Kernels = XLA, kv_dtype: Any = jnp.float32):
+                 compute_dtype: Any, weight_bytes: int, kernels: Kernels = XLA, kv_dtype: Any = jnp.float32,
+                 vision: Any = None, vision_params: Any = None, vision_card: Any = None):
         self.name = name
+        self.vision = vision  # pantheon.formats.mmproj.VisionConfig, or None (text only)
+        self.vision_params = vision_params
         self.config = cfg
         self.arch = arch
         self.caps = capabilities_of(arch)
@@ -214,7 +221,7 @@ class Model:
         self.scratch_slot = self.n_slots
         self.card = ModelCard(name=name, path=str(path), arch=cfg.arch, context_length=self.max_seq,
                               n_slots=self.n_slots, tokenizer=tokenizer, template=template,
-                              native_kernels=bool(kernels.matmul))
+                              native_kernels=bool(kernels.matmul), vision=vision_card)
         # Few buckets = few programs to compile at load (each costs seconds on CPU). Rows double,
         # prefill chunks step by a quarter of the full chunk (prefill is compute-bound, so a 70-token
         # prompt padded to 128 would cost almost twice what it needs).
@@ -262,6 +269,10 @@ class Model:
         self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (all-ones mask, False) on the device
         embed = self._embed_impl if self.shard_plan is None else self.shard_plan.wrap_forward(self._embed_impl)
         self._embed = jax.jit(embed, static_argnames=("span", "kernels"), donate_argnums=(1,))
+        if vision is not None:
+            from pantheon.jax_models import siglip
+            # One image per call, always resized to the same size: one program, compiled once.
+            self._encode = jax.jit(lambda vp, px: siglip.encode(vp, px, vc=vision))
         self._compiled_keys: set[tuple] = set()
         # _keys_lock guards _compiled_keys, _programs, _planned and _routes (steps may come from several
         # threads; the compile-<model> thread adds programs while the driver routes steps).
@@ -342,7 +353,9 @@ class Model:
         params, self.params = self.params, None
         _delete_arrays(params)
         self._no_mask.clear()
-        for attr in ("_forward", "_serve", "_advance", "_insert", "_release", "_copy", "_score", "_embed"):
+        _delete_arrays(self.vision_params)
+        self.vision_params = None
+        for attr in ("_forward", "_serve", "_advance", "_insert", "_release", "_copy", "_score", "_embed", "_encode"):
             fn = getattr(self, attr, None)
             clear = getattr(fn, "clear_cache", None)
             if callable(clear):
@@ -507,15 +520,20 @@ class Model:
         return Model.read(handle) if handle.ready() else None
 
     # ---- the jitted parts --------------------------------------------------------------------------
-    def _forward_impl(self, params, cache, tokens, slots, start, n_new, *, span: int, all_logits: bool,
-                      kernels: Kernels):
-        logits, cache = self.arch.forward(params, cache, tokens, slots, start, n_new, cfg=self.config,
-                                          span=span, all_logits=all_logits, kernels=kernels)
+    def _forward_impl(self, params, cache, tokens, slots, start, n_new, override=None, *, span: int,
+                      all_logits: bool, kernels: Kernels):
+        if override is not None:
+            logits, cache = self.arch.forward_images(params, cache, tokens, slots, start, n_new, override,
+                                                     cfg=self.config, span=span, all_logits=all_logits,
+                                                     kernels=kernels)
+        else:
+            logits, cache = self.arch.forward(params, cache, tokens, slots, start, n_new, cfg=self.config,
+                                              span=span, all_logits=all_logits, kernels=kernels)
         last = last_valid(logits, n_new) if all_logits else logits
         return last, (logits if all_logits else None), cache
 
-    def _serve_impl(self, params, cache, table, chunk_tok, chunk_meta, dec_slots, *, span: int, kernels: Kernels,
-                    kind: str):
+    def _serve_impl(self, params, cache, table, chunk_tok, chunk_meta, dec_slots, override=None, *, span: int,
+                    kernels: Kernels, kind: str):
         """The forward of a serving step: decode rows take their token and position from `table`.
 
         chunk_tok i32[1, T], chunk_meta i32[3] = (slot, real tokens, final), dec_slots i32[D] (padding:
@@ -547,8 +565,12 @@ class Model:
             logits, cache = self.arch.forward_groups(params, cache, tuple(groups), cfg=self.config, span=span,
                                                      kernels=kernels)
         else:
-            logits, cache = self.arch.forward(params, cache, *groups[0], cfg=self.config, span=span,
-                                              all_logits=False, kernels=kernels)
+            if override is not None and kind == "prefill":
+                logits, cache = self.arch.forward_images(params, cache, *groups[0], override, cfg=self.config,
+                                                         span=span, all_logits=False, kernels=kernels)
+            else:
+                logits, cache = self.arch.forward(params, cache, *groups[0], cfg=self.config, span=span,
+                                                  all_logits=False, kernels=kernels)
         rows = decode_state.StepRows(slot=jnp.concatenate(slot), emit=jnp.concatenate(emit),
                                      pos=jnp.concatenate(pos), live=jnp.concatenate(live))
         return logits, rows, cache
@@ -599,25 +621,89 @@ class Model:
         only attends over more masked positions -- the same tokens come out)."""
         kind, D, T, span = bucket
         c, dec = plan.chunk, plan.decode
-        ctok, cmeta = np.zeros((1, max(T, 1)), np.int32), np.zeros(3, np.int32)
+        ctok, cmeta, ovr = np.zeros((1, max(T, 1)), np.int32), np.zeros(3, np.int32), None
         if c is not None:
-            ctok[0, : len(c.tokens)] = c.tokens
+            ctok, ovr = self._chunk_inputs([c.tokens], [c.embd], T)
             cmeta = np.array([c.slot, len(c.tokens), int(c.final)], np.int32)
         ds = np.full((max(D, 1),), self.scratch_slot, np.int32)
         ds[: len(dec)] = dec
-        return _Plan(self._serve, (ctok, cmeta, ds), dict(span=span, kernels=self.kernels, kind=kind),
+        args = (ctok, cmeta, ds) if ovr is None or kind != "prefill" else (ctok, cmeta, ds, ovr)
+        return _Plan(self._serve, args, dict(span=span, kernels=self.kernels, kind=kind),
                      bucket, (1 if c is not None else 0) + D, program)
+
+    def _chunk_inputs(self, rows: Sequence[Sequence[int]], embds: Sequence[Any], T: int, B: int | None = None
+                      ) -> tuple[np.ndarray, Any]:
+        """Token ids [B, T] for the device and, for a vision model, the embedding override of the rows.
+
+        A negative entry is an image position: its id on the device is 0 (never read: the override's
+        row replaces its embedding), and each run of one negative value is one image's block, whose
+        tokens see each other both ways where the model says so (Gemma 3). A text-only row of a vision
+        model still passes an (all-off) override, so a prompt with and without images share a program.
+        """
+        B = B or len(rows)
+        tok = np.zeros((B, T), np.int32)
+        if self.vision is None:
+            for b, r in enumerate(rows):
+                if any(t < 0 for t in r):
+                    raise ValueError("this model has no vision projector: a chunk cannot carry image rows")
+                tok[b, : len(r)] = r
+            return tok, None
+        from pantheon.jax_models.common import EmbdOverride
+        H = self.config.hidden
+        emb = np.zeros((B, T, H), np.float32)
+        use = np.zeros((B, T), bool)
+        lo = np.zeros((B, T), np.int32)
+        hi = np.zeros((B, T), np.int32)
+        for b, (r, e) in enumerate(zip(rows, embds)):
+            img = [t < 0 for t in r]
+            tok[b, : len(r)] = [0 if m else t for t, m in zip(r, img)]
+            if not any(img):
+                continue
+            if e is None or np.shape(e) != (len(r), H):
+                raise ValueError(f"a chunk with image rows needs embd [{len(r)}, {H}], got "
+                                 f"{None if e is None else np.shape(e)}")
+            emb[b, : len(r)] = e
+            use[b, : len(r)] = img
+            if self.vision.bidirectional:
+                i = 0
+                while i < len(r):
+                    j = i + 1
+                    if img[i]:
+                        while j < len(r) and r[j] == r[i]:
+                            j += 1
+                        lo[b, i:j], hi[b, i:j] = i, j
+                    i = j
+        return tok, EmbdOverride(rows=emb, use=use, lo=lo, hi=hi)
+
+    # ---- images ----------------------------------------------------------------------------------
+    def encode_images(self, pixels: Sequence[np.ndarray]) -> np.ndarray:
+        """Preprocessed images ([3, S, S] f32 each) -> their embeddings [N, tokens_per_image, H] on the
+        host, one image per call of one compiled program (every image has the same shape)."""
+        self._check_live()
+        if self.vision is None:
+            raise ValueError(f"model {self.name!r} has no vision projector")
+        S = self.vision.image_size
+        out = []
+        for px in pixels:
+            px = np.asarray(px, np.float32)
+            if px.shape != (3, S, S):
+                raise ValueError(f"an image for this model is [3, {S}, {S}] after preprocessing, got {px.shape}")
+            self._note_shape(("encode", S))
+            out.append(_to_host(self._encode(self.vision_params, self._on_device(px[None])))[0])
+        return np.stack(out) if out else np.zeros((0, self.vision.tokens_per_image, self.config.hidden), np.float32)
 
     # ---- teacher-forced rows (numerics: logits, tests, tools) ------------------------------------
     def forward_rows(self, state: DecodeState, tokens: Sequence[Sequence[int]], slots: Sequence[int],
-                     starts: Sequence[int], all_logits: bool = False) -> tuple[np.ndarray, DecodeState]:
+                     starts: Sequence[int], all_logits: bool = False, embd: Sequence[Any] | None = None
+                     ) -> tuple[np.ndarray, DecodeState]:
         """Feed rows of given tokens straight into the cache, no sampling, no slot table.
 
         Row b feeds tokens[b] at positions starts[b].. into slot slots[b]. Returns the logits of each
         row's last token [rows, V] (all_logits: every position, [rows, T, V]) and the new state.
+        `embd` (vision models): per row, the image rows of its negative entries (see `Chunk.embd`).
         """
         self._check_live()
-        plan = self._plan(tokens, slots, starts, all_logits)
+        plan = self._plan(tokens, slots, starts, all_logits, embd)
         self._note_shape(plan.key)
         last, every, cache = plan.fn(self.params, state.cache, *plan.args, **plan.kwargs)
         state = self._track(state.replace(cache=cache))
@@ -625,7 +711,7 @@ class Model:
         return out, state
 
     def _plan(self, tokens: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
-              all_logits: bool) -> _Plan:
+              all_logits: bool, embd: Sequence[Any] | None = None) -> _Plan:
         """The raw forward's bucket and padded host inputs (rows, tokens, span buckets)."""
         n = len(tokens)
         if n == 0:
@@ -636,16 +722,16 @@ class Model:
         B = _bucket(n, self.row_buckets)
         T = 1 if max(lens) == 1 else _bucket(max(lens), self.chunk_buckets)
         span = self._span_for(max(s + T for s in starts))
-        tok = np.zeros((B, T), np.int32)
         sl = np.full((B,), self.scratch_slot, np.int32)
         st = np.zeros((B,), np.int32)
         nn = np.ones((B,), np.int32)
         for b in range(n):
-            tok[b, : lens[b]] = tokens[b]
             sl[b] = slots[b]
             st[b] = starts[b]
             nn[b] = lens[b]
-        return _Plan(self._forward, (tok, sl, st, nn), dict(span=span, all_logits=all_logits, kernels=self.kernels),
+        tok, ovr = self._chunk_inputs(tokens, list(embd) if embd is not None else [None] * n, T, B)
+        args = (tok, sl, st, nn) if ovr is None else (tok, sl, st, nn, ovr)
+        return _Plan(self._forward, args, dict(span=span, all_logits=all_logits, kernels=self.kernels),
                      ("raw", B, T, span, all_logits), B)
 
     # ---- embeddings ------------------------------------------------------------------------------
@@ -677,7 +763,7 @@ class Model:
         plan = self._plan(rows, slots, starts, False)
         key = ("embed", *plan.key[1:4])
         self._note_shape(key)
-        pooled, _, cache = self._embed(self.params, state.cache, *plan.args, span=plan.kwargs["span"],
+        pooled, _, cache = self._embed(self.params, state.cache, *plan.args[:4], span=plan.kwargs["span"],
                                        kernels=self.kernels)
         state = self._track(state.replace(cache=cache))
         both = _to_host(pooled)[:, :n]  # [2, rows, D]: sums, last
@@ -730,9 +816,11 @@ class Model:
         request can be served (padded into the largest bucket). The rest follow in the
         `compile-<model>` thread when `background` (default PANTHEON_WARMUP_BACKGROUND), each one
         serving its bucket as soon as it exists; `compile_progress()` counts them. Several dies
-        (a mesh, maybe over processes that must run the same programs) compile everything here.
+        (a mesh, maybe over processes that must run the same programs) and a vision model compile
+        everything here, through the jit.
         """
-        if self.shard_plan is not None:
+        if self.shard_plan is not None or self.vision is not None:
+            # a vision model's prefill takes an embedding override the stored programs do not: jit
             return self._warmup_jit(state, decode, prefill, mixed)
         if background is None:
             background = load_settings().warmup_background
@@ -775,6 +863,9 @@ class Model:
         for plan in step_plans:
             h, state = self.step(state, plan)
             self.read(h)
+        if self.vision is not None:  # the image encoder's one program
+            S = self.vision.image_size
+            self.encode_images([np.zeros((3, S, S), np.float32)])
         state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert
         state = self.copy_slot(state, 0, 0)  # ... the n > 1 fork
         return self.release(state, 0)  # ... and release, leaving slot 0 idle
@@ -1238,18 +1329,66 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
         params = weights.place(host_params, lambda _path, _leaf: devices[0])
     del host_params
     name = opts.name or p.stem
+    vparams = None
     try:
         stage[0] = "building the tokenizer and chat template"
         tokenizer, template = _tokenizer_and_template(p, f.meta)
         if "hf.config" not in f.meta and tokenizer.vocab_size > cfg.vocab:
             raise ModelLoadError(p, f"the tokenizer has {tokenizer.vocab_size} tokens but token_embd.weight has "
                                     f"{cfg.vocab} rows: ids past the embedding would read nothing")
+        vision = vcard = None
+        if opts.mmproj:
+            if len(devices) > 1:
+                raise ModelLoadError(Path(opts.mmproj), "a vision projector is supported on one die only (the "
+                                                        "tensor-parallel steps take no image rows yet)")
+            stage[0] = "loading the vision projector"
+            vision, vparams, vcard = _load_vision(Path(opts.mmproj).expanduser(), cfg, tokenizer, kernels, devices)
+            if vision.bidirectional and opts.prefill_chunk < vision.tokens_per_image:
+                # an image's tokens attend to each other both ways, so one image must fit one chunk
+                log.info("%s: prefill chunk raised from %d to %d (one image's tokens)", name, opts.prefill_chunk,
+                         vision.tokens_per_image)
+                opts = replace(opts, prefill_chunk=vision.tokens_per_image)
+            weight_bytes += weights.tree_bytes(vparams)
         stage[0] = "building the model"
         return Model(p, name, cfg, arch, params, tokenizer, template, opts, devices, dtype, weight_bytes,
-                     kernels=kernels, kv_dtype=resolve_kv_dtype(opts, devices[0]))
+                     kernels=kernels, kv_dtype=resolve_kv_dtype(opts, devices[0]), vision=vision,
+                     vision_params=vparams, vision_card=vcard)
     except BaseException:
         _delete_arrays(params)  # nothing may stay on the device when the load fails
+        _delete_arrays(vparams)
         raise
+
+
+# the text architectures each projector type was made for (their modules declare image_inputs)
+VISION_TEXT_ARCHS = {"gemma3": ("gemma3",)}
+IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+
+
+def _load_vision(path: Path, cfg: ModelConfig, tokenizer: Any, kernels: Kernels, devices: list[Any]):
+    """The projector file's config, its params on the device, and the card the web layer reads."""
+    from pantheon.formats.mmproj import open_mmproj
+    from pantheon.jax_models import siglip
+    from pantheon.types import VisionCard
+    f = open_mmproj(path)
+    vc = f.config
+    if cfg.arch not in VISION_TEXT_ARCHS.get(vc.projector, ()) or not capabilities_of(_arch_module(cfg, path)).image_inputs:
+        raise ModelLoadError(path, f"a {vc.projector!r} projector does not fit a {cfg.arch!r} text model")
+    if vc.text_hidden != cfg.hidden:
+        raise ModelLoadError(path, f"the projector outputs width {vc.text_hidden}, the text model's embeddings "
+                                   f"are {cfg.hidden} wide: not this model's projector")
+    ids = {}
+    for text in IMAGE_TOKENS:
+        got = tokenizer.encode(text)
+        if len(got) != 1:
+            raise ModelLoadError(path, f"the text model's tokenizer has no {text} token (a Gemma 3 vision model "
+                                       "needs it)")
+        ids[text] = got[0]
+    n = vc.tokens_per_image
+    boi, eoi, soft = IMAGE_TOKENS
+    card = VisionCard(image_size=vc.image_size, mean=vc.mean, std=vc.std, n_tokens=n, image_id=ids[soft],
+                      marker=boi, expansion="\n\n" + boi + soft * n + eoi + "\n\n")
+    host = weights.stamp(siglip.load_params(f.tensors, vc), kernels)
+    return vc, weights.place(host, lambda _path, _leaf: devices[0]), card
 
 
 def _tokenizer_and_template(path: Path, meta: dict[str, Any]):

@@ -105,6 +105,7 @@ class _Job:
     cancelled: bool = False  # guarded by the scheduler's _mu
     cancelled_choices: set[int] = field(default_factory=set)  # _mu: choices stopped alone (n > 1)
     error: Exception | None = None  # _mu: the job failed alone (its grammar); it leaves like a cancel, as "error"
+    embd: Any = None  # driver-only: the images' embeddings [N, tokens, H] (host), encoded at insert
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ class BatchScheduler:
         self.chunk = min(settings.prefill_chunk, model.chunk)
         self.queue_depth = 0 if self.immediate else settings.queue_depth
         self.queue_wait_s = settings.queue_wait_s
-        self.mixed = settings.bs_mixed and model.supports_mixed
+        # (a vision model's image rows ride only in prefill steps: the mixed forward takes no override)
+        self.mixed = settings.bs_mixed and model.supports_mixed and getattr(model, "vision", None) is None
         self.log_stats = settings.bs_stats
         self._t_origin = time.perf_counter()  # stats lines give each step's start from here: gaps show idle
         self.forbid_compile = settings.forbid_compile
@@ -224,6 +226,12 @@ class BatchScheduler:
         """Queue `req`. With a held `reservation` its place is used (no capacity check: it was made when
         the place was taken); without one the admission rule decides now."""
         job = _Job(req=req, sink=sink, enqueued_at=time.monotonic())
+        if req.images and getattr(self.model, "vision", None) is None:
+            raise RequestError(f"model {self.model.name!r} does not take images (it was loaded without a vision "
+                               "projector)", code="model_not_multimodal")
+        if req.images and req.prompt_logprobs is not None:
+            raise RequestError("prompt log probabilities are not computed for prompts with images",
+                               param="logprobs")
         if req.n > self.n_slots:
             raise RequestError(f"n: at most {self.n_slots} choices (the model's slots), got {req.n}", param="n")
         with self._mu:
@@ -438,7 +446,7 @@ class BatchScheduler:
                 break
             job = self._queue.popleft()
             slot, reuse = self._pick_slot(idle, job.req)
-            prompt = job.req.prompt_ids
+            prompt = job.req.prefix_key  # image positions keyed by their content hash
             slot.state = PREFILL
             slot.job = job
             slot.choice = 0
@@ -494,7 +502,7 @@ class BatchScheduler:
         Only slots of the request's cache scope can be reused; any other slot reuses nothing.
         At least one prompt token is always prefilled (its logits give the first sampled token).
         """
-        prompt = req.prompt_ids
+        prompt = req.prefix_key
         limit = max(0, len(prompt) - 1)
 
         def reuse(sl: Slot) -> int:
@@ -549,6 +557,51 @@ class BatchScheduler:
             self._deliver([(job, Started(reused_tokens=sl.reused, prompt_logprobs=entries))])
         self._state = self.model.insert(self._state, self._slot_insert(sl, req, sl.reused))
         sl.matcher = self._matcher(req)
+        if req.images and job.embd is None:  # images whose rows are still to prefill need their embeddings
+            todo = [im for im in req.images if im.embd is None and im.offset + im.n_tokens > sl.reused]
+            got = dict(zip((id(im) for im in todo), self.model.encode_images([im.pixels for im in todo])))
+            job.embd = [im.embd if im.embd is not None else got.get(id(im)) for im in req.images]
+
+    def encode_images(self, pixels: list[Any]) -> Any:
+        """Embeddings [N, tokens, H] (host) of preprocessed images, for a request to carry into `submit`.
+
+        Any thread may call it (it reads only the params): the web layer encodes a request's images in
+        its own OS thread, so the driver's steps for the other streams do not wait behind an encoder
+        (a real SigLIP image costs seconds on a CPU)."""
+        if getattr(self.model, "vision", None) is None:
+            raise RequestError(f"model {self.model.name!r} does not take images", code="model_not_multimodal")
+        return self.model.encode_images(pixels)
+
+    def _chunk_part(self, sl: _Slot) -> tuple[int, ...]:
+        """The next prompt chunk of `sl`: at most `chunk` tokens, but never ending inside an image (whose
+        tokens may attend to each other both ways, so they must share a forward): the chunk stops
+        before an image it cannot hold whole, or is stretched over one it starts with, up to the
+        model's chunk (which the engine sized to hold an image)."""
+        pend = sl.pending
+        n = min(self.chunk, len(pend))
+        if n < len(pend) and pend[n - 1] < 0 and pend[n] == pend[n - 1]:  # would split an image's run
+            a = n - 1
+            while a > 0 and pend[a - 1] == pend[n - 1]:
+                a -= 1
+            if a > 0:
+                n = a
+            else:
+                b = n
+                while b < len(pend) and pend[b] == pend[n - 1]:
+                    b += 1
+                n = min(b, self.model.chunk)
+        return tuple(pend[:n])
+
+    def _chunk_embd(self, job: _Job, start: int, part: tuple[int, ...]) -> Any:
+        """The image rows of a chunk at prompt positions start.. ([len(part), H]), or None (no image)."""
+        if not job.req.images or not any(t < 0 for t in part):
+            return None
+        rows = np.zeros((len(part), self.model.config.hidden), np.float32)
+        for im, e in zip(job.req.images, job.embd):
+            lo, hi = max(im.offset, start), min(im.offset + im.n_tokens, start + len(part))
+            if lo < hi:
+                rows[lo - start:hi - start] = e[lo - im.offset:hi - im.offset]
+        return rows
 
     def _slot_insert(self, sl: Slot, req: GenRequest, reused: int, last: int | None = None) -> Any:
         return decode_state.slot_insert(
@@ -580,7 +633,7 @@ class BatchScheduler:
                     self._state = self.model.copy_slot(self._state, sl.index, s.index)
             for s in group:
                 self._state = self.model.insert(self._state, self._slot_insert(s, req, len(prompt) - 1, prompt[-1]))
-                s.hist, s.pos, s.last_token, s.pending = list(prompt[:-1]), len(prompt) - 1, prompt[-1], []
+                s.hist, s.pos, s.last_token, s.pending = list(req.prefix_key[:-1]), len(prompt) - 1, prompt[-1], []
                 s.matcher = self._matcher(req)
             with self._mu:
                 for s in group:
@@ -608,10 +661,10 @@ class BatchScheduler:
         chunk = None
         if pre is not None:
             job = jobs[id(pre)]
-            part = tuple(pre.pending[: self.chunk])
+            part = self._chunk_part(pre)
             last = len(part) == len(pre.pending)
             final = last and job.req.n == 1  # an n > 1 prompt's last chunk samples nothing: the choices fork
-            chunk = Chunk(pre.index, part, pre.pos, final)
+            chunk = Chunk(pre.index, part, pre.pos, final, embd=self._chunk_embd(job, pre.pos, part))
             rows.append(_Row(pre, job, part, final, ends_prompt=last and not final))
             pre.pending = pre.pending[len(part):]
             pre.pos += len(part)

@@ -32,6 +32,8 @@ they are real locks even under gevent monkey-patching.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import re
 import secrets
@@ -61,11 +63,12 @@ _DIES_RE = re.compile(r"\d+(,\d+)*")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One `[NAME=]MODEL[@DIE,DIE]` item of `--model` / PANTHEON_MODELS."""
+    """One `[NAME=]MODEL[?mmproj=PROJECTOR][@DIE,DIE]` item of `--model` / PANTHEON_MODELS."""
 
     source: str  # catalog name or file path
     name: str | None = None
     dies: tuple[int, ...] = ()
+    mmproj: str | None = None  # a vision projector GGUF (the model then takes images)
 
 
 def valid_name(name: str) -> bool:
@@ -73,10 +76,11 @@ def valid_name(name: str) -> bool:
 
 
 def parse_spec(text: str) -> ModelSpec:
-    """Parse `[NAME=]MODEL[@DIE,DIE]`; raises ValueError saying what is wrong.
+    """Parse `[NAME=]MODEL[?mmproj=PROJ][@DIE,DIE]`; raises ValueError saying what is wrong.
 
-    A trailing `@digits[,digits]` is the die list; a leading `NAME=` is the served name unless the
-    whole text is an existing file (so a path containing "=" still works).
+    A trailing `@digits[,digits]` is the die list; before it, `?mmproj=PROJ` names a vision projector;
+    a leading `NAME=` is the served name unless the whole text is an existing file (so a path
+    containing "=" still works).
     """
     s = text.strip()
     dies: tuple[int, ...] = ()
@@ -85,6 +89,12 @@ def parse_spec(text: str) -> ModelSpec:
         s, dies = head.strip(), tuple(int(x) for x in tail.split(","))
         if len(set(dies)) != len(dies):
             raise ValueError(f"model spec {text!r} lists a die twice")
+    mmproj = None
+    base, q, proj = s.rpartition("?mmproj=")
+    if q:
+        s, mmproj = base.strip(), proj.strip()
+        if not mmproj:
+            raise ValueError(f"model spec {text!r}: ?mmproj= names no projector file")
     name = None
     left, eq, right = s.partition("=")
     if eq and not Path(s).expanduser().exists():
@@ -94,7 +104,7 @@ def parse_spec(text: str) -> ModelSpec:
         name, s = left.strip(), right.strip()
     if not s:
         raise ValueError(f"model spec {text!r} names no model")
-    return ModelSpec(source=s, name=name, dies=dies)
+    return ModelSpec(source=s, name=name, dies=dies, mmproj=mmproj)
 
 
 def default_name(source: str) -> str:
@@ -138,13 +148,13 @@ def _status_error(message: str, status: int, code: str, param: str | None = None
     return RequestError(message, param=param, status=status, code=code)
 
 
-def _load_options(name: str, settings: Settings) -> Any:
+def _load_options(name: str, settings: Settings, mmproj: str | None = None) -> Any:
     """The LoadOptions a model is loaded with: the estimate must see exactly what the load will do."""
     from pantheon.runtime.engine import LoadOptions
     return LoadOptions(name=name, dtype=settings.dtype, n_slots=max(1, settings.batch_slots),
                        max_seq=settings.max_seq, prefill_chunk=settings.prefill_chunk,
                        native_matmul=settings.native_matmul, native_dot=settings.native_dot,
-                       native_dir=str(settings.home / "native"))
+                       native_dir=str(settings.home / "native"), mmproj=mmproj)
 
 
 def estimate_load(path: Path, settings: Settings, platform: str) -> Any:
@@ -160,13 +170,16 @@ def _manager_from_table(table: list[dict]) -> Any:
                            kind=t.get("kind", "cpu"), budget_source="given") for t in table])
 
 
-def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings) -> Any:
+def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings, mmproj: str | None = None) -> Any:
     from pantheon.serving import distributed
     from pantheon.runtime.engine import load_on
     cluster = distributed.leader()
     if cluster is not None:  # multi-host: the followers load their shards too (pantheon.serving.distributed)
+        if mmproj:
+            raise _status_error("a vision projector (mmproj) is not supported on a multi-host cluster", 400,
+                                "unsupported", "mmproj")
         return cluster.load(path, _load_options(name, settings), dies)
-    return load_on(path, _load_options(name, settings), list(dies) or None)
+    return load_on(path, _load_options(name, settings, mmproj), list(dies) or None)
 
 
 def _holds_memory(model: Any) -> bool:
@@ -251,7 +264,7 @@ class Registry:
 
     # ---- loading (OS thread only) --------------------------------------------------------------------
     def load(self, source: str, name: str | None = None, dies: Sequence[int] | None = None,
-             resolve: Callable[[str], Path] = _resolve) -> dict:
+             resolve: Callable[[str], Path] = _resolve, mmproj: str | None = None) -> dict:
         """Load `source` (catalog name or path, turned into a file by `resolve`) as `name`; blocks.
 
         Raises RequestError (400 bad dies/name, 409 same name loading/unloading, 507 table full),
@@ -272,10 +285,11 @@ class Registry:
             path = resolve(source)
             # A damaged file fails in the estimate (pantheon.serving.dies) or the load (engine.load_on), each
             # of which turns whatever it trips over into a ModelLoadError naming the file.
-            self._place(entry, path, dies)
+            self._place(entry, path, dies, mmproj)
             with self._upload_lock:
                 uploading = True
-                model = self._load_model(path, name, entry.dies, self.settings)
+                extra = {"mmproj": mmproj} if mmproj else {}
+                model = self._load_model(path, name, entry.dies, self.settings, **extra)
             backend = self._make_backend(model, self.settings)
             with self._lock:
                 entry.model, entry.card, entry.backend = model, getattr(model, "card", None), backend
@@ -318,8 +332,9 @@ class Registry:
             self._entries[entry.slot] = entry
             return entry
 
-    def _place(self, entry: Entry, path: Path, dies: tuple[int, ...]) -> None:
-        """Phase 2: estimate the model's bytes and reserve them on `dies` (or the emptiest die)."""
+    def _place(self, entry: Entry, path: Path, dies: tuple[int, ...], mmproj: str | None = None) -> None:
+        """Phase 2: estimate the model's bytes and reserve them on `dies` (or the emptiest die).
+        A vision projector adds its file's size, held in full on the die (it is never split)."""
         from pantheon.serving.dies import LoadEstimate
         mgr = self.die_manager()
         known = {d.id: d for d in mgr.dies}
@@ -327,6 +342,14 @@ class Registry:
         est = self._estimate(path, self.settings, first.platform if first is not None else mgr.dies[0].platform)
         if not isinstance(est, LoadEstimate):
             est = LoadEstimate(weights_bytes=int(est), replicated_weight_bytes=int(est))
+        if mmproj:
+            try:
+                extra = Path(mmproj).expanduser().stat().st_size
+            except OSError as exc:
+                raise _status_error(f"the projector file {mmproj!r} cannot be read ({exc.strerror})", 404,
+                                    "model_not_found", "mmproj") from None
+            est = dataclasses.replace(est, weights_bytes=est.weights_bytes + extra,
+                                      replicated_weight_bytes=est.replicated_weight_bytes + extra)
         placed = tuple(mgr.reserve(entry.instance_id, entry.name, est, dies=list(dies) or None))
         with self._lock:
             entry.dies, entry.bytes = placed, est.per_die(len(placed))

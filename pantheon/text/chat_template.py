@@ -74,17 +74,25 @@ def _content_text(content: Any, index: int) -> Any:
     if content is None:
         return ""
     if isinstance(content, list):
-        texts = []
+        out, prev_text = [], False
         for part in content:
             if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
+                text = part["text"]
             elif isinstance(part, str):
-                texts.append(part)
+                text = part
+            elif isinstance(part, dict) and part.get("type") == "image" and isinstance(part.get("marker"), str):
+                # an image (the web layer checked and decoded it): the model's marker, with no separator
+                # around it, as Gemma 3's own template writes image parts between text parts
+                out.append(part["marker"])
+                prev_text = False
+                continue
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise TemplateError(f"messages[{index}]: content part of type {kind!r} is not supported "
                                     "(text only)")
-        return "\n".join(texts)
+            out.append(("\n" if prev_text else "") + text)
+            prev_text = True
+        return "".join(out)
     return content
 
 

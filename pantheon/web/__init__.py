@@ -111,7 +111,8 @@ def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
             spec = parse_spec(text)
             log.info("loading %s", text)
             # In a cluster a model without a die list spans every process's dies.
-            state.registry.load(spec.source, spec.name, spec.dies or distributed.all_dies())
+            state.registry.load(spec.source, spec.name, spec.dies or distributed.all_dies(),
+                                **({"mmproj": spec.mmproj} if spec.mmproj else {}))
             if state.registration is not None:
                 state.registration.sync()  # each model is registered as soon as it is ready
         state.status = "ok"

@@ -90,9 +90,18 @@ def load() -> Response:
         if not isinstance(dies, list) or len(dies) > MAX_DIES or \
                 not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dies):
             raise RequestError("dies: must be a list of die numbers (non-negative integers)", param="dies")
+    mmproj = _opt_str(body, "mmproj")
     source, resolve = _resolver(body)
+    if mmproj is not None:  # like "path": a file inside the model directory
+        target = model_path_in_dir(server().settings, mmproj)
+        if not target.is_file():
+            raise RequestError(f"no projector file {shown(mmproj)!r} in the model directory", param="mmproj",
+                               status=404, code="model_not_found")
+        mmproj = str(target)
     registry = server().registry
-    info = bridge.call_in_thread(_then_register, server().registration, registry.load, source, name, dies, resolve,
+    load_fn = registry.load if mmproj is None else (
+        lambda *a: registry.load(*a, mmproj=mmproj))  # noqa: E731
+    info = bridge.call_in_thread(_then_register, server().registration, load_fn, source, name, dies, resolve,
                                  name="pantheon-admin-load")
     return jsonify(status="loaded", **info)
 

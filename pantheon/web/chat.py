@@ -15,6 +15,7 @@ disconnect) closes the generation even if the iteration never started.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ from pantheon.text.emitter import Delta, Emitter, merge_deltas
 from pantheon.errors import BusyError, PantheonError
 from pantheon.types import GenRequest
 from pantheon.web import bridge
+from pantheon.web import images as web_images
 from pantheon.web.body import shown
 from pantheon.web.fields import MAX_ID_CHARS
 from pantheon.web.fields import bad as _bad
@@ -127,8 +129,23 @@ def _content(msg: Mapping, where: str, required: bool) -> None:
         p = f"{where}.content[{j}]"
         if not isinstance(part, dict):
             raise _bad(p, "must be an object like {\"type\": \"text\", \"text\": \"...\"}")
+        if part.get("type") == "image_url" and msg.get("role") == "user":
+            img = part.get("image_url")
+            if isinstance(img, str):  # the short form some clients send
+                img = part["image_url"] = {"url": img}
+            if not isinstance(img, dict) or not isinstance(img.get("url"), str):
+                raise _bad(f"{p}.image_url", "must be an object like {\"url\": \"data:image/png;base64,...\"}")
+            extra = set(img) - {"url", "detail"}
+            if extra:
+                raise _bad(f"{p}.image_url.{sorted(extra)[0]}", "is not supported")
+            if img.get("detail", "auto") not in ("auto", "low", "high"):
+                raise _bad(f"{p}.image_url.detail", "must be \"auto\", \"low\" or \"high\"")
+            if set(part) - {"type", "image_url"}:
+                raise _bad(f"{p}.{sorted(set(part) - {'type', 'image_url'})[0]}", "is not supported")
+            continue
         if part.get("type") != "text":
-            raise _bad(f"{p}.type", f"only text parts are supported, got {json.dumps(part.get('type'))[:40]}")
+            allowed = "text and image_url parts (image_url in user messages)"
+            raise _bad(f"{p}.type", f"only {allowed} are supported, got {json.dumps(part.get('type'))[:40]}")
         extra = set(part) - {"type", "text"}
         if extra:
             raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
@@ -498,6 +515,8 @@ class Generation(GenerationCore):
         self.creq = creq
         self.grammars = grammars  # the server's grammar-compile pool (ServerState.grammars)
         self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
+        self.images: list[Any] = []  # the request's images, preprocessed (pantheon.formats.images.Preprocessed)
+        self.image_embd: Any = None  # their embeddings [N, tokens, H] when the backend encoded them here
 
     # -- setup --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -506,8 +525,12 @@ class Generation(GenerationCore):
         tok = card.tokenizer
         creq = self.creq
         self.admission.limits(card, creq.n, creq.logit_bias)
+        if web_images.image_parts(creq.messages):  # decode (maybe fetch) off the hub; 400 on any bad image
+            msgs, self.images = bridge.call_in_thread(
+                web_images.load_images, creq.messages, card, self.registry.settings, name="pantheon-image")
+            creq = self.creq = dataclasses.replace(creq, messages=msgs)
         admit = lambda: self.admission.chat(card, creq.messages, lambda m: self._render(card, m),  # noqa: E731
-                                            lambda text: prompt_ids(card, text), creq.max_tokens,
+                                            self._prompt_ids_of(card), creq.max_tokens,
                                             creq.truncate_oldest)
         try:
             if creq.size > BIG_PROMPT_CHARS:  # rendering + tokenizing would hold the hub for a while
@@ -519,6 +542,9 @@ class Generation(GenerationCore):
             raise
         rendered, ids, self.prompt_capped = admitted.rendered, admitted.ids, admitted.capped
         self.capped = self.prompt_capped
+        encode = getattr(self.entry.backend, "encode_images", None)
+        if self.images and encode is not None:  # after admission: a refused prompt costs no encode
+            self.image_embd = bridge.call_in_thread(encode, [p.pixels for p in self.images], name="pantheon-image")
         max_tokens = self.budget(card, len(ids), creq.max_tokens)
         self.observe_admission("capped" if self.capped else "fit")
         constraint, reservation = None, None
@@ -571,7 +597,9 @@ class Generation(GenerationCore):
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,  # resolves the seed, once
                          stop_ids=stop_ids, session_id=session, cache_scope=creq.cache_scope,
                          request_id=self.id, n=creq.n, logprobs=creq.logprobs, logit_bias=creq.logit_bias,
-                         constraint=constraint)
+                         constraint=constraint,
+                         images=web_images.prompt_images(ids, self.images, card, self.image_embd) if self.images
+                         else ())
         self.launch(req, emitters, reservation=reservation)
 
     def _constraint(self, tok: Any) -> Any:
@@ -591,6 +619,11 @@ class Generation(GenerationCore):
     def _render(self, card: Any, messages: list[dict] | None = None) -> str:
         """The chat template applied to `messages` (default: the request's) and the request's tools."""
         return render_prompt(card, self.creq, messages)
+
+    def _prompt_ids_of(self, card: Any) -> Any:
+        """Rendered text -> the prompt's token ids (BOS added when the model wants one), each image's
+        placeholder expanded to its image tokens first, as the model's processor does."""
+        return lambda text: prompt_ids(card, web_images.expand(text, card) if self.images else text)
 
 
     # -- response shapes ---------------------------------------------------------------------------------

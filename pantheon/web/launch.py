@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from pantheon.errors import PantheonError
 
@@ -31,6 +32,16 @@ def gunicorn_argv(host: str, port: int, timeout: int) -> list[str]:
             "pantheon.web:create_app()"]
 
 
+def with_mmproj(specs: list[str], mmproj: str) -> list[str]:
+    """The one model spec of `specs` with `?mmproj=PROJ` (an absolute path: the worker's directory may
+    differ) written before its die list: what `--mmproj` means."""
+    if len(specs) != 1:
+        raise ValueError("--mmproj needs exactly one --model (or write MODEL?mmproj=PROJ in each spec)")
+    head, at, tail = specs[0].rpartition("@")
+    base, dies = (head, "@" + tail) if at and tail.replace(",", "").isdigit() else (specs[0], "")
+    return [f"{base}?mmproj={Path(mmproj).expanduser().resolve()}{dies}"]
+
+
 def serve(args: argparse.Namespace) -> int:
     """Validate `--model` specs, pull catalog models (with progress, here rather than in the worker),
     then replace this process with gunicorn. Returns only on a bad argument."""
@@ -39,6 +50,13 @@ def serve(args: argparse.Namespace) -> int:
     from pantheon.serving.registry import parse_spec
 
     specs = [s for m in (args.model or []) for s in split_model_specs(m)]
+    mmproj = getattr(args, "mmproj", None)
+    if mmproj:  # `--mmproj PROJ` belongs to the one `--model` beside it
+        try:
+            specs = with_mmproj(specs, mmproj)
+        except ValueError as exc:
+            print(f"pantheon: {exc}", file=sys.stderr)
+            return 2
     if not specs:
         try:
             specs = list(load_settings().models) or [DEFAULT_MODEL]

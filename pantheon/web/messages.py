@@ -45,6 +45,7 @@ BLOCK_FIELDS = {
     "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
     "thinking": {"type", "thinking", "signature"},
     "redacted_thinking": {"type", "data"},
+    "image": {"type", "source", "cache_control"},
 }
 MAX_STOP = 4
 
@@ -54,8 +55,9 @@ def _block(b: Any, where: str, allowed: tuple[str, ...]) -> dict:
     if not isinstance(b, dict):
         raise bad(where, "must be an object such as {\"type\": \"text\", \"text\": \"...\"}")
     kind = b.get("type")
-    if kind in ("image", "document", "search_result", "container_upload"):
-        raise bad(f"{where}.type", f"{kind} blocks are not supported (text only)")
+    if kind in ("image", "document", "search_result", "container_upload") and kind not in allowed:
+        raise bad(f"{where}.type", f"{kind} blocks are not supported here" if kind == "image" else
+                  f"{kind} blocks are not supported (text only)")
     if kind not in allowed:
         raise bad(f"{where}.type", f"must be one of {', '.join(allowed)}; got {json.dumps(kind)[:40]}")
     extra = sorted(set(b) - BLOCK_FIELDS[kind])
@@ -66,6 +68,25 @@ def _block(b: Any, where: str, allowed: tuple[str, ...]) -> dict:
     if kind == "thinking" and not isinstance(b.get("thinking"), str):
         raise bad(f"{where}.thinking", "must be a string")
     return b
+
+
+def _image_url(b: dict, where: str) -> str:
+    """An image block's source as the URL a chat image part carries: base64 data becomes a data: URL;
+    a `url` source stays a URL (fetched only under PANTHEON_IMAGE_URL_ALLOWLIST)."""
+    src = b.get("source")
+    if not isinstance(src, dict):
+        raise bad(f"{where}.source", "must be an object such as {\"type\": \"base64\", \"media_type\": "
+                                     "\"image/png\", \"data\": \"...\"}")
+    if src.get("type") == "base64":
+        mt, data = src.get("media_type"), src.get("data")
+        if not isinstance(mt, str) or not mt.startswith("image/"):
+            raise bad(f"{where}.source.media_type", "must be an image type such as image/png")
+        if not isinstance(data, str) or not data:
+            raise bad(f"{where}.source.data", "must be base64 image data")
+        return f"data:{mt};base64,{data}"
+    if src.get("type") == "url" and isinstance(src.get("url"), str) and src["url"]:
+        return src["url"]
+    raise bad(f"{where}.source.type", "must be base64 (or url)")
 
 
 def _texts(content: Any, where: str) -> str:
@@ -101,10 +122,15 @@ def _turns(msgs: Any) -> list[dict]:
             raise bad(f"{where}.content", "must be a string or a list of content blocks")
         texts: list[str] = []
         if role == "user":
+            parts: list[dict] = []  # text and image parts in order, when the turn has an image
             for j, b in enumerate(content):
-                b = _block(b, f"{where}.content[{j}]", ("text", "tool_result"))
+                b = _block(b, f"{where}.content[{j}]", ("text", "tool_result", "image"))
                 if b["type"] == "text":
                     texts.append(b["text"])
+                    parts.append({"type": "text", "text": b["text"]})
+                    continue
+                if b["type"] == "image":
+                    parts.append({"type": "image_url", "image_url": {"url": _image_url(b, f"{where}.content[{j}]")}})
                     continue
                 p = f"{where}.content[{j}]"
                 if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
@@ -114,7 +140,9 @@ def _turns(msgs: Any) -> list[dict]:
                 result = _texts(b.get("content", ""), f"{p}.content")
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                             "content": ("Error: " + result) if b.get("is_error") else result})
-            if texts or not content:
+            if any(q["type"] == "image_url" for q in parts):
+                out.append({"role": "user", "content": parts})
+            elif texts or not content:
                 out.append({"role": "user", "content": "\n".join(texts)})
             continue
         msg: dict = {"role": "assistant"}

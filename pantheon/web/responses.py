@@ -123,18 +123,30 @@ class ResponsesRequest(ChatRequest):
     top_p: float = 1.0
 
 
-def _text_of(content: Any, where: str, allowed: tuple[str, ...] = TEXT_PARTS) -> str:
-    """The text of an item's `content`: a string, or text parts (joined with newlines)."""
+def _text_of(content: Any, where: str, allowed: tuple[str, ...] = TEXT_PARTS, images: bool = False) -> Any:
+    """The text of an item's `content`: a string, or text parts (joined with newlines). With `images`
+    (a user turn), `input_image` parts are taken too: then the content is chat parts, text and
+    `image_url` in order (the chat path decodes and checks them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad(where, "must be a string or a list of content parts")
     out = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         p = f"{where}[{j}]"
         if not isinstance(part, dict):
             raise bad(p, "must be an object like {\"type\": \"input_text\", \"text\": \"...\"}")
         kind = part.get("type")
+        if kind == "input_image" and images:
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise bad(f"{p}.image_url", "must be a data: URL string (file_id is not supported)")
+            extra = sorted(set(part) - {"type", "image_url", "detail"})
+            if extra:
+                raise bad(f"{p}.{extra[0]}", "is not supported")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
         if kind in ("input_image", "input_file", "input_audio"):
             raise bad(f"{p}.type", f"{kind} parts are not supported (text only)")
         if kind == "refusal":
@@ -147,6 +159,9 @@ def _text_of(content: Any, where: str, allowed: tuple[str, ...] = TEXT_PARTS) ->
         if not isinstance(part.get("text"), str):
             raise bad(f"{p}.text", "must be a string")
         out.append(part["text"])
+        parts.append({"type": "text", "text": part["text"]})
+    if any(q["type"] == "image_url" for q in parts):
+        return parts
     return "\n".join(out)
 
 
@@ -186,7 +201,7 @@ def _input_messages(value: Any) -> list[dict]:
                 raise bad(f"{where}.{extra[0]}", "is not supported")
             if "content" not in item:
                 raise bad(f"{where}.content", "is required")
-            text = _text_of(item["content"], f"{where}.content")
+            text = _text_of(item["content"], f"{where}.content", images=ROLES[role] == "user")
             msg = {"role": ROLES[role], "content": text}
             if ROLES[role] == "assistant" and reasoning:
                 msg["reasoning_content"] = "\n".join(reasoning)

@@ -136,6 +136,19 @@ TOOL_CALL: Schema = _object({
 _CONTENT: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
                     "description": "a string, or text parts (joined with newlines)",
                     "examples": ["Hello!", [{"type": "text", "text": "Hello!"}]]}
+IMAGE_PART: Schema = _object({
+    "type": {"const": "image_url"},
+    "image_url": {"anyOf": [
+        _object({"url": {"type": "string", "description": "a data: URL (PNG, JPEG, WebP, base64); an http(s) URL "
+                                                           "only under PANTHEON_IMAGE_URL_ALLOWLIST"},
+                 "detail": {"enum": ["auto", "low", "high"]}}, required=("url",)),
+        {"type": "string"}]},
+}, required=("type", "image_url"))
+_USER_CONTENT: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [TEXT_PART, IMAGE_PART]}}],
+                         "description": "a string, or text parts (joined with newlines) and image parts (a model "
+                                        "loaded with a vision projector)",
+                         "examples": ["Hello!", [{"type": "text", "text": "What is this?"},
+                                                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]]}
 _MESSAGE_COMMON: dict[str, Schema] = {
     "content": _CONTENT,
     "name": _str(None, "alice"),
@@ -166,7 +179,8 @@ CHAT_MESSAGE: Schema = {
                    "messages, tool_call_id only on tool messages; a function message (the deprecated tool "
                    "result) names its function. Any other field is refused unless it is null.",
     "anyOf": [
-        _message(_enum(("system", "user"), examples=["user"]), ("content",)),
+        _message(_enum(("system",), examples=["system"]), ("content",)),
+        _message(_enum(("user",), examples=["user"]), ("content",), content=_USER_CONTENT),
         _message({"const": "assistant", "examples": ["assistant"]}, ("content",),
                  tool_calls=_TOOL_CALLS, function_call=_FUNCTION_CALL),
         _message({"const": "assistant", "examples": ["assistant"]}, ("tool_calls",),
@@ -368,6 +382,8 @@ LOAD_REQUEST: Schema = {**_object(_optional({
              "examples": ["chat"]},
     "dies": {"type": "array", "maxItems": ADMIN_DIES_MAX, "items": {"type": "integer", "minimum": 0},
              "examples": [[0]]},
+    "mmproj": {**_ADMIN_STR, "description": "a vision projector (llama.cpp mmproj GGUF) inside PANTHEON_MODEL_DIR: "
+               "the model takes images", "examples": ["mmproj.gguf"]},
 })), "oneOf": _exactly_one("path", "model"), "description": "exactly one of path and model"}
 
 UNLOAD_REQUEST: Schema = {**_object(_optional({
@@ -378,7 +394,8 @@ UNLOAD_REQUEST: Schema = {**_object(_optional({
 
 # ---- OpenAI Responses and Anthropic Messages ---------------------------------------------------------------
 _ITEM: Schema = {"type": "object", "description": "an input item: a message (role user/system/developer/assistant, "
-                 "content a string or input_text/output_text parts), function_call, function_call_output or "
+                 "content a string or input_text/output_text parts, and input_image parts with a data: URL in user "
+                 "items of a model with a vision projector), function_call, function_call_output or "
                  "reasoning; fields set to null count as absent"}
 _FORMAT_NAME: Schema = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
 TEXT_FORMAT: Schema = {
@@ -437,8 +454,8 @@ RESPONSES_REQUEST: Schema = _object(_optional({
 }, keep=("input",)), required=("input",))
 
 _BLOCK: Schema = {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"],
-                  "description": "a content block: text, tool_use, tool_result, thinking or redacted_thinking "
-                                 "(images are refused)"}
+                  "description": "a content block: text, tool_use, tool_result, thinking or redacted_thinking; "
+                                 "image (a base64 source) in user turns of a model with a vision projector"}
 ANTHROPIC_MESSAGE: Schema = _object({
     "role": _enum(("user", "assistant")),
     "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}],

@@ -111,6 +111,9 @@ class Engine(Protocol):
               starts: Sequence[int], pooling: Any = "mean") -> tuple[Any, DecodeState]: ...
 
     @verb
+    def encode_images(self, pixels: list) -> Any: ...  # runs the vision encoder's program
+
+    @verb
     def free(self) -> None: ...
 
     # -- reads of a dispatched result -----------------------------------------------------------------

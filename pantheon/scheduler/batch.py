@@ -572,7 +572,7 @@ class BatchScheduler:
             raise RequestError(f"model {self.model.name!r} does not take images", code="model_not_multimodal")
         return self.model.encode_images(pixels)
 
-    def _chunk_part(self, sl: _Slot) -> tuple[int, ...]:
+    def _chunk_part(self, sl: Slot) -> tuple[int, ...]:
         """The next prompt chunk of `sl`: at most `chunk` tokens, but never ending inside an image (whose
         tokens may attend to each other both ways, so they must share a forward): the chunk stops
         before an image it cannot hold whole, or is stretched over one it starts with, up to the

@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready", required=True, help="URL that answers 200 once the server can serve")
     ap.add_argument("--hold", type=float, default=0.0, help="keep serving this many seconds after ready")
     ap.add_argument("--timeout", type=float, default=900.0, help="give up if not ready after this")
+    ap.add_argument("--settled", help="URL whose JSON carries a \"progress\" key while programs still compile "
+                                       "(Pantheon's GET /): also report when it is gone (every program made)")
+    ap.add_argument("--request", help="an OpenAI /v1/chat/completions URL: after settling, send one short chat "
+                                      "and report the RSS after serving it")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
@@ -75,6 +79,28 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.2)
     print(json.dumps({"ready_s": round(time.monotonic() - t0, 1), "peak_load_rss_gb": round(peak[0] / 1e9, 3),
                       "rss_ready_gb": round(tree_rss(proc) / 1e9, 3)}), flush=True)
+    if args.settled:
+        while True:
+            try:
+                with urllib.request.urlopen(args.settled, timeout=5) as r:
+                    if "progress" not in json.loads(r.read() or b"{}"):
+                        break
+            except Exception:
+                pass
+            if child.poll() is not None:
+                break
+            time.sleep(0.5)
+        print(json.dumps({"settled_s": round(time.monotonic() - t0, 1), "rss_settled_gb": round(tree_rss(proc) / 1e9, 3)}),
+              flush=True)
+    if args.request:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Say hello."}],
+                           "max_tokens": 16, "temperature": 0}).encode()
+        req = urllib.request.Request(args.request, body, {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=300).read()
+        except Exception as exc:
+            print(json.dumps({"request_error": str(exc)}), flush=True)
+        print(json.dumps({"rss_served_gb": round(tree_rss(proc) / 1e9, 3)}), flush=True)
     done.wait(args.hold if args.hold > 0 else None)
     print(json.dumps({"peak_rss_gb": round(peak[0] / 1e9, 3), "rss_end_gb": round(tree_rss(proc) / 1e9, 3)}),
           flush=True)

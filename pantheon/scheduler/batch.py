@@ -305,7 +305,7 @@ class BatchScheduler:
         progress = getattr(self.model, "compile_progress", None)
         if callable(progress):  # (a test's fake model has none)
             s["compiled"], s["programs"] = progress()
-            return s
+        return s
 
     def close(self, timeout: float = 10.0) -> None:
         with self._mu:

@@ -11,9 +11,10 @@ experts" depends on the backend and on how many tokens a step carries.
   / `pallas_prefetch_interpret` run either kernel in Pallas' interpreter on CPU: slow, but they
   prove the kernels right against the XLA paths (tests/test_moe_kernels.py).
 * `tiles` (CPU default): the same sorted, tile-padded layout, walked by an XLA while loop over
-  the *used* tiles only, each iteration two (out, in)-layout matmuls against one expert. The
-  tile height follows the mean group size (1 at decode: one matvec per used expert, each expert
-  read once). Measured fastest on CPU from 1 to 128 tokens (issue-5 report).
+  the *used* tiles only, each iteration two (out, in)-layout matmuls against one expert. Up to
+  DECODE_ROWS_MAX tokens the tile is as tall as the token count (one tile per chosen expert: each
+  active expert read once for all its rows, the padding rows skipped by the native kernels); above
+  that it follows the mean group size. Measured fastest on CPU from 1 to 128 tokens (issue-5 report).
 * `capacity`: the pairs are scattered into an [E, C, H] buffer and all experts run as one batched
   einsum. C is chosen inside the step by lax.switch among static buckets (the smallest that holds
   the fullest expert), so no token is ever dropped. With (out, in) weights XLA:CPU transposes

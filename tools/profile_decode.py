@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def copy_bandwidth(mb: int = 512, reps: int = 5) -> float:
@@ -136,9 +137,6 @@ def leaf_times(trace_dir: str) -> tuple[dict[tuple[str, str], float], dict[tuple
             total[key] += e["dur"]
             count[key] += 1
     return total, count
-
-
-from typing import Any  # noqa: E402
 
 
 def byte_floor(path: str, batch: int, state_bytes_per_row: int) -> tuple[float, dict[str, float]]:

@@ -149,7 +149,8 @@ def test_a_decode_step_gives_each_active_expert_one_tile():
     assert sorted(used.tolist()) == sorted(set(idx.reshape(-1).tolist()))
 
 
-def test_a_row_through_stored_experts_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("kernel", ["native", "native-int8"])
+def test_a_row_through_stored_experts_does_not_depend_on_its_batch(kernel):
     """Batched decode groups the rows that chose an expert into one product (padding rows skipped):
     each row's result must have the bits it has alone."""
     import gguf
@@ -162,7 +163,7 @@ def test_a_row_through_stored_experts_does_not_depend_on_its_batch():
     wg, wu, wd, router = _weights(6)
     q8 = gguf.GGMLQuantizationType.Q8_0
     stored = [weights.QuantWeight(data=jnp.asarray(gguf.quants.quantize(np.asarray(a), q8)), qtype="Q8_0",
-                                  cols=int(a.shape[-1]), kernel="native") for a in (wg, wu, wd)]
+                                  cols=int(a.shape[-1]), kernel=kernel) for a in (wg, wu, wd)]
     h = jax.random.normal(jax.random.PRNGKey(7), (8, H))
     w, idx = mk.route(jnp.einsum("nh,eh->ne", h, router), K)
     assert mk.cpu_tile_rows(idx.size, E, 8) == 8  # the batched call groups rows per expert

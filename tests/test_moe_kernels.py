@@ -134,3 +134,40 @@ def test_experts_stored_as_gguf_blocks_give_what_their_expansion_gives(impl):
     ref = _run("dense", x, w, idx, *plain)
     got = np.asarray(jax.jit(functools.partial(mk.experts, impl=impl))(x, w, idx, *stored))
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_step_gives_each_active_expert_one_tile():
+    """Up to DECODE_ROWS_MAX tokens the CPU tile is as tall as the token count, so the loop runs once
+    per distinct chosen expert (each read once for all its rows), however the choices overlap."""
+    n, k, e = 8, 8, 128
+    rng = np.random.RandomState(5)
+    idx = np.stack([rng.choice(24, k, replace=False) for _ in range(n)])  # heavy overlap across rows
+    tm = mk.cpu_tile_rows(idx.size, e, n)
+    assert tm == n and mk.cpu_tile_rows(idx.size, e, 1) == 1
+    _, te, _ = mk.tile_layout(jnp.asarray(idx.reshape(-1), jnp.int32), e, tm)
+    used = np.asarray(te)[np.asarray(te) >= 0]
+    assert sorted(used.tolist()) == sorted(set(idx.reshape(-1).tolist()))
+
+
+@pytest.mark.parametrize("kernel", ["native", "native-int8"])
+def test_a_row_through_stored_experts_does_not_depend_on_its_batch(kernel):
+    """Batched decode groups the rows that chose an expert into one product (padding rows skipped):
+    each row's result must have the bits it has alone."""
+    import gguf
+
+    from pantheon.config import load_settings
+    from pantheon.ops import native, weights
+
+    if not native.enable(load_settings().home / "native"):
+        pytest.skip("the native kernels are not available here")
+    wg, wu, wd, router = _weights(6)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    stored = [weights.QuantWeight(data=jnp.asarray(gguf.quants.quantize(np.asarray(a), q8)), qtype="Q8_0",
+                                  cols=int(a.shape[-1]), kernel=kernel) for a in (wg, wu, wd)]
+    h = jax.random.normal(jax.random.PRNGKey(7), (8, H))
+    w, idx = mk.route(jnp.einsum("nh,eh->ne", h, router), K)
+    assert mk.cpu_tile_rows(idx.size, E, 8) == 8  # the batched call groups rows per expert
+    f = jax.jit(lambda h, w, idx: mk.experts(h, w, idx, *stored, impl="tiles"))
+    batched = np.asarray(f(h, w, idx))
+    for r in range(8):
+        np.testing.assert_array_equal(np.asarray(f(h[r:r + 1], w[r:r + 1], idx[r:r + 1]))[0], batched[r])

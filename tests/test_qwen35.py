@@ -138,3 +138,38 @@ def test_legacy_packed_ssm_in_unpacks_to_qkv_and_gate():
     qkv, gate = qwen35._split_ssm_in(weights.dense(packed.astype(np.float32)), d)  # rows of the stored weight
     np.testing.assert_array_equal(qkv.data, np.concatenate([q, k, v]))
     np.testing.assert_array_equal(gate.data, z)
+
+
+def test_single_token_step_equals_recurrence():
+    """delta_step (both products with the old state from one read) is the recurrence at T == 1."""
+    ks = jax.random.split(jax.random.PRNGKey(1), 6)
+    B, N, dk, dv = 3, 4, 16, 8
+    q, k = jax.random.normal(ks[0], (B, N, 1, dk)), jax.random.normal(ks[1], (B, N, 1, dk))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, N, 1, dv))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, N, 1)))
+    g = -jnp.abs(jax.random.normal(ks[4], (B, N, 1)))
+    S0 = jax.random.normal(ks[5], (B, N, dk, dv))
+    o_ref, s_ref = jax.jit(qwen35.delta_recurrent)(q, k, v, beta, g, S0)
+    o, s = jax.jit(qwen35.delta_step)(q, k, v, beta, g, S0)
+    np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_decode_step_copies_no_state_stack(rows):
+    """The recurrent state is read and written in place: the compiled decode step (state donated,
+    as the engine runs it) holds no copy of a whole conv or delta-rule stack [L_lin, S, ...]."""
+    import functools
+    import re
+
+    m = tiny_model("qwen35moe")
+    cache = m.new_state().cache
+    rec = cache.recurrent
+    fwd = jax.jit(functools.partial(qwen35.forward, cfg=m.config, span=64), donate_argnums=(1,))
+    i32 = lambda *a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    hlo = fwd.lower(m.params, cache, jnp.ones((rows, 1), jnp.int32), i32(*range(rows)), i32(*[5] * rows),
+                    i32(*[1] * rows)).compile().as_text()
+    for a in (rec.conv, rec.ssm):
+        shape = f"f32[{','.join(str(d) for d in a.shape)}]"
+        assert not re.search(re.escape(shape) + r"\{[0-9,]*\} copy\(", hlo), f"a copy of the {a.shape} stack"

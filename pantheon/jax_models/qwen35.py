@@ -8,8 +8,9 @@ Why the code is shaped this way:
   pattern is periodic, so the stack is a `lax.scan` over *periods* whose body unrolls one period:
   compile time stays that of one period whatever the depth (a non-periodic pattern is one period).
 * Each slot carries, per DeltaNet layer, a conv state (the last K-1 pre-conv inputs) and a f32
-  delta-rule state S (n_v x d_k x d_v); attention layers use the common slot KV cache. The rows
-  of this step gather their recurrent state once before the scan and scatter it back once after.
+  delta-rule state S (n_v x d_k x d_v); attention layers use the common slot KV cache. The whole
+  state stacks ride in the layer scan's carry and each DeltaNet layer reads its rows' slots and
+  writes them back in place (the engine donates the state): no step copies a per-layer stack.
 * Padding tokens (t >= n_new[b]) must not move the recurrent state: their decay g and write
   strength beta are forced to 0 (an identity update) and the conv state is cut after the row's
   last real input. A row starting at position 0 begins a new sequence: its gathered state is
@@ -411,6 +412,21 @@ def delta_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
     return jnp.moveaxis(o, 0, 2), S
 
 
+def delta_step(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array,
+               S: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """delta_recurrent for T == 1 in two passes over S instead of four: both products with the old
+    state (S^T k and S^T q) come from one read, then one elementwise pass writes the new state.
+    Uses o = S'^T q = e^g S^T q + (k . q) delta, where delta = b (v - e^g S^T k)."""
+    q1, k1, v1, b1, g1 = q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], g[:, :, 0]
+    decay = jnp.exp(g1)[..., None]  # [B, N, 1]
+    sk = jnp.einsum("bnkv,bnk->bnv", S, k1, precision=HIGHEST)
+    sq = jnp.einsum("bnkv,bnk->bnv", S, q1, precision=HIGHEST)
+    delta = b1[..., None] * (v1 - decay * sk)  # [B, N, dv]
+    o = decay * sq + jnp.sum(k1 * q1, axis=-1, keepdims=True) * delta
+    S = decay[..., None] * S + k1[..., :, None] * delta[..., None, :]
+    return o[:, :, None], S
+
+
 def delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array,
                   S: jax.Array, chunk: int = DELTA_CHUNK) -> tuple[jax.Array, jax.Array]:
     """The same recurrence in chunked (WY) form, section 5.4. Shapes as delta_recurrent.
@@ -460,12 +476,76 @@ def delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: 
     return O, S
 
 
-def _delta_mixer(h: jax.Array, mp: DeltaNetLayers, period: jax.Array, conv_state: jax.Array, S: jax.Array,
-                 valid: jax.Array, n_new: jax.Array, d: HybridDims,
-                 eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gated DeltaNet token mixer of h [B, T, H]; returns (output, new conv state, new S).
-    mp's matrices are this layer position's weights over the periods, picked by `period`."""
+def _read_rows(stack: jax.Array, layer: jax.Array, slots: jax.Array, keep: jax.Array) -> jax.Array:
+    """Rows `slots` of layer `layer` of a state stack [L, S, ...], zeroed where keep is 0 (a row
+    starting a new sequence): a copy of those rows only.
+
+    A loop over the rows with a data-dependent trip count, so the copy is complete before anything
+    reads it: a slice or gather fused into the rows' consumers can run after the in-place write of
+    the same stack, and XLA then copies the whole stack to keep the old values (measured: every
+    layer's conv stack, every step). XLA:CPU's general gather is also several times slower."""
+    n_rows = jnp.sum(slots >= 0).astype(jnp.int32)
+
+    def row(b, out):
+        return jax.lax.dynamic_update_index_in_dim(out, _row(stack, layer, slots[b]) * keep[b], b, 0)
+
+    return jax.lax.fori_loop(0, n_rows, row, jnp.zeros((slots.shape[0],) + stack.shape[2:], stack.dtype))
+
+
+def _row(stack: jax.Array, layer: jax.Array, slot: jax.Array) -> jax.Array:
+    """[1, ...]: slot `slot` of layer `layer` of a state stack [L, S, ...], sliced where it lies."""
+    zeros = (0,) * (stack.ndim - 2)
+    return jax.lax.dynamic_slice(stack, (layer, slot) + zeros, (1, 1) + stack.shape[2:])[0]
+
+
+def _delta_step_rows(ssm_all: jax.Array, layer: jax.Array, slots: jax.Array, keep: jax.Array, q: jax.Array,
+                     k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """delta_step for every row (q, k [B, N, 1, dk], v [B, N, 1, dv], beta, g [B, N, 1]) against its
+    slot's state in the stack [L, S, N, dk, dv], read where it lies and written back in place.
+
+    A loop over the rows: its body sees q/k/v as materialized inputs, so XLA cannot fuse the conv
+    and norm arithmetic that made them into the pass over the state (it did, recomputing them per
+    state element and copying whole stacks to order the reads before the in-place write). The trip
+    count is data-dependent (rows with slot >= 0: all of them) so XLA keeps the loop."""
+    zeros = (0,) * (ssm_all.ndim - 2)
+    n_rows = jnp.sum(slots >= 0).astype(jnp.int32)
+
+    def row(b, carry):
+        stack, out = carry
+        pick = lambda a: jax.lax.dynamic_index_in_dim(a, b, 0, keepdims=True)  # noqa: E731
+        S = _row(stack, layer, slots[b]) * keep[b]
+        o, S = delta_step(pick(q), pick(k), pick(v), pick(beta), pick(g), S)
+        stack = jax.lax.dynamic_update_slice(stack, S.astype(stack.dtype)[None], (layer, slots[b]) + zeros)
+        return stack, jax.lax.dynamic_update_index_in_dim(out, o[0], b, 0)
+
+    out = jnp.zeros(v.shape, jnp.float32)
+    return jax.lax.fori_loop(0, n_rows, row, (ssm_all, out))[::-1]
+
+
+def _write_rows(stack: jax.Array, layer: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """`stack` with rows `slots` of layer `layer` replaced, in place (the stack is carried, donated).
+
+    A loop over the rows with a data-dependent trip count, so `rows` reaches it materialized: fused
+    into the write, their producer would read the same stack (the conv state is a shifted window of
+    itself) and XLA would copy the whole stack to order that read before the in-place write."""
+    zeros = (0,) * (stack.ndim - 2)
+    n_rows = jnp.sum(slots >= 0).astype(jnp.int32)
+
+    def row(b, st):
+        r = jax.lax.dynamic_index_in_dim(rows, b, 0, keepdims=True).astype(st.dtype)
+        return jax.lax.dynamic_update_slice(st, r[None], (layer, slots[b]) + zeros)
+
+    return jax.lax.fori_loop(0, n_rows, row, stack)
+
+
+def _delta_mixer(h: jax.Array, mp: DeltaNetLayers, period: jax.Array, conv_all: jax.Array, ssm_all: jax.Array,
+                 layer: jax.Array, slots: jax.Array, keep: jax.Array, valid: jax.Array, n_new: jax.Array,
+                 d: HybridDims, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gated DeltaNet token mixer of h [B, T, H]; returns (output, conv stack, ssm stack) with the
+    rows' slots of DeltaNet layer `layer` advanced in the stacks [L_lin, S, ...] (read and written
+    in place). mp's matrices are this layer position's weights over the periods, picked by `period`."""
     B, T, _ = h.shape
+    conv_state = _read_rows(conv_all, layer, slots, keep)
     mix = weights.pick_linear(mp.w_qkv, period, h).astype(jnp.float32)  # [B, T, conv_dim]
     z = weights.pick_linear(mp.w_z, period, h).astype(jnp.float32)
     b = weights.pick_linear(mp.w_beta, period, h).astype(jnp.float32)
@@ -494,12 +574,15 @@ def _delta_mixer(h: jax.Array, mp: DeltaNetLayers, period: jax.Array, conv_state
 
     qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, N, T, d]
     bh, gh = jnp.swapaxes(beta, 1, 2), jnp.swapaxes(g, 1, 2)
-    delta = delta_recurrent if T == 1 else delta_chunked
-    o, S = delta(qh, kh, vh, bh, gh, S)
+    if T == 1:
+        o, ssm_all = _delta_step_rows(ssm_all, layer, slots, keep, qh, kh, vh, bh, gh)
+    else:  # prefill (compute-bound): the rows' states gathered, advanced chunk-wise, written back
+        o, S = delta_chunked(qh, kh, vh, bh, gh, _read_rows(ssm_all, layer, slots, keep))
+        ssm_all = _write_rows(ssm_all, layer, slots, S)
     o = jnp.swapaxes(o, 1, 2)  # [B, T, n_v, d_v]
     o = common.rms_norm(o, mp.ssm_norm, eps) * jax.nn.silu(z.reshape(B, T, d.n_v, d.d_v))
     y = weights.pick_linear(mp.w_out, period, o.reshape(B, T, d.value_dim).astype(h.dtype))
-    return y, new_conv, S
+    return y, _write_rows(conv_all, layer, slots, new_conv), ssm_all
 
 
 # ---- gated attention -------------------------------------------------------------------------------
@@ -590,10 +673,6 @@ def _body(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: ja
 
     keep = (start != 0).astype(jnp.float32)  # start 0 = a new sequence: forget the slot's old state
     rec = state.recurrent
-    conv0 = rec.conv[:, slots] * keep[None, :, None, None]
-    ssm0 = rec.ssm[:, slots] * keep[None, :, None, None, None]
-    conv0 = conv0.reshape((G, d.n_lin // G) + conv0.shape[1:])
-    ssm0 = ssm0.reshape((G, d.n_lin // G) + ssm0.shape[1:])
 
     # Matrices (stacks over the layers of a kind, in layer order) stay outside the scan's inputs
     # (their fields set to None there): position j of a period reads entries j, j + per, ... of the
@@ -613,33 +692,31 @@ def _body(params: Qwen35Params, state: HybridCache, tokens: jax.Array, slots: ja
         return {k: a.every(j, per) if isinstance(a, weights.LayerStack) else a[j::per] for k, a in ws.items()}
 
     def period(carry, xs):
-        x, kc, vc = carry
-        lyr, lin, attn, conv_g, ssm_g, g = xs
-        convs, ssms = [], []
+        x, kc, vc, conv, ssm = carry
+        lyr, lin, attn, g = xs
+        n_done = 0
         for p in range(P):
             lp = jax.tree.map(lambda a: a[p], lyr).replace(**position(layer_w, p, P))
             h = common.rms_norm(x, lp.attn_norm, cfg.rms_eps)
             if pattern[p]:
-                j = len(convs)
+                j = n_done
+                n_done += 1
                 mp = jax.tree.map(lambda a: a[j], lin).replace(**position(lin_w, j, n_lin_per))
-                y, c, s = _delta_mixer(h, mp, g, conv_g[j], ssm_g[j], valid, n_new, d, cfg.rms_eps)
-                convs.append(c)
-                ssms.append(s)
+                li = g * n_lin_per + j  # this DeltaNet layer's index in the state stacks
+                y, conv, ssm = _delta_mixer(h, mp, g, conv, ssm, li, slots, keep, valid, n_new, d, cfg.rms_eps)
             else:
-                j = p - len(convs)
+                j = p - n_done
                 mp = jax.tree.map(lambda a: a[j], attn).replace(**position(attn_w, j, n_attn_per))
                 y, kc, vc = _attn_mixer(h, mp, g, kc, vc, g * attn_per + j, slots, start, positions, cos, sin,
                                         span, cfg)
             x = x + y
             x = x + _ffn(common.rms_norm(x, lp.post_norm, cfg.rms_eps), lp, g, cfg)
-        if not convs:  # a period without DeltaNet layers passes its (empty) state through
-            return (x, kc, vc), (conv_g, ssm_g)
-        return (x, kc, vc), (jnp.stack(convs), jnp.stack(ssms))
+        return (x, kc, vc, conv, ssm), None
 
-    xs = (per_layer, lin_v, attn_v, conv0, ssm0, jnp.arange(G, dtype=jnp.int32))
-    (x, kc, vc), (conv1, ssm1) = jax.lax.scan(period, (x, state.k, state.v), xs)
-    new_state = state.replace(k=kc, v=vc, recurrent=RecurrentState(
-        conv=rec.conv.at[:, slots].set(conv1.reshape((d.n_lin,) + conv1.shape[2:])),
-        ssm=rec.ssm.at[:, slots].set(ssm1.reshape((d.n_lin,) + ssm1.shape[2:]))))
+    # The whole state stacks ride in the carry: each DeltaNet layer reads its rows' slots and writes
+    # them back in place (the engine donates the state), so no step copies a per-layer stack.
+    xs = (per_layer, lin_v, attn_v, jnp.arange(G, dtype=jnp.int32))
+    (x, kc, vc, conv, ssm), _ = jax.lax.scan(period, (x, state.k, state.v, rec.conv, rec.ssm), xs)
+    new_state = state.replace(k=kc, v=vc, recurrent=RecurrentState(conv=conv, ssm=ssm))
     return x, new_state
 

@@ -11,9 +11,10 @@ experts" depends on the backend and on how many tokens a step carries.
   / `pallas_prefetch_interpret` run either kernel in Pallas' interpreter on CPU: slow, but they
   prove the kernels right against the XLA paths (tests/test_moe_kernels.py).
 * `tiles` (CPU default): the same sorted, tile-padded layout, walked by an XLA while loop over
-  the *used* tiles only, each iteration two (out, in)-layout matmuls against one expert. The
-  tile height follows the mean group size (1 at decode: one matvec per used expert, each expert
-  read once). Measured fastest on CPU from 1 to 128 tokens (issue-5 report).
+  the *used* tiles only, each iteration two (out, in)-layout matmuls against one expert. Up to
+  DECODE_ROWS_MAX tokens the tile is as tall as the token count (one tile per chosen expert: each
+  active expert read once for all its rows, the padding rows skipped by the native kernels); above
+  that it follows the mean group size. Measured fastest on CPU from 1 to 128 tokens (issue-5 report).
 * `capacity`: the pairs are scattered into an [E, C, H] buffer and all experts run as one batched
   einsum. C is chosen inside the step by lax.switch among static buckets (the smallest that holds
   the fullest expert), so no token is ever dropped. With (out, in) weights XLA:CPU transposes
@@ -41,6 +42,7 @@ IMPLS = ("auto", "dense", "capacity", "tiles", "pallas", "pallas_interpret", "pa
          "pallas_prefetch_interpret")
 
 TILE_ROWS_MAX = 32  # the CPU `tiles` path sizes its row tile to the mean group, capped here
+DECODE_ROWS_MAX = 8  # up to this many tokens the CPU `tiles` path gives each used expert one tile
 
 
 # ---- routing -------------------------------------------------------------------------------------
@@ -143,11 +145,13 @@ def layer_experts(w: Experts) -> jax.Array:
     return w.expand() if isinstance(w, (QuantWeight, LayerView)) else w
 
 
-def _expert_linear(x: jax.Array, w: Experts, e: jax.Array) -> jax.Array:
-    """x @ expert e's matrix.T: read in place from a quantized stack (weights.linear_at)."""
+def _expert_linear(x: jax.Array, w: Experts, e: jax.Array,
+                   skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """x @ expert e's matrix.T: read in place from a quantized stack (weights.linear_at). skip: rows
+    [first, end) of x that are padding (the native kernels leave them out)."""
     if isinstance(w, (QuantWeight, LayerView)):
-        return weights.linear_at(x, w, e)
-    return weights.linear(x, w[e])
+        return weights.linear_at(x, w, e, skip)
+    return weights.linear(x, w[e], None, skip)
 
 
 def _n_experts(w: Experts) -> int:
@@ -155,15 +159,22 @@ def _n_experts(w: Experts) -> int:
 
 
 def _tiles(x, w, idx, wg, wu, wd, *, tm: int):
-    """XLA twin of the grouped-matmul kernel: a while loop over the used row tiles only."""
+    """XLA twin of the grouped-matmul kernel: a while loop over the used row tiles only.
+
+    A group's rows fill its tiles from the top, so a tile's padding is one run at its end: it is
+    passed to the products as `skip`, and the native kernels spend nothing on it. With tm >= the
+    number of tokens (decode: `cpu_tile_rows`) every used expert is one tile, read once for all the
+    rows that chose it."""
     rows, dest, te = _sorted_rows(x.astype(jnp.float32), idx, _n_experts(wg), tm)
+    live = jnp.zeros((rows.shape[0],), jnp.int32).at[dest].set(1).reshape(-1, tm).sum(axis=1)
 
     def body(i, out):
         e = te[i]
         xt = jax.lax.dynamic_slice_in_dim(rows, i * tm, tm)
-        g = _expert_linear(xt, wg, e)
-        u = _expert_linear(xt, wu, e)
-        y = _expert_linear(jax.nn.silu(g) * u, wd, e)
+        skip = (live[i], jnp.int32(tm))
+        g = _expert_linear(xt, wg, e, skip)
+        u = _expert_linear(xt, wu, e, skip)
+        y = _expert_linear(jax.nn.silu(g) * u, wd, e, skip)
         return jax.lax.dynamic_update_slice_in_dim(out, y, i * tm, axis=0)
 
     used = jnp.sum(te >= 0)  # unused tiles are all at the end: a dynamic trip count skips them
@@ -321,12 +332,17 @@ def pick_impl(n_pairs: int, wg: jax.Array) -> str:
     return "tiles"
 
 
-def cpu_tile_rows(n_pairs: int, n_experts: int) -> int:
-    """Row tile of the CPU `tiles` path: the mean group size rounded down to a power of two.
+def cpu_tile_rows(n_pairs: int, n_experts: int, n_tokens: int | None = None) -> int:
+    """Row tile of the CPU `tiles` path.
 
-    Smaller tiles waste no rows but cost loop iterations; larger ones multiply padding. At decode
-    (fewer pairs than experts) this is 1: one matvec per used expert, each expert read once.
+    Up to DECODE_ROWS_MAX tokens (a decode step): one tile per used expert, as tall as the token
+    count (a token picks an expert at most once, so a group never has more rows), so each active
+    expert is read once for every row that chose it; the padding rows cost nothing (`skip`). Above
+    that: the mean group size rounded down to a power of two, since every tile's rows buffer is
+    allocated and smaller tiles waste no rows but cost loop iterations.
     """
+    if n_tokens is not None and n_tokens <= DECODE_ROWS_MAX:
+        return n_tokens
     return min(TILE_ROWS_MAX, 1 << max(0, (n_pairs // n_experts).bit_length() - 1))
 
 
@@ -347,7 +363,7 @@ def experts(x: jax.Array, w: jax.Array, idx: jax.Array, w_gate: jax.Array, w_up:
     if impl == "dense":
         return _dense(x, w, idx, w_gate, w_up, w_down)
     if impl.startswith("tiles"):
-        tm = int(impl[5:]) if impl[5:] else cpu_tile_rows(idx.size, _n_experts(w_gate))
+        tm = int(impl[5:]) if impl[5:] else cpu_tile_rows(idx.size, _n_experts(w_gate), idx.shape[0])
         return _tiles(x, w, idx, w_gate, w_up, w_down, tm=tm)
     if impl == "capacity":
         return _capacity(x, w, idx, w_gate, w_up, w_down)

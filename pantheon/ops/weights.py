@@ -145,7 +145,8 @@ def _stacked_linear(x: jax.Array, w: QuantWeight, index: jax.Array,
     return linear(x, LayerView(stack=w, index=index).matrix(), None, skip).astype(jnp.float32)
 
 
-def linear_at(x: jax.Array, w: "QuantWeight | LayerView", index: jax.Array) -> jax.Array:
+def linear_at(x: jax.Array, w: "QuantWeight | LayerView", index: jax.Array,
+              skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """`linear(x, w.at(index))` for a stack of matrices w [E, out, in] (an MoE layer's experts).
 
     The native kernels read matrix `index` of the stack in place; any other path slices it out
@@ -154,7 +155,7 @@ def linear_at(x: jax.Array, w: "QuantWeight | LayerView", index: jax.Array) -> j
     """
     if isinstance(w, LayerView):
         w, index = w.flat_experts(index)
-    return _stacked_linear(x, w, index).astype(x.dtype)
+    return _stacked_linear(x, w, index, skip).astype(x.dtype)
 
 
 # ---- weights stacked over layers ---------------------------------------------------------------------

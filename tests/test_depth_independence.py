@@ -10,8 +10,6 @@ programs included) and lowered (StableHLO text), not wall time.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -21,25 +19,15 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_fixture
+from test_sized_gguf import _tool as _sized_tool
 
 from pantheon.runtime import engine
 from pantheon.runtime.engine import StepPlan
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512, vocab=512)
 MOE = dict(hidden=256, n_heads=4, n_kv_heads=2, head_dim=128, n_experts=8, n_used=2, expert_ffn=256, vocab=512)
 HYBRID = dict(hidden=256, n_heads=2, n_kv_heads=1, head_dim=128, n_experts=8, n_used=2, expert_ffn=256,
               shared_ffn=256, n_k_heads=2, n_v_heads=4, linear_head_dim=64, vocab=512)
-
-
-def _sized_tool() -> Any:
-    name = "make_sized_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 def _deepened(src: Path, dst: Path, layers: int,

@@ -42,6 +42,21 @@ def bad(param: str, message: str) -> RequestError:
     return RequestError(f"{param}: {message}", param=param)
 
 
+
+def tool_name(t: Mapping[str, Any], p: str, seen: set[str]) -> str:
+    """A declared tool's name and description checked, the same rule for every API that takes tools
+    (Responses' function tools, Messages' custom tools): a unique name of 1-64 characters and a
+    string description. Adds the name to `seen`."""
+    name = t.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise bad(f"{p}.name", "must be a non-empty string of at most 64 characters")
+    if name in seen:
+        raise bad(f"{p}.name", f"duplicate tool name {name[:64]!r}")
+    seen.add(name)
+    if "description" in t and not isinstance(t["description"], str):
+        raise bad(f"{p}.description", "must be a string")
+    return name
+
 def is_num(v: Any) -> bool:
     """A JSON number. Integers are exact (math.isfinite would overflow on an integer literal past 1e308)."""
     if isinstance(v, bool):

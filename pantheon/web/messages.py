@@ -31,7 +31,7 @@ from pantheon.text.emitter import Delta
 from pantheon.web import bridge
 from pantheon.web.chat import BIG_PROMPT_CHARS, ChatRequest, Generation, check_arguments, prompt_ids, render_prompt
 from pantheon.web.errors import anthropic_body, from_exception
-from pantheon.web.fields import bad, body_object, boolean, integer, number, sampling_params, string
+from pantheon.web.fields import bad, body_object, boolean, integer, number, sampling_params, string, tool_name
 from pantheon.web.generation import ClientGone, new_id
 from pantheon.web.schema import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST, fields
 
@@ -189,14 +189,7 @@ def _tools(body: Mapping) -> list[dict] | None:
         extra = sorted(set(t) - {"type", "name", "description", "input_schema", "cache_control"})
         if extra:
             raise bad(f"{p}.{extra[0]}", "is not supported")
-        name = t.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise bad(f"{p}.name", "must be a non-empty string of at most 64 characters")
-        if name in seen:
-            raise bad(f"{p}.name", f"duplicate tool name {name!r}")
-        seen.add(name)
-        if "description" in t and not isinstance(t["description"], str):
-            raise bad(f"{p}.description", "must be a string")
+        name = tool_name(t, p, seen)
         if not isinstance(t.get("input_schema"), dict):
             raise bad(f"{p}.input_schema", "is required (a JSON Schema object)")
         fn = {"name": name, "parameters": t["input_schema"]}

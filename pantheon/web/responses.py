@@ -38,7 +38,7 @@ from pantheon import osthread
 from pantheon.errors import RequestError
 from pantheon.text.emitter import Delta
 from pantheon.web.chat import REASONING_EFFORT, ChatRequest, Generation, check_arguments
-from pantheon.web.fields import bad, body_object, boolean, integer, number, sampling_params, string
+from pantheon.web.fields import bad, body_object, boolean, integer, number, sampling_params, string, tool_name
 from pantheon.web.generation import new_id
 from pantheon.web.schema import RESPONSES_REQUEST, fields
 
@@ -276,14 +276,7 @@ def _tools(body: Mapping) -> tuple[list[dict] | None, list]:
         extra = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
         if extra:
             raise bad(f"{p}.{extra[0]}", "is not supported")
-        name = t.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise bad(f"{p}.name", "must be a non-empty string of at most 64 characters")
-        if name in seen:
-            raise bad(f"{p}.name", f"duplicate tool name {name[:64]!r}")
-        seen.add(name)
-        if "description" in t and not isinstance(t["description"], str):
-            raise bad(f"{p}.description", "must be a string")
+        tool_name(t, p, seen)
         if "parameters" in t and not isinstance(t["parameters"], dict):
             raise bad(f"{p}.parameters", "must be a JSON Schema object")
         if "strict" in t and not isinstance(t["strict"], bool):

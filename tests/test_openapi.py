@@ -434,7 +434,8 @@ def check_answer(doc: dict, op: Operation, mode: GenerationMode, case: Any, resp
         wrong = list(body_check.iter_errors(case.body))
         assert not wrong, f"{sent} -> {status}: a body the schema refuses was taken ({wrong[0].message[:200]})"
     if status == 200 and ctype.startswith("text/event-stream"):
-        frames = [f[6:] for f in resp.content.split(b"\n\n") if f.startswith(b"data: ")]
+        # each frame's data line (Anthropic's frames put an `event:` line before it)
+        frames = [ln[6:] for f in resp.content.split(b"\n\n") for ln in f.split(b"\n") if ln.startswith(b"data: ")]
         if op.error == "AnthropicError":  # Anthropic's stream: named events, message_stop (or error) last
             if not getattr(resp, "stream_cut_short", False):
                 assert frames and json.loads(frames[-1])["type"] in ("message_stop", "error"), resp.content[-200:]

@@ -102,6 +102,7 @@ from typing import Any, Iterable
 import llguidance as llg
 import numpy as np
 
+from pantheon.contract import FORMAT_NAME_PATTERN
 from pantheon.text.emitter import TOOL_CLOSE, TOOL_OPEN
 from pantheon.errors import RequestError
 
@@ -112,7 +113,7 @@ _TAG_SPACE = r"[ \t\r\n]{0,4}"
 # String formats llguidance 1.9 enforces; any other is an error in llguidance (kept only for strict schemas).
 KNOWN_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6",
                            "uuid", "uri"})
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for response_format.json_schema.name
+_NAME_RE = re.compile(FORMAT_NAME_PATTERN)  # OpenAI's rule for response_format.json_schema.name
 _MAX_MESSAGE = 400  # llguidance's messages can quote the schema; a client gets the first characters
 # verbose_errors=False: error messages say what is wrong without dumping parser state and grammar.
 _LIMITS = llg.LLParserLimits(verbose_errors=False)

@@ -7,9 +7,15 @@ pull in, the device runtime.
 Events a backend hands a request's sink, in order:
 
     Started()                       the request has a slot and is prefilling (absent if refused)
-    Tokens(ids, choice, logprobs)   one or more sampled ids of one choice, in order
+    Tokens(ids, choice, logprobs,   one or more sampled ids of one choice, in order; `stop`: the
+           stop)                    last id is one of the request's stop ids (the device's STOP flag)
     Finished(reason, error, ...)    once per choice, last for it: "stop" (a stop id), "length"
                                     (budget), "cancelled" (Handle.cancel), or "error" with `error` set
+
+"stop" and "length" are the device's own flags for the step that ended the choice (the decode state's
+STOP / LENGTH, pantheon.runtime.decode_state), carried as they are: the web layer maps them to its
+finish reasons and never re-derives them from the ids. (A stop *string*, a tool call and a call cut
+short are the web layer's own findings, on the text.)
 
 An n > 1 request gets one Started, then each choice's Tokens interleaved, and n Finished events
 (a refused request gets a single Finished("error")).
@@ -133,6 +139,14 @@ def choice_seed(seed: int, choice: int) -> int:
     return z ^ (z >> 31)
 
 
+def stop_ids(tokenizer: Any, ignore_eos: bool = False) -> frozenset[int]:
+    """The ids that end a request's generation: the tokenizer's end-of-turn ids (its EOS among them), or
+    none under `ignore_eos` (a benchmark's full budget). The one place the set is built: the request
+    carries it (`GenRequest.stop_ids`) to the device's stop table and the grammar matcher; the web layer
+    learns of a stop from the events (`Tokens.stop`, `Finished.reason`), not by looking the id up."""
+    return frozenset() if ignore_eos else frozenset(tokenizer.eot_ids)
+
+
 @dataclass
 class GenRequest:
     """One generation as the schedulers see it: token ids in, a budget, stop ids and sampling knobs.
@@ -144,7 +158,7 @@ class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    stop_ids: frozenset[int] = frozenset()
+    stop_ids: frozenset[int] = frozenset()  # stop_ids(tokenizer, ignore_eos): the device stops on these
     session_id: str | None = None
     # Prefix reuse happens only between requests of one scope (the web layer's tenant key: API key,
     # user, session, cache_salt), so a prompt's cached length never tells one client about another's.
@@ -258,6 +272,9 @@ class Tokens:
     ids: tuple[int, ...]
     choice: int = 0  # which of the request's n choices
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per id when the request asked for logprobs
+    # The last id is one of the request's stop ids: the device flagged its step STOP. It ends the choice
+    # (a Finished("stop") follows) and is not text.
+    stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,7 +282,7 @@ class Finished:
     """The end of one choice (an n > 1 request gets one per choice; an "error" one may end them all:
     the web layer treats any error as the request's)."""
 
-    reason: str  # "stop" | "length" | "cancelled" | "error"
+    reason: str  # "stop" | "length" (the device's flag) | "cancelled" | "error"
     error: Exception | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # of this choice

@@ -128,8 +128,9 @@ class ScriptBackend:
                     sink(Finished("cancelled", completion_tokens=n))
                     return
                 n += 1
-                sink(Tokens((ord(ch),)))
-                if ord(ch) == 0:
+                stop = ord(ch) in req.stop_ids  # as the device flags a stop id: on the event, STOP
+                sink(Tokens((ord(ch),), stop=stop))
+                if stop:
                     sink(Finished("stop", completion_tokens=n))
                     return
             sink(Finished(reason, completion_tokens=n))

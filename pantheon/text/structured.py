@@ -105,6 +105,7 @@ import numpy as np
 from pantheon.contract import FORMAT_NAME_PATTERN
 from pantheon.text.emitter import TOOL_CLOSE, TOOL_OPEN
 from pantheon.errors import RequestError
+from pantheon.types import stop_ids as model_stop_ids
 
 # At most one of these at every place JSON allows whitespace (see the module docstring).
 WHITESPACE = r"(?: |\n[ \t]{0,24})?"
@@ -468,12 +469,12 @@ class Grammar:
     # -- use -----------------------------------------------------------------------------------------------------
 
     def matcher(self, stop_ids: Iterable[int], vocab: int) -> "Matcher":
-        """A fresh matcher for one choice. `stop_ids`: the model's end-of-turn ids (the tokenizer's EOS and
-        end-of-turn ids when empty); `vocab`: the logits width, which may exceed the tokenizer's."""
+        """A fresh matcher for one choice. `stop_ids`: the request's (pantheon.types.stop_ids); when it has
+        none (ignore_eos), the model's own set, so the grammar still has an end; `vocab`: the logits width,
+        which may exceed the tokenizer's."""
         stops = sorted({int(t) for t in stop_ids if 0 <= int(t) < vocab})
         if not stops:
-            tok = self._tokenizer
-            stops = sorted({t for t in (*tok.eot_ids, tok.eos_id) if t is not None and 0 <= t < vocab})
+            stops = sorted({t for t in model_stop_ids(self._tokenizer) if t < vocab})
         if not stops:
             raise ValueError("a structured matcher needs at least one stop id below the vocabulary size")
         return Matcher(self._proto.deep_copy(), stops, vocab, self._llg_vocab, self._llg_eos)

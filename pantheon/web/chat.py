@@ -25,7 +25,7 @@ from typing import Any
 
 from pantheon.text.emitter import Delta, Emitter, merge_deltas
 from pantheon.errors import BusyError, PantheonError
-from pantheon.types import GenRequest
+from pantheon.types import GenRequest, stop_ids
 from pantheon.web import bridge
 from pantheon.web import images as web_images
 from pantheon.web.body import shown
@@ -576,7 +576,6 @@ class Generation(GenerationCore):
         """Build the GenRequest and submit it (into `reservation`'s place when there is one)."""
         creq = self.creq
         tok = card.tokenizer
-        stop_ids = frozenset() if creq.ignore_eos else frozenset(tok.eot_ids)
         ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
         tool_names = [t["function"]["name"] for t in creq.template_tools() or []]
@@ -584,7 +583,7 @@ class Generation(GenerationCore):
                             calls_only=creq.forces_tool_call) for _ in range(creq.n)]
         session = None if self.prompt_capped else creq.session_id  # a capped turn starts over
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,  # resolves the seed, once
-                         stop_ids=stop_ids, session_id=session, cache_scope=creq.cache_scope,
+                         stop_ids=stop_ids(tok, creq.ignore_eos), session_id=session, cache_scope=creq.cache_scope,
                          request_id=self.id, n=creq.n, logprobs=creq.logprobs, logit_bias=creq.logit_bias,
                          constraint=constraint,
                          images=web_images.prompt_images(ids, self.images, card, self.image_embd) if self.images

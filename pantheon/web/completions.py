@@ -34,7 +34,7 @@ from typing import Any
 from pantheon.config import Settings
 from pantheon.text.emitter import Emitter
 from pantheon.errors import PantheonError
-from pantheon.types import GenRequest, SamplingParams
+from pantheon.types import GenRequest, SamplingParams, stop_ids
 from pantheon.web import bridge
 from pantheon.web.chat import BIG_PROMPT_CHARS
 from pantheon.contract import COMPLETIONS, PROMPTS_MAX
@@ -194,7 +194,7 @@ class CompletionGeneration(GenerationCore):
         self.observe_admission("capped" if self.capped else "fit")
         self.echo_text = creq.prompt if isinstance(creq.prompt, str) else tok.decode(ids)
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,
-                         stop_ids=frozenset() if creq.ignore_eos else frozenset(tok.eot_ids),
+                         stop_ids=stop_ids(tok, creq.ignore_eos),
                          cache_scope=creq.cache_scope, request_id=self.id, n=creq.n, logprobs=creq.logprobs,
                          logit_bias=creq.logit_bias, prompt_logprobs=creq.logprobs if score_prompt else None)
         emitters = [Emitter(stop=creq.stop, parse_think=False) for _ in range(creq.n)]

@@ -74,19 +74,20 @@ def is_num(v: Any) -> bool:
     return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))
 
 
-def number(body: Mapping, key: str, b: Bound) -> float | None:
-    """A JSON number in the contract's range `b`, or None when absent (or null)."""
+def number(body: Mapping, key: str, b: Bound, at: str = "") -> float | None:
+    """A JSON number in the contract's range `b`, or None when absent (or null). `at`: the path of
+    `body` in the request ("thinking."), which the 400 puts before the field's name."""
     v = body.get(key)
     if v is None:
         return None
     if not is_num(v):
-        raise bad(key, f"must be a number, got {json.dumps(v)[:40]}")
+        raise bad(at + key, f"must be a number, got {json.dumps(v)[:40]}")
     if not b.holds(v):
-        raise bad(key, f"must be in {b.interval()}, got {shown(repr(v))}")
+        raise bad(at + key, f"must be in {b.interval()}, got {shown(repr(v))}")
     return float(v)
 
 
-def integer(body: Mapping, key: str, b: Bound) -> int | None:
+def integer(body: Mapping, key: str, b: Bound, at: str = "") -> int | None:
     """A JSON integer (2.0 counts) in the contract's range `b`, or None when absent (or null)."""
     v = body.get(key)
     if v is None:
@@ -94,17 +95,17 @@ def integer(body: Mapping, key: str, b: Bound) -> int | None:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool):
-        raise bad(key, f"must be an integer, got {json.dumps(v)[:40]}")
+        raise bad(at + key, f"must be an integer, got {json.dumps(v)[:40]}")
     if not b.holds(v):
-        raise bad(key, f"must be in {b.interval()}, got {v}")
+        raise bad(at + key, f"must be in {b.interval()}, got {v}")
     return v
 
 
-def bounded(body: Mapping, key: str, table: Mapping[str, Bound]) -> float | int | None:
+def bounded(body: Mapping, key: str, table: Mapping[str, Bound], at: str = "") -> float | int | None:
     """Field `key` checked against its row of a route's contract table (pantheon.contract): the only
     way a validator reads a numeric bound, so the check and /openapi.json cannot drift apart."""
     b = table[key]
-    return integer(body, key, b) if b.kind == "integer" else number(body, key, b)
+    return integer(body, key, b, at) if b.kind == "integer" else number(body, key, b, at)
 
 
 def string(body: Mapping, key: str, max_len: int = ID_CHARS) -> str | None:

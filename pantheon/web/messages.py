@@ -243,7 +243,7 @@ def _thinking(body: Mapping) -> bool | None:
         raise bad("thinking.type", "must be enabled, disabled or adaptive")
     if th.get("display") is not None and th["display"] not in ("summarized", "omitted"):
         raise bad("thinking.display", "must be summarized or omitted")
-    bounded(th, "budget_tokens", THINKING)
+    bounded(th, "budget_tokens", THINKING, at="thinking.")
     return {"enabled": True, "disabled": False}.get(kind)
 
 

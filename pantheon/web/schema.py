@@ -9,9 +9,10 @@ every value the property's schema refuses must be a 400 naming the field, the bo
 `maximum`, `maxLength`, `maxItems`, ...) are probed at and just past their edges, and a field missing
 here is refused; a fuzz of every route from the published document finds no body the schema refuses
 taken. So a field cannot be added to a validator without being documented, nor documented without
-being checked. (The generation routes' numeric bounds are still literals in pantheon.web.fields,
-chat.py, embeddings.py and pantheon.text.structured; those tests are what holds them equal to these.)
-Bounds a model sets (n by its slots, token ids by its vocabulary, dimensions by its size) are checked
+being checked. Every bound itself (a numeric field's range, default and example; a string's or a
+list's size) is a row or a constant of pantheon.contract: `bound()` turns a row into its schema here,
+and pantheon.web.fields checks a value against the same row (tests/test_contract.py generates both
+from the table and compares them with the published document). Bounds a model sets (n by its slots, token ids by its vocabulary, dimensions by its size) are checked
 when the request starts; the schema gives the field's own range.
 
 Conventions: request objects are closed (`additionalProperties: false`: the validators refuse a field

@@ -788,7 +788,8 @@ class BatchScheduler:
                         f"structured outputs could not follow the grammar: {why}",
                         param=getattr(r.job.req.constraint, "param", None), code="grammar_too_complex"))
                     continue
-                events.append((r.job, Tokens((tok,), choice=sl.choice, logprobs=entry)))
+                events.append((r.job, Tokens((tok,), choice=sl.choice, logprobs=entry,
+                                             stop=flag == decode_state.STOP)))
                 if flag in decode_state.FINISH_REASONS:
                     events.append(self._release_locked(sl, decode_state.FINISH_REASONS[flag]))
             st = self.stats

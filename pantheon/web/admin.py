@@ -15,16 +15,10 @@ from flask import Blueprint, Response, jsonify
 from pantheon.errors import CatalogError, RequestError
 from pantheon.web import bridge
 from pantheon.web.body import shown
-from pantheon.web.fields import body_object
+from pantheon.contract import ADMIN_DIES_MAX, ADMIN_NAME_CHARS, UNLOAD
+from pantheon.web.fields import body_object, bounded
 from pantheon.web.routes import read_json, server
-from pantheon.web.schema import (
-    ADMIN_DIES_MAX,
-    ADMIN_NAME_CHARS,
-    LOAD_REQUEST,
-    UNLOAD_REQUEST,
-    UNLOAD_TIMEOUT_MAX_S,
-    fields,
-)
+from pantheon.web.schema import LOAD_REQUEST, UNLOAD_REQUEST, fields
 from pantheon.web.security import model_path_in_dir
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
@@ -113,10 +107,7 @@ def unload() -> Response:
     if (name is None) == (instance_id is None):
         raise RequestError("give exactly one of \"name\" (every replica of that model) or \"instance_id\"",
                            param="name")
-    timeout = body.get("timeout_s")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 <= timeout <= UNLOAD_TIMEOUT_MAX_S):
-        raise RequestError(f"timeout_s: must be a number of seconds in [0, {UNLOAD_TIMEOUT_MAX_S}]", param="timeout_s")
+    timeout = bounded(body, "timeout_s", UNLOAD)  # seconds
     registry = server().registry
     done = bridge.call_in_thread(_then_register, server().registration, registry.unload, name, instance_id, timeout,
                                  name="pantheon-admin-unload")

@@ -176,7 +176,7 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
     `source`: a GGUF path, an HF checkpoint directory, or an already loaded Model. Weights are the
     tensors' bytes on the die (weights.device_bytes: what the loader keeps, a GGUF format as it is
     stored), from headers only; state is (n_slots + 1) slots x capacity x
-    the arch's bytes/token (+ its per-sequence recurrent bytes); scratch is SCRATCH_MIN_BYTES plus
+    the arch's bytes/token (+ its per-sequence recurrent bytes and their prefix snapshots); scratch is SCRATCH_MIN_BYTES plus
     SCRATCH_FRACTION of the rest plus a prefill chunk's logits.
 
     This is the first thing an admin load does with a client-named file, so every failure of a
@@ -195,6 +195,8 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
 def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
     from pantheon.runtime.engine import LoadOptions, geometry, kv_bytes, resolve_kv_dtype
     from pantheon.jax_models import registry as arch_registry
+    from pantheon.config import load_settings
+    from pantheon.scheduler.snapshots import pool_bytes
 
     if _is_model(source):
         opts = opts or getattr(source, "opts", None)
@@ -236,7 +238,9 @@ def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
     n_slots = max(1, int(opts.n_slots))
     geo = geometry(cfg, opts)  # the engine's own max_seq / chunk / capacity
     kv = (n_slots + 1) * geo.capacity * bpt
-    rec = (n_slots + 1) * per_seq
+    # + the prefix snapshots of that state the scheduler may keep (pantheon.scheduler.snapshots)
+    rec = (n_slots + 1) * per_seq + pool_bytes(load_settings().prefix_snapshot_mb, per_seq, n_slots, geo.max_seq,
+                                               geo.chunk)
     logits = 2 * max(geo.chunk, n_slots) * int(cfg.vocab) * 4
     scratch = SCRATCH_MIN_BYTES + int(SCRATCH_FRACTION * (total + kv + rec)) + logits
     return LoadEstimate(weights_bytes=int(total), replicated_weight_bytes=int(rep), attn_weight_bytes=int(attn),

@@ -23,8 +23,7 @@ CHUNK = 16
 
 
 def settings(**kw) -> Settings:
-    base = dict(home=Path("/tmp"), batch_slots=4, queue_depth=8, queue_wait_s=60.0, prefill_chunk=CHUNK,
-                exec_store=False)
+    base = dict(home=Path("/tmp"), batch_slots=4, queue_depth=8, queue_wait_s=60.0, prefill_chunk=CHUNK)
     base.update(kw)
     return Settings(**base)
 
@@ -52,11 +51,12 @@ def qwen35moe():
 
 
 @pytest.mark.parametrize("name", ["qwen35moe", "qwen35"])
-def test_turn_two_resumes_from_a_snapshot_and_equals_a_full_recompute(name, qwen35moe):
+def test_turn_two_resumes_from_a_snapshot_and_equals_a_full_recompute(name, qwen35moe, monkeypatch):
     """Turn 2 re-sends turn 1's prompt and an answer that differs from what the slot generated (as a
     template that strips a reasoning block does): the slot's own state is past the divergence, so it
     cannot serve it; the snapshot at turn 1's prompt end can. The compiled programs are the warm-up's
     (no compile while serving: the snapshot and restore verbs are among the first programs)."""
+    monkeypatch.setenv("PANTHEON_EXEC_STORE", "0")  # programs compiled here (the store has tests of its own)
     m = qwen35moe if name == "qwen35moe" else load(name)
     base = tiny_fixture(name)[1]["prompt_ids"]
     s = BatchScheduler(m, settings(forbid_compile=True, warmup=True, warmup_background=True))
@@ -156,6 +156,14 @@ def test_the_load_estimate_charges_the_pool_it_can_fill():
     assert pool_bytes(0, 1000, 4, 96, 16) == 0 and pool_bytes(1024, 0, 4, 96, 16) == 0
     assert pool_bytes(1024, 1000, 4, 96, 16) == 5 * 6 * 1000  # every boundary of every slot
     assert pool_bytes(1, 65_863_680, 8, 8192, 512) == 1 << 20  # the budget binds a large hybrid
+    from pantheon.serving.dies import estimate_load_bytes
+    from pantheon.jax_models import qwen35
+    opts = engine.LoadOptions(n_slots=4, max_seq=96, prefill_chunk=CHUNK)
+    path = tiny_fixture("qwen35")[0]
+    est = estimate_load_bytes(path, opts)
+    per_seq = qwen35.state_bytes_per_sequence(engine.load(path, opts).config)
+    assert est.snapshot_bytes == 5 * 6 * per_seq > 0
+    assert est.total_bytes > est.weights_bytes + est.state_bytes + est.snapshot_bytes
 
 
 def test_rwkv7_snapshots_need_no_source_slot():

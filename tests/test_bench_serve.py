@@ -210,6 +210,11 @@ def test_shared_prefix_and_multi_turn(capsys):
     longest = max(bodies, key=lambda b: len(b["messages"]))
     assert [m["role"] for m in longest["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert longest["messages"][2]["content"] == "t0 t1 "
+    # time to first token by turn: what a later turn's re-sent history costs
+    turns = out["results"][0]["by_turn"]
+    assert [(t["turn"], t["requests"]) for t in turns] == [(1, 2), (2, 2), (3, 1)]
+    assert all(t["ttft_ms"]["median"] is not None for t in turns)
+    assert turns[0]["prompt_tokens"] < turns[2]["prompt_tokens"]
 
 
 def test_dataset(tmp_path, capsys):

@@ -264,6 +264,14 @@ class Model:
         self._insert = jax.jit(decode_state.insert, donate_argnums=(0,))
         self._release = jax.jit(decode_state.release, donate_argnums=(0,))
         self._copy = jax.jit(decode_state.copy_slot, donate_argnums=(0,))
+        # A recurrent slot's state at a prompt chunk's end (prefix snapshots, pantheon.scheduler.snapshots):
+        # `_snap` copies one slot's recurrent parts out (a new buffer: the state is not donated, the next
+        # step donates it), `_restore` writes such a copy back into a slot (donated).
+        self._snap = self._restore_snap = None
+        if self.caps.recurrent_state:
+            self._snap = jax.jit(lambda cache, slot: arch.snapshot_slot(cache, slot))
+            self._restore_snap = jax.jit(lambda cache, slot, snap: arch.restore_slot(cache, slot, snap),
+                                         donate_argnums=(0,))
         self._score = jax.jit(_score_rows, static_argnames=("k",))
         self.mask_words = -(-cfg.vocab // 32)  # a grammar mask row: one bit per token of the logits
         self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (all-ones mask, False) on the device
@@ -355,7 +363,8 @@ class Model:
         self._no_mask.clear()
         _delete_arrays(self.vision_params)
         self.vision_params = None
-        for attr in ("_forward", "_serve", "_advance", "_insert", "_release", "_copy", "_score", "_embed", "_encode"):
+        for attr in ("_forward", "_serve", "_advance", "_insert", "_release", "_copy", "_snap", "_restore_snap",
+                     "_score", "_embed", "_encode"):
             fn = getattr(self, attr, None)
             clear = getattr(fn, "clear_cache", None)
             if callable(clear):
@@ -472,6 +481,31 @@ class Model:
                 raise ValueError(f"slot {s} is not one of the model's {self.n_slots}")
         copy = self._program(("copy",), self._copy)
         return self._track(state.replace(cache=copy(state.cache, np.int32(src), np.int32(dst))))
+
+    def snapshot(self, state: DecodeState, slot: int) -> Any:
+        """A copy, on the device, of slot `slot`'s recurrent state as it stands after every step dispatched
+        so far (a recurrent model only: `caps.recurrent_state`). Returns at once; `state` stays usable
+        (it is read, not donated). The KV rows of the attention layers are not in it: they stay in the
+        slot, position-indexed (the scheduler's snapshot pool says when they are still valid)."""
+        self._check_live()
+        if self._snap is None:
+            raise ValueError(f"model {self.name!r} has no recurrent state to snapshot")
+        return self._track(self._program(("snapshot",), self._snap)(state.cache, np.int32(slot)))
+
+    def restore(self, state: DecodeState, slot: int, snap: Any) -> DecodeState:
+        """Put `snap` (from `snapshot`) back as slot `slot`'s recurrent state: the slot then continues
+        from the position the snapshot was taken at (its KV rows below it must hold the same prefix)."""
+        self._check_live()
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} is not one of the model's {self.n_slots}")
+        restore = self._program(("restore",), self._restore_snap)
+        return self._track(state.replace(cache=restore(state.cache, np.int32(slot), snap)))
+
+    def snapshot_bytes(self) -> int:
+        """Device bytes one `snapshot` holds (the f32 recurrent state of one sequence; 0: not recurrent)."""
+        if not self.caps.recurrent_state:
+            return 0
+        return int(self.arch.state_bytes_per_sequence(self.config))
 
     def prompt_logprobs(self, state: DecodeState, tokens: Sequence[int], k: int
                         ) -> tuple[list[tuple[float, list[tuple[int, float]]] | None], DecodeState]:
@@ -868,6 +902,8 @@ class Model:
             self.encode_images([np.zeros((3, S, S), np.float32)])
         state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert
         state = self.copy_slot(state, 0, 0)  # ... the n > 1 fork
+        if self.caps.recurrent_state:  # ... prefix snapshots of the recurrent state
+            state = self.restore(state, 0, self.snapshot(state, 0))
         return self.release(state, 0)  # ... and release, leaving slot 0 idle
 
     def program_keys(self, decode: bool = True, prefill: bool = True, mixed: bool = True) -> list[tuple]:
@@ -894,7 +930,10 @@ class Model:
         if mixed and self.supports_mixed:
             serve.append(("mixed", self.mixed_rows, top, cap))
         rows = sorted({_rows_of(b) for b in serve})
-        return [("insert",), ("release",), ("copy",), *[("advance", r) for r in rows], *[("serve", *b) for b in serve]]
+        verbs = [("insert",), ("release",), ("copy",)]
+        if self.caps.recurrent_state:
+            verbs += [("snapshot",), ("restore",)]
+        return [*verbs, *[("advance", r) for r in rows], *[("serve", *b) for b in serve]]
 
     def _has(self, key: tuple) -> bool:
         with self._keys_lock:
@@ -1010,6 +1049,8 @@ class Model:
                         self.read(h)
                 state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))
                 state = self.copy_slot(state, 0, 0)
+                if self.caps.recurrent_state:
+                    state = self.restore(state, 0, self.snapshot(state, 0))
                 return self.release(state, 0)
             except Exception:
                 store = self._exec_store()
@@ -1071,6 +1112,11 @@ class Model:
             return self._release.lower(table, np.int32(0))
         if key[0] == "copy":
             return self._copy.lower(cache, np.int32(0), np.int32(0))
+        if key[0] == "snapshot":
+            return self._snap.lower(cache, np.int32(0))
+        if key[0] == "restore":
+            snap = jax.eval_shape(self._snap, cache, np.int32(0))
+            return self._restore_snap.lower(cache, np.int32(0), snap)
         raise ValueError(f"unknown program {key!r}")
 
     def _logits_dtype(self) -> Any:

@@ -75,6 +75,7 @@ class Slot:
     reused: int = 0
     choice: int = 0  # which choice of its job the slot generates (n > 1)
     matcher: Any = None  # the choice's grammar matcher (GenRequest.constraint), driver-only
+    resume: Any = None  # the prefix snapshot admission chose for it (restored by the driver's insert), driver-only
 
     @property
     def state(self) -> SlotState:

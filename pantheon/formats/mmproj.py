@@ -106,8 +106,8 @@ def config_from_metadata(path: Path, meta: dict[str, Any]) -> VisionConfig:
 
 
 def _longest_edge(meta: dict[str, Any], proj: str, image_size: int, path: Path) -> int:
-    """Idefics3's tiling size: the converter writes the processor's `size.longest_edge`; it must be a
-    whole number of tiles (HF's processor makes it one: a multiple of the tile size)."""
+    """Idefics3's tiling size: the converter writes the processor's `size.longest_edge` (SmolVLM-256M:
+    2048, four 512-pixel tiles); at least one tile, or every image would be upscaled past it anyway."""
     if proj != "idefics3":
         return 0
     edge = _int(meta, "clip.vision.preproc_image_size", image_size, path=path, lo=1, hi=1 << 15)

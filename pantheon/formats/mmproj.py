@@ -107,7 +107,8 @@ def config_from_metadata(path: Path, meta: dict[str, Any]) -> VisionConfig:
 
 def _longest_edge(meta: dict[str, Any], proj: str, image_size: int, path: Path) -> int:
     """Idefics3's tiling size: the converter writes the processor's `size.longest_edge` (SmolVLM-256M:
-    2048, four 512-pixel tiles); at least one tile, or every image would be upscaled past it anyway."""
+    2048, four 512-pixel tiles a side). Every image's longer side is resized to it before tiling, so
+    one smaller than a tile would be a file from another processor: refused."""
     if proj != "idefics3":
         return 0
     edge = _int(meta, "clip.vision.preproc_image_size", image_size, path=path, lo=1, hi=1 << 15)

@@ -197,3 +197,15 @@ def test_projector_checks_at_load():
 def test_chunk_is_raised_to_hold_a_tile():
     m = load(prefill_chunk=8, n_slots=1)
     assert m.chunk == 16
+
+
+def test_projector_header_gives_the_tiling():
+    """The converter's `clip.vision.preproc_image_size` is the tiling size; one below a tile is refused."""
+    from pantheon.formats.mmproj import config_from_metadata, open_mmproj
+    f = open_mmproj(VLM / "idefics3-vlm.mmproj.gguf")
+    vc = f.config
+    assert (vc.projector, vc.image_size, vc.longest_edge, vc.merge, vc.tokens_per_image, vc.bidirectional) == \
+        ("idefics3", 32, 64, 2, 16, False)
+    with pytest.raises(ModelLoadError, match="smaller than one 32-pixel tile"):
+        config_from_metadata(f.path, dict(f.meta, **{"clip.vision.preproc_image_size": 16}))
+    assert open_mmproj(VLM / "gemma3-vlm.mmproj.gguf").config.longest_edge == 0

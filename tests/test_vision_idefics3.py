@@ -28,7 +28,7 @@ from pantheon.web.chat import prompt_ids
 
 VLM = FIXTURES / "tiny-vlm"
 GREEDY = SamplingParams(temperature=0.0)
-TOL = 1e-4  # per-row-centred logits, f32 engine vs float64 oracle (measured ~7e-6)
+TOL = 1e-4  # per-row-centred logits, f32 engine vs float64 oracle (measured ~8e-6)
 
 
 def fixture() -> dict:

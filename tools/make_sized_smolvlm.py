@@ -51,7 +51,10 @@ def main() -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = ("What is in this image? Describe the colours, the shapes and the light. User: Assistant: " * 50)
+    # "\n" and "\n\n" must be tokens of their own, as in SmolVLM's vocabulary: llama.cpp's Idefics3 prompt
+    # looks both up as single tokens
+    corpus = ("What is in this image? Describe the colours, the shapes and the light. User: Assistant: " * 50
+              + "\n\n ".join(["A line.\n Another line.\n The end."] * 40))
     tok.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=1024, special_tokens=SPECIALS,
                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(hf / "tokenizer.json"))

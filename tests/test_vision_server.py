@@ -27,7 +27,8 @@ ADMIN = "vision-admin"
 @pytest.fixture(scope="module")
 def srv():
     models = [f"vlm={VLM / 'gemma3-vlm.gguf'}?mmproj={VLM / 'gemma3-vlm.mmproj.gguf'}",
-              f"smol={VLM / 'idefics3-vlm.gguf'}?mmproj={VLM / 'idefics3-vlm.mmproj.gguf'}", f"text={TINY / 'gemma3.gguf'}"]
+              f"smol={VLM / 'idefics3-vlm.gguf'}?mmproj={VLM / 'idefics3-vlm.mmproj.gguf'}",
+              f"text={TINY / 'gemma3.gguf'}"]
     s = start_server(models, env={"PANTHEON_BATCH_SLOTS": "8", "PANTHEON_KV_DTYPE": "float32",
                                   "PANTHEON_MODEL_DIR": str(VLM), "PANTHEON_ADMIN_KEY": ADMIN,
                                   "PANTHEON_PREFILL_CHUNK": "32", "PANTHEON_MAX_IMAGES": "2", "PANTHEON_MAX_SEQ": "192",

@@ -13,8 +13,9 @@ image at 1 and 8 concurrent streams, for Pantheon and, on the same GGUF files, l
 Every request of `ttft` carries an image of its own (the given one with one pixel changed per request), so
 no server answers from an image or prefix it has seen: each first token waits for a full encode and
 prefill. `max_tokens` is 1: the first token is the whole answer, so a server that streams it without
-text (a special token of a random-weight model) is timed to the stream's end. A round sends `streams` requests at once; the figure is the median over the rounds' requests
-(and the slowest request's median, which is what the last of 8 waits).
+text (a special token of a random-weight model) is timed to the stream's end. A round sends `streams`
+requests at once; the figure is the median over the rounds' requests (and the slowest request's median,
+which is what the last of 8 waits).
 """
 
 from __future__ import annotations

@@ -236,9 +236,11 @@ class VisionCard:
     the normalisation, how many embeddings one image becomes, and the token ids around them.
 
     The chat template renders each image part as `marker`; like HF's processor, the rendered text then
-    has every marker replaced by `expansion` (Gemma 3: two newlines, <start_of_image>, n_tokens x
-    <image_soft_token>, <end_of_image>, two newlines) and is tokenized whole; the image's embeddings go
-    where the ids are `image_id`, n_tokens per image."""
+    has every marker replaced by the image's expansion (`expansion_for`) and is tokenized whole; the
+    image's embeddings go where the ids are `image_id`, n_tokens per encoder input. Gemma 3: two
+    newlines, <start_of_image>, n_tokens x <image_soft_token>, <end_of_image>, two newlines. Idefics3 /
+    SmolVLM (`tiling` > 0): the image is cut into a grid of tiles plus the whole image downscaled, each
+    its own run of n_tokens x <image>, written as HF's Idefics3Processor writes them."""
 
     image_size: int
     mean: tuple[float, float, float]
@@ -246,7 +248,20 @@ class VisionCard:
     n_tokens: int
     image_id: int
     marker: str
-    expansion: str
+    expansion: str  # one untiled image (Idefics3: the downscaled whole image, after the tiles)
+    tiling: int = 0  # Idefics3: the longest side images are resized to before tiling (0: no tiling)
+    tile_prefix: str = ""  # Idefics3: what precedes a tile's run, with {row} and {col} (1-based)
+    image_text: str = ""  # the image token's text (one run is n_tokens of it)
+
+    def expansion_for(self, rows: int, cols: int) -> str:
+        """The text one image becomes: rows x cols tiles (each row ended by a newline), then a newline and
+        the whole image; or, untiled (rows = cols = 0), `expansion` alone."""
+        if rows == 0 and cols == 0:
+            return self.expansion
+        run = self.image_text * self.n_tokens
+        grid = "".join("".join(self.tile_prefix.format(row=r, col=c) + run for c in range(1, cols + 1)) + "\n"
+                       for r in range(1, rows + 1))
+        return grid + "\n" + self.expansion
 
 
 @dataclass(frozen=True)

@@ -1389,8 +1389,9 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
                                                         "tensor-parallel steps take no image rows yet)")
             stage[0] = "loading the vision projector"
             vision, vparams, vcard = _load_vision(Path(opts.mmproj).expanduser(), cfg, tokenizer, kernels, devices)
-            if vision.bidirectional and opts.prefill_chunk < vision.tokens_per_image:
-                # an image's tokens attend to each other both ways, so one image must fit one chunk
+            if opts.prefill_chunk < vision.tokens_per_image:
+                # the scheduler never ends a chunk inside an image (Gemma 3's tokens attend to each other
+                # both ways), so one image (one Idefics3 tile) must fit one chunk
                 log.info("%s: prefill chunk raised from %d to %d (one image's tokens)", name, opts.prefill_chunk,
                          vision.tokens_per_image)
                 opts = replace(opts, prefill_chunk=vision.tokens_per_image)
@@ -1406,15 +1407,47 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
 
 
 # the text architectures each projector type was made for (their modules declare image_inputs)
-VISION_TEXT_ARCHS = {"gemma3": ("gemma3",)}
-IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+VISION_TEXT_ARCHS = {"gemma3": ("gemma3",), "idefics3": ("llama",)}
+GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+IDEFICS3_TOKENS = ("<fake_token_around_image>", "<global-img>", "<image>")
+
+
+def _single_tokens(path: Path, tokenizer: Any, texts: Sequence[str], family: str) -> dict[str, int]:
+    """Each text's one token id, or ModelLoadError: the prompt's image tokens must be single tokens of
+    this tokenizer, or the image rows would land on the wrong positions."""
+    ids = {}
+    for text in texts:
+        got = tokenizer.encode(text)
+        if len(got) != 1:
+            raise ModelLoadError(path, f"the text model's tokenizer has no {text} token (a {family} vision model "
+                                       "needs it)")
+        ids[text] = got[0]
+    return ids
+
+
+def _vision_card(path: Path, vc: Any, tokenizer: Any) -> Any:
+    """What the web layer needs to write an image into a prompt, per projector family (the strings are
+    what HF's processor of that family writes)."""
+    from pantheon.types import VisionCard
+    n = vc.tokens_per_image
+    if vc.projector == "idefics3":
+        fake, glob, image = IDEFICS3_TOKENS
+        side = vc.longest_edge // vc.image_size  # the largest grid: side x side tiles
+        grid = [f"<row_{r}_col_{c}>" for r in range(1, side + 1) for c in range(1, side + 1)] if side > 1 else []
+        ids = _single_tokens(path, tokenizer, IDEFICS3_TOKENS + tuple(grid), "SmolVLM / Idefics3")
+        return VisionCard(image_size=vc.image_size, mean=vc.mean, std=vc.std, n_tokens=n, image_id=ids[image],
+                          marker=image, expansion=fake + glob + image * n + fake, tiling=vc.longest_edge,
+                          tile_prefix=fake + "<row_{row}_col_{col}>", image_text=image)
+    boi, eoi, soft = GEMMA3_TOKENS
+    ids = _single_tokens(path, tokenizer, GEMMA3_TOKENS, "Gemma 3")
+    return VisionCard(image_size=vc.image_size, mean=vc.mean, std=vc.std, n_tokens=n, image_id=ids[soft],
+                      marker=boi, expansion="\n\n" + boi + soft * n + eoi + "\n\n", image_text=soft)
 
 
 def _load_vision(path: Path, cfg: ModelConfig, tokenizer: Any, kernels: Kernels, devices: list[Any]):
     """The projector file's config, its params on the device, and the card the web layer reads."""
     from pantheon.formats.mmproj import open_mmproj
     from pantheon.jax_models import siglip
-    from pantheon.types import VisionCard
     f = open_mmproj(path)
     vc = f.config
     if cfg.arch not in VISION_TEXT_ARCHS.get(vc.projector, ()) or not capabilities_of(_arch_module(cfg, path)).image_inputs:
@@ -1422,17 +1455,7 @@ def _load_vision(path: Path, cfg: ModelConfig, tokenizer: Any, kernels: Kernels,
     if vc.text_hidden != cfg.hidden:
         raise ModelLoadError(path, f"the projector outputs width {vc.text_hidden}, the text model's embeddings "
                                    f"are {cfg.hidden} wide: not this model's projector")
-    ids = {}
-    for text in IMAGE_TOKENS:
-        got = tokenizer.encode(text)
-        if len(got) != 1:
-            raise ModelLoadError(path, f"the text model's tokenizer has no {text} token (a Gemma 3 vision model "
-                                       "needs it)")
-        ids[text] = got[0]
-    n = vc.tokens_per_image
-    boi, eoi, soft = IMAGE_TOKENS
-    card = VisionCard(image_size=vc.image_size, mean=vc.mean, std=vc.std, n_tokens=n, image_id=ids[soft],
-                      marker=boi, expansion="\n\n" + boi + soft * n + eoi + "\n\n")
+    card = _vision_card(path, vc, tokenizer)
     host = weights.stamp(siglip.load_params(f.tensors, vc), kernels)
     return vc, weights.place(host, lambda _path, _leaf: devices[0]), card
 

@@ -504,7 +504,8 @@ class Generation(GenerationCore):
         self.creq = creq
         self.grammars = grammars  # the server's grammar-compile pool (ServerState.grammars)
         self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
-        self.images: list[Any] = []  # the request's images, preprocessed (pantheon.formats.images.Preprocessed)
+        self.images: list[Any] = []  # the encoder's inputs, preprocessed (pantheon.formats.images.Preprocessed)
+        self.image_texts: list[str] = []  # the text each image's marker becomes (web_images.expand)
         self.image_embd: Any = None  # their embeddings [N, tokens, H] when the backend encoded them here
 
     # -- setup --------------------------------------------------------------------------------------------
@@ -515,7 +516,7 @@ class Generation(GenerationCore):
         creq = self.creq
         self.admission.limits(card, creq.n, creq.logit_bias)
         if web_images.image_parts(creq.messages):  # decode (maybe fetch) off the hub; 400 on any bad image
-            msgs, self.images = bridge.call_in_thread(
+            msgs, self.images, self.image_texts = bridge.call_in_thread(
                 web_images.load_images, creq.messages, card, self.registry.settings, name="pantheon-image")
             creq = self.creq = dataclasses.replace(creq, messages=msgs)
         admit = lambda: self.admission.chat(card, creq.messages, lambda m: self._render(card, m),  # noqa: E731
@@ -611,7 +612,8 @@ class Generation(GenerationCore):
     def _prompt_ids_of(self, card: Any) -> Any:
         """Rendered text -> the prompt's token ids (BOS added when the model wants one), each image's
         placeholder expanded to its image tokens first, as the model's processor does."""
-        return lambda text: prompt_ids(card, web_images.expand(text, card) if self.images else text)
+        return lambda text: prompt_ids(card, web_images.expand(text, card, self.image_texts) if self.images
+                                   else text)
 
 
     # -- response shapes ---------------------------------------------------------------------------------

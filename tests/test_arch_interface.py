@@ -42,7 +42,8 @@ def test_module_satisfies_the_protocol(mod):
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[1])
 def test_capabilities_agree_with_the_optional_functions(mod):
     caps = registry.capabilities_of(mod)
-    assert set(interface.CAPABILITY_PROTOCOLS) == set(interface.capability_names())
+    assert set(interface.CAPABILITY_PROTOCOLS) | set(interface.PROPERTY_FLAGS) == set(interface.capability_names())
+    assert not set(interface.CAPABILITY_PROTOCOLS) & set(interface.PROPERTY_FLAGS)
     for flag, proto in interface.CAPABILITY_PROTOCOLS.items():
         if getattr(caps, flag):
             _check_functions(mod, proto)
@@ -57,7 +58,9 @@ def test_expected_capabilities():
     # llama is also the text tower of Idefics3 / SmolVLM (issue 34)
     assert caps["llama"] == interface.Capabilities(mixed_steps=True, fused_projections=True, image_inputs=True)
     assert caps["gemma3"] == interface.Capabilities(image_inputs=True)  # the Gemma 3 VLM (issue 34)
-    assert caps["qwen35"] == caps["rwkv7"] == interface.Capabilities(recurrent_state=True)
+    assert caps["rwkv7"] == interface.Capabilities(recurrent_state=True)
+    # its prefill program crashes XLA:CPU once serialised and read back (test_exec_store)
+    assert caps["qwen35"] == interface.Capabilities(recurrent_state=True, stored_programs=False)
     assert registry.capabilities_of(None) == registry.capabilities_of(object()) == interface.Capabilities()
 
 

@@ -169,6 +169,9 @@ CAPABILITY_PROTOCOLS: dict[str, type] = {
     "image_inputs": ImageInputs,
 }
 
+# Capability flags that promise no functions, only a property the engine relies on.
+PROPERTY_FLAGS: tuple[str, ...] = ("stored_programs",)
+
 
 def protocol_functions(proto: type) -> tuple[str, ...]:
     """The function names `proto` itself declares (not those it inherits)."""

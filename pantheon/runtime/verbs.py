@@ -100,6 +100,12 @@ class Engine(Protocol):
     def copy_slot(self, state: DecodeState, src: int, dst: int) -> DecodeState: ...
 
     @verb
+    def snapshot(self, state: DecodeState, slot: int) -> Any: ...  # runs a program; followers keep theirs
+
+    @verb
+    def restore(self, state: DecodeState, slot: int, snap: Any) -> DecodeState: ...
+
+    @verb
     def prompt_logprobs(self, state: DecodeState, tokens: Sequence[int], k: int) -> tuple[list, DecodeState]: ...
 
     @verb
@@ -129,6 +135,9 @@ class Engine(Protocol):
 
     @host
     def state_bytes_per_token(self) -> int: ...
+
+    @host
+    def snapshot_bytes(self) -> int: ...
 
     @host
     def warmup_plans(self, decode: bool = True, prefill: bool = True, mixed: bool = True) -> list: ...

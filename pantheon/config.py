@@ -69,6 +69,8 @@ class Settings:
     queue_wait_s: float = 30.0
     bs_stats: bool = False
     bs_mixed: bool = True
+    speculative: bool = True
+    spec_k: int = 6
     die_budget_mb: int = 0
     warmup: bool = True
     warmup_background: bool = True
@@ -408,6 +410,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PANTHEON_BS_MIXED", "bs_mixed", _flag,
             doc="a prefill chunk and the decode rows of the other slots share one forward (llama-family "
                 "models); 0 alternates chunk and decode steps instead"),
+    Setting("PANTHEON_SPECULATIVE", "speculative", _flag,
+            doc="speculative decoding with prompt-lookup drafts for every request that does not opt out "
+                "(`\"speculative\": false`): the step verifies up to PANTHEON_SPEC_K drafted tokens per slot and "
+                "greedy (and seeded) output stays the same token for token (docs/speculative.md); 0 turns it off"),
+    Setting("PANTHEON_SPEC_K", "spec_k", _integer(low=0),
+            doc="the most draft tokens one verify step checks per slot (verify programs are made for this K "
+                "and K / 2); 0 makes no verify programs"),
     # -- router registration (pantheon.serving.registration): all off unless PANTHEON_REGISTRY_URL is set
     Setting("PANTHEON_REGISTRY_URL", "registry_url", _url,
             doc="the router (SMG) to register every loaded model with, e.g. `http://10.0.0.1:30000`; unset: "

@@ -288,3 +288,37 @@ def test_verify_programs_are_made_by_warm_up_and_nothing_compiles_after(model):
         assert [c.ids for c in cs] == [alone(model, p) for p in ps[:2]]
     finally:
         s.close()
+
+
+# ---- real models ----------------------------------------------------------------------------------
+DOCUMENT = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+            "    return 2 * (width + height)\n")
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen-0.5b"])
+def test_real_models_give_the_same_tokens_with_prompt_lookup_drafts(name, load_real):
+    """A quoting prompt (prompt lookup drafts well) and a free-form one: greedy with drafts == without."""
+    from conftest import real_fixture
+    model = load_real(name)
+    stops = list(real_fixture(name)["stop_ids"])
+    asks = [f"Repeat this code exactly, then stop:\n\n{DOCUMENT}", "Write a short poem about the sea."]
+    accepted = 0
+    for ask in asks:
+        text = model.card.template.render([{"role": "user", "content": ask}], add_generation_prompt=True)
+        prompt = model.tokenizer.encode(text)
+        plain = list(reference.generate(model, prompt, GREEDY, max_tokens=48, stop_ids=stops))
+        lookup = PromptLookup(prompt)
+        proposed: list[tuple[int, ...]] = []
+
+        def draft(seq: list[int]) -> tuple[int, ...]:
+            while len(lookup.seq) < len(seq):
+                lookup.append(seq[len(lookup.seq)])
+            d = lookup.propose(model.verify_ks[-1])
+            proposed.append(d)
+            return d
+
+        spec = list(reference.generate(model, prompt, GREEDY, max_tokens=48, stop_ids=stops, draft=draft))
+        assert spec == plain, (name, ask)
+        accepted += len(plain) - 1 - len(proposed)  # tokens that needed no step of their own
+    assert accepted > 0

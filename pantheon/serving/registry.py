@@ -154,7 +154,8 @@ def _load_options(name: str, settings: Settings, mmproj: str | None = None) -> A
     return LoadOptions(name=name, dtype=settings.dtype, n_slots=max(1, settings.batch_slots),
                        max_seq=settings.max_seq, prefill_chunk=settings.prefill_chunk,
                        native_matmul=settings.native_matmul, native_dot=settings.native_dot,
-                       native_dir=str(settings.home / "native"), mmproj=mmproj)
+                       native_dir=str(settings.home / "native"), mmproj=mmproj,
+                       spec_k=settings.spec_k if settings.speculative else 0)
 
 
 def estimate_load(path: Path, settings: Settings, platform: str) -> Any:

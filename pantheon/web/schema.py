@@ -279,6 +279,8 @@ CHAT_REQUEST: Schema = _object(_optional({
     "chat_template_kwargs": {**_object({"enable_thinking": nullable(_bool())}),
                              "examples": [{"enable_thinking": False}]},
     "ignore_eos": _bool(False, description="generate the full budget past end-of-turn tokens (benchmarks)"),
+    "speculative": _bool(False, description="false: no speculative decoding for this request (the tokens are the "
+                                            "same either way; docs/speculative.md)"),
     "cache_salt": _str(example="tenant-a", description="part of the prefix-cache scope"),
     "truncate": _enum(TRUNCATE, description="oldest: drop the oldest turns to fit the context window"),
     "reasoning_effort": _enum(REASONING_EFFORTS, examples=["low"],
@@ -335,6 +337,7 @@ COMPLETION_REQUEST: Schema = _object(_optional({
     "logit_bias": LOGIT_BIAS,
     "user": _str(example="user-1234"),
     "ignore_eos": _bool(False, description="generate the full budget past end-of-text tokens (benchmarks)"),
+    "speculative": CHAT_REQUEST["properties"]["speculative"],
 }, keep=("prompt",)), required=("prompt",))
 
 EMBEDDING_REQUEST: Schema = _object(_optional({

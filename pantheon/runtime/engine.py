@@ -256,7 +256,8 @@ class Model:
         spec_k = load_settings().spec_k if opts.spec_k is None else int(opts.spec_k)
         spec_k = max(0, min(spec_k, self.chunk, MAX_SPEC_K))
         self.supports_verify = spec_k > 0 and not self.caps.recurrent_state and vision is None
-        self.verify_ks = tuple(sorted({max(1, spec_k // 2), spec_k})) if self.supports_verify else ()
+        # one K bucket: fewer drafts ride padded (each verify bucket is one more program per span)
+        self.verify_ks = (spec_k,) if self.supports_verify else ()
         self.verify_rows = tuple(b for b in self.row_buckets if b <= VERIFY_MAX_ROWS) if self.supports_verify else ()
         # Two programs per step: the forward (one per (kind, rows, tokens, span) bucket) and the
         # sampler + slot update (one per rows bucket). Keeping the sampler out of the forward compiles

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 PENALTY_WINDOW = 64  # the most recent tokens a slot keeps on the device for penalties (decode_state's ring)
+MAX_SPEC_K = 16  # the most draft tokens a verify step takes per slot (speculative decoding)
 MAX_TOP_LOGPROBS = 20  # top_logprobs a row may ask for (OpenAI's limit); the step returns this many per row
 MAX_LOGIT_BIAS = 300  # logit_bias entries a request may carry (OpenAI's limit); the slot table holds this many
 LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100]

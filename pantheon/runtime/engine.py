@@ -50,7 +50,7 @@ from pantheon.config import load_settings
 from pantheon.errors import ModelLoadError, clear_exception_frames
 from pantheon.formats.gguf_loader import GGUFFile, ModelConfig, open_gguf
 from pantheon.runtime.decode_state import DecodeState
-from pantheon.types import GREEDY, MAX_TOP_LOGPROBS, ModelCard, ModelGeometry
+from pantheon.types import GREEDY, MAX_SPEC_K, MAX_TOP_LOGPROBS, ModelCard, ModelGeometry
 from pantheon.jax_models.common import last_valid
 from pantheon.jax_models.registry import capabilities_of
 from pantheon.ops.weights import XLA, Kernels
@@ -1362,7 +1362,6 @@ def resolve_kv_dtype(opts: LoadOptions, device: Any) -> Any:  # device: a jax de
 
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
-MAX_SPEC_K = 16  # the most drafts a verify step takes per slot
 VERIFY_MAX_ROWS = 4  # the most decoding slots a verify step holds (more slots share the weights already)
 
 

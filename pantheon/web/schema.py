@@ -26,6 +26,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from pantheon.types import MAX_SPEC_K
+
 Schema = dict[str, Any]
 
 # ---- bounds shared by the schema and the validators ---------------------------------------------------
@@ -387,6 +389,10 @@ LOAD_REQUEST: Schema = {**_object(_optional({
              "examples": [[0]]},
     "mmproj": {**_ADMIN_STR, "description": "a vision projector (llama.cpp mmproj GGUF) inside PANTHEON_MODEL_DIR: "
                "the model takes images", "examples": ["mmproj.gguf"]},
+    "speculative": _bool(True, description="this model's default for prompt-lookup speculative decoding "
+                                           "(default PANTHEON_SPECULATIVE); a request may still opt out"),
+    "spec_k": _int(0, MAX_SPEC_K, 6, description="the most drafts a verify step checks per slot (default "
+                                                 "PANTHEON_SPEC_K); 0: no verify programs"),
 })), "oneOf": _exactly_one("path", "model"), "description": "exactly one of path and model"}
 
 UNLOAD_REQUEST: Schema = {**_object(_optional({

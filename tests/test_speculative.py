@@ -272,6 +272,14 @@ def test_n_choices_and_grammar_requests_are_unchanged(model, sched):
     assert outs[0] == outs[1] and set(outs[0][:5]) <= {11, 29, 301}
     assert sched.load_info()["spec_drafted"] == before  # a constrained slot never drafts
 
+    # a constrained stream beside a drafting one: both go on (plain steps while the grammar decodes)
+    free, bound = Events(1), Events(1)
+    sched.submit(GenRequest(prompt_ids=spec_prompts()[1], params=GREEDY, max_tokens=24), free)
+    sched.submit(GenRequest(prompt_ids=p, params=GREEDY, max_tokens=20, constraint=OnlyTokens({11, 29, 301}, 5),
+                            stop_ids=frozenset({2})), bound)
+    assert free.wait().ids() == alone(model, spec_prompts()[1])
+    assert bound.wait().ids() == outs[0] and bound.finished[0].reason == "stop"
+
 
 def test_verify_programs_are_made_by_warm_up_and_nothing_compiles_after(model):
     s = BatchScheduler(model, settings(warmup=True, forbid_compile=True))

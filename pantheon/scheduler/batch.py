@@ -759,6 +759,8 @@ class BatchScheduler:
                 sl.budget.rested()
         if not any(speculating) or len(decoders) > self.spec_slots:
             return None
+        if any(sl.matcher is not None for sl in decoders):
+            return None  # a constrained slot's row needs its mask, which a verify step does not take
         if self._inflight is not None and any(r.slot in decoders for r in self._inflight.rows):
             return None  # (the step before was kept in flight: its tokens are not known yet)
         drafts = []

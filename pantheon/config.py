@@ -415,8 +415,8 @@ SETTINGS: tuple[Setting, ...] = (
                 "(`\"speculative\": false`): the step verifies up to PANTHEON_SPEC_K drafted tokens per slot and "
                 "greedy (and seeded) output stays the same token for token (docs/speculative.md); 0 turns it off"),
     Setting("PANTHEON_SPEC_K", "spec_k", _integer(low=0),
-            doc="the most draft tokens one verify step checks per slot (the verify programs' K: fewer drafts "
-                "ride padded); 0 makes no verify programs"),
+            doc="the most draft tokens one verify step checks per slot (verify programs are made for this K "
+                "and K / 2: fewer drafts ride padded); 0 makes no verify programs"),
     # -- router registration (pantheon.serving.registration): all off unless PANTHEON_REGISTRY_URL is set
     Setting("PANTHEON_REGISTRY_URL", "registry_url", _url,
             doc="the router (SMG) to register every loaded model with, e.g. `http://10.0.0.1:30000`; unset: "

@@ -256,8 +256,9 @@ class Model:
         spec_k = load_settings().spec_k if opts.spec_k is None else int(opts.spec_k)
         spec_k = max(0, min(spec_k, self.chunk, MAX_SPEC_K))
         self.supports_verify = spec_k > 0 and not self.caps.recurrent_state and vision is None
-        # one K bucket: fewer drafts ride padded (each verify bucket is one more program per span)
-        self.verify_ks = (spec_k,) if self.supports_verify else ()
+        # two K buckets, K and half of it: a slot whose acceptance dropped drafts few tokens, and its
+        # step should not compute K + 1 rows for them (on a CPU every row costs its share of compute)
+        self.verify_ks = tuple(sorted({-(-spec_k // 2), spec_k})) if self.supports_verify else ()
         self.verify_rows = tuple(b for b in self.row_buckets if b <= VERIFY_MAX_ROWS) if self.supports_verify else ()
         # Two programs per step: the forward (one per (kind, rows, tokens, span) bucket) and the
         # sampler + slot update (one per rows bucket). Keeping the sampler out of the forward compiles
@@ -1362,7 +1363,9 @@ def resolve_kv_dtype(opts: LoadOptions, device: Any) -> Any:  # device: a jax de
 
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
-VERIFY_MAX_ROWS = 4  # the most decoding slots a verify step holds (more slots share the weights already)
+# the most decoding slots a verify step holds: more slots already share each weight read, and on a CPU
+# their K + 1 rows each made a step compute-bound (4 streams of a code edit ran at 0.80x, measured)
+VERIFY_MAX_ROWS = 2
 
 
 def kv_bytes(f32_bytes: int, kv_dtype: Any) -> int:

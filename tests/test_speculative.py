@@ -330,3 +330,22 @@ def test_real_models_give_the_same_tokens_with_prompt_lookup_drafts(name, load_r
         assert spec == plain, (name, ask)
         accepted += len(plain) - 1 - len(proposed)  # tokens that needed no step of their own
     assert accepted > 0
+
+
+def test_speculation_rests_where_verify_steps_give_fewer_tokens_per_second():
+    from pantheon.scheduler.drafts import SpecGauge
+    g = SpecGauge()
+    for _ in range(SpecGauge.MIN_SAMPLES):
+        g.plain(1, 0.010)  # 100 tokens/s plainly
+        g.verify(1, 0.030, 2)  # 67 tokens/s verifying: slower
+        g.tick()
+    assert not g.pays(1)  # measured slower: rest
+    assert g.pays(2)  # (another slot count has its own measurements)
+    for _ in range(SpecGauge.REST_STEPS - 1):
+        g.tick()
+    assert not g.pays(1)
+    g.tick()
+    assert g.pays(1)  # rested: probe again from fresh samples
+    for _ in range(SpecGauge.MIN_SAMPLES):
+        g.verify(1, 0.015, 3)  # 200 tokens/s: pays
+    assert g.pays(1)

@@ -68,7 +68,7 @@ from pantheon.runtime.engine import Chunk, Model, StepHandle, StepPlan
 from pantheon.errors import BusyError, ModelFailed, RequestError
 from pantheon.types import EmbedRequest, EmbedSink, Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
 from pantheon.scheduler.embed import PRESSURE_CRITICAL, Embeddings, _EmbedHandle, new_job
-from pantheon.scheduler.drafts import DraftBudget, PromptLookup
+from pantheon.scheduler.drafts import DraftBudget, PromptLookup, SpecGauge
 from pantheon.scheduler.masks import MaskBuilder
 from pantheon.scheduler.slot import DECODE, EMBED, FORK, FORKWAIT, IDLE, PREFILL, Slot
 
@@ -189,6 +189,8 @@ class BatchScheduler:
         self.speculative = settings.speculative
         self.spec_k = max(getattr(model, "verify_ks", ()) or (0,))
         self.spec_slots = max(getattr(model, "verify_rows", ()) or (0,))
+        self._gauge = SpecGauge()  # driver-only: whether verify steps pay here
+        self._last_read: float | None = None  # driver-only: when the last step was read (None after idling)
         self.pressure = pressure or (lambda: 0)
         self._mu = osthread.Lock()
         self._work = osthread.Condition(self._mu)
@@ -359,6 +361,7 @@ class BatchScheduler:
                     shared=gen_waits or any(sl.state not in (IDLE, EMBED) for sl in self._slots))
                 work = any(sl.state not in (IDLE, EMBED) for sl in self._slots)
                 if not work and not embeds and self._inflight is None and not events:
+                    self._last_read = None  # idle: the next step's time is not one step's
                     self._work.wait(0.5 if self._queue or self._embeds.queue else None)
                     continue
             self._deliver(events)
@@ -745,7 +748,8 @@ class BatchScheduler:
             if any(sl.state == PREFILL and sl.pending for sl in self._slots):
                 return False
             decoders = [sl for sl in self._slots if sl.state == DECODE]
-        return 0 < len(decoders) <= self.spec_slots and any(self._speculates(sl) for sl in decoders)
+        return (0 < len(decoders) <= self.spec_slots and any(self._speculates(sl) for sl in decoders)
+                and self._gauge.pays(len(decoders)))
 
     def _verify_plan(self, decoders: list[Slot], jobs: dict[int, Any]) -> _Planned | None:
         """A verify step over `decoders` if one of them has drafts now (its prompt lookup matches) and the
@@ -761,6 +765,8 @@ class BatchScheduler:
             return None
         if any(sl.matcher is not None for sl in decoders):
             return None  # a constrained slot's row needs its mask, which a verify step does not take
+        if not self._gauge.pays(len(decoders)):
+            return None
         if self._inflight is not None and any(r.slot in decoders for r in self._inflight.rows):
             return None  # (the step before was kept in flight: its tokens are not known yet)
         drafts = []
@@ -880,6 +886,13 @@ class BatchScheduler:
             if done.n_prompt and n_dec:
                 st.mixed_steps += 1
             st.step_ms_total += (t_read - done.t_dispatch) * 1000
+        if self._last_read is not None and not done.n_prompt:  # the time this step added, driver busy throughout
+            if done.kind == "verify":
+                self._gauge.verify(len(done.rows), t_read - self._last_read, n_dec)
+            elif done.kind == "decode":
+                self._gauge.plain(len(done.rows), t_read - self._last_read)
+        self._last_read = t_read
+        self._gauge.tick()
         self._deliver(events)
         host_ms = done.host_ms + (time.perf_counter() - t_read) * 1000
         with self._mu:

@@ -101,3 +101,59 @@ class DraftBudget:
         if self.misses >= self.MISSES_BEFORE_REST:
             self.misses = 0
             self.rest = self.REST_STEPS
+
+
+class SpecGauge:
+    """Whether verify steps pay on this machine, measured as the scheduler runs.
+
+    Why: a verify step computes K + 1 rows per slot. On a GPU that costs about one row; on a CPU each
+    row costs its share of compute, and a slot whose drafts are half rejected can end up slower than
+    plain decoding (two streams of a code edit ran at 0.84x, measured). So per decoding-slot count d,
+    the gauge keeps moving averages of a plain decode step's seconds, a verify step's seconds and a
+    verify step's emitted tokens; once both have `MIN_SAMPLES`, a verify step must give at least as
+    many tokens per second as plain steps (d per plain step), or speculation rests for `REST_STEPS`
+    steps and then probes again from fresh verify samples. Driver thread only."""
+
+    MIN_SAMPLES = 6
+    REST_STEPS = 256
+    ALPHA = 0.2  # weight of a new sample in the moving averages
+
+    def __init__(self) -> None:
+        self.plain_s: dict[int, float] = {}
+        self.verify_s: dict[int, float] = {}
+        self.verify_tokens: dict[int, float] = {}
+        self.samples: dict[tuple[str, int], int] = {}
+        self.steps = 0  # steps read so far (every kind): the clock of the rests
+        self.rest_until: dict[int, int] = {}  # per slot count: no verify step before this step
+
+    def tick(self) -> None:
+        """One more step was read."""
+        self.steps += 1
+
+    def _avg(self, table: dict[int, float], d: int, x: float) -> None:
+        table[d] = x if d not in table else (1 - self.ALPHA) * table[d] + self.ALPHA * x
+
+    def plain(self, d: int, seconds: float) -> None:
+        """A plain decode step of `d` slots took `seconds` (from the previous step's read to its own)."""
+        self._avg(self.plain_s, d, seconds)
+        self.samples[("plain", d)] = self.samples.get(("plain", d), 0) + 1
+
+    def verify(self, d: int, seconds: float, tokens: int) -> None:
+        """A verify step of `d` slots took `seconds` and emitted `tokens` tokens."""
+        self._avg(self.verify_s, d, seconds)
+        self._avg(self.verify_tokens, d, float(tokens))
+        self.samples[("verify", d)] = self.samples.get(("verify", d), 0) + 1
+
+    def pays(self, d: int) -> bool:
+        """Whether to plan a verify step of `d` slots now."""
+        if self.steps < self.rest_until.get(d, 0):
+            return False
+        if min(self.samples.get(("plain", d), 0), self.samples.get(("verify", d), 0)) < self.MIN_SAMPLES:
+            return True
+        if self.verify_tokens[d] / self.verify_s[d] >= d / self.plain_s[d]:
+            return True
+        self.rest_until[d] = self.steps + self.REST_STEPS
+        self.samples[("verify", d)] = 0
+        self.verify_s.pop(d, None)
+        self.verify_tokens.pop(d, None)
+        return False

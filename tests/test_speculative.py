@@ -349,3 +349,25 @@ def test_speculation_rests_where_verify_steps_give_fewer_tokens_per_second():
     for _ in range(SpecGauge.MIN_SAMPLES):
         g.verify(1, 0.015, 3)  # 200 tokens/s: pays
     assert g.pays(1)
+
+
+@pytest.mark.real
+def test_a_real_model_through_the_scheduler_drafts_and_keeps_its_tokens(load_real):
+    """SmolLM2 quoting its prompt, two streams at once through the scheduler: drafts accepted, and each
+    stream's tokens are its greedy tokens alone."""
+    from conftest import real_fixture
+    model = load_real("smollm2-135m")
+    stops = frozenset(real_fixture("smollm2-135m")["stop_ids"])
+    asks = [f"Repeat this code exactly, then stop:\n\n{DOCUMENT}", "Write a short poem about the sea."]
+    prompts = [model.tokenizer.encode(model.card.template.render([{"role": "user", "content": a}],
+                                                                 add_generation_prompt=True)) for a in asks]
+    want = [list(reference.generate(model, p, GREEDY, max_tokens=40, stop_ids=stops)) for p in prompts]
+    sched = BatchScheduler(model, settings(prefill_chunk=128))
+    try:
+        cs = [submit(sched, p, n=40, stop_ids=stops) for p in prompts]
+        for c in cs:
+            assert c.done.wait(600)
+        assert [c.ids for c in cs] == want
+        assert sched.load_info()["spec_accepted"] > 0
+    finally:
+        sched.close()

@@ -71,6 +71,7 @@ class Settings:
     bs_mixed: bool = True
     speculative: bool = True
     spec_k: int = 6
+    spec_gauge: bool = True
     die_budget_mb: int = 0
     warmup: bool = True
     warmup_background: bool = True
@@ -414,6 +415,10 @@ SETTINGS: tuple[Setting, ...] = (
             doc="speculative decoding with prompt-lookup drafts for every request that does not opt out "
                 "(`\"speculative\": false`): the step verifies up to PANTHEON_SPEC_K drafted tokens per slot and "
                 "greedy (and seeded) output stays the same token for token (docs/speculative.md); 0 turns it off"),
+    Setting("PANTHEON_SPEC_GAUGE", "spec_gauge", _flag,
+            doc="verify steps run only while they measure at least as many tokens per second as plain decode "
+                "steps (per decoding-slot count; a slower one rests speculation for 256 steps, then probes "
+                "again); 0 always verifies drafts when there are some"),
     Setting("PANTHEON_SPEC_K", "spec_k", _integer(low=0),
             doc="the most draft tokens one verify step checks per slot (verify programs are made for this K "
                 "and K / 2: fewer drafts ride padded); 0 makes no verify programs"),

@@ -155,7 +155,10 @@ def test_the_draft_count_follows_the_acceptance():
 
 # ---- the scheduler --------------------------------------------------------------------------------
 def settings(**kw) -> Settings:
-    base = dict(home=Path("/tmp"), batch_slots=8, queue_depth=32, queue_wait_s=30.0, prefill_chunk=16, warmup=False)
+    # (spec_gauge off: whether verify steps pay on this machine is a wall-clock measurement, and these
+    # tests count the drafts; tests/test_speculative.py checks the gauge's rule on given timings)
+    base = dict(home=Path("/tmp"), batch_slots=8, queue_depth=32, queue_wait_s=30.0, prefill_chunk=16, warmup=False,
+                spec_gauge=False)
     base.update(kw)
     return Settings(**base)
 

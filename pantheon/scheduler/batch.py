@@ -189,7 +189,7 @@ class BatchScheduler:
         self.speculative = settings.speculative
         self.spec_k = max(getattr(model, "verify_ks", ()) or (0,))
         self.spec_slots = max(getattr(model, "verify_rows", ()) or (0,))
-        self._gauge = SpecGauge()  # driver-only: whether verify steps pay here
+        self._gauge = SpecGauge(enabled=settings.spec_gauge)  # driver-only: whether verify steps pay here
         self._last_read: float | None = None  # driver-only: when the last step was read (None after idling)
         self.pressure = pressure or (lambda: 0)
         self._mu = osthread.Lock()

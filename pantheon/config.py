@@ -72,6 +72,7 @@ class Settings:
     speculative: bool = True
     spec_k: int = 6
     spec_gauge: bool = True
+    prefix_snapshot_mb: int = 1024
     die_budget_mb: int = 0
     warmup: bool = True
     warmup_background: bool = True
@@ -423,6 +424,11 @@ SETTINGS: tuple[Setting, ...] = (
             doc="the most draft tokens one verify step checks per slot (verify programs are made for this K "
                 "and K / 2: fewer drafts ride padded); 0 makes no verify programs"),
     # -- router registration (pantheon.serving.registration): all off unless PANTHEON_REGISTRY_URL is set
+    Setting("PANTHEON_PREFIX_SNAPSHOT_MB", "prefix_snapshot_mb", _integer(low=0),
+            doc="device memory per model for prefix snapshots of a recurrent model's slot state (Qwen3.5 / "
+                "Qwen3-Next hybrids, RWKV-7), taken where prompt chunks end, so a later turn or a request "
+                "sharing a prefix resumes from one instead of prefilling it again; least recently used "
+                "evicted first; `0`: off"),
     Setting("PANTHEON_REGISTRY_URL", "registry_url", _url,
             doc="the router (SMG) to register every loaded model with, e.g. `http://10.0.0.1:30000`; unset: "
                 "registration is off and no router traffic is sent"),

@@ -7,9 +7,15 @@ pull in, the device runtime.
 Events a backend hands a request's sink, in order:
 
     Started()                       the request has a slot and is prefilling (absent if refused)
-    Tokens(ids, choice, logprobs)   one or more sampled ids of one choice, in order
+    Tokens(ids, choice, logprobs,   one or more sampled ids of one choice, in order; `stop`: the
+           stop)                    last id is one of the request's stop ids (the device's STOP flag)
     Finished(reason, error, ...)    once per choice, last for it: "stop" (a stop id), "length"
                                     (budget), "cancelled" (Handle.cancel), or "error" with `error` set
+
+"stop" and "length" are the device's own flags for the step that ended the choice (the decode state's
+STOP / LENGTH, pantheon.runtime.decode_state), carried as they are: the web layer maps them to its
+finish reasons and never re-derives them from the ids. (A stop *string*, a tool call and a call cut
+short are the web layer's own findings, on the text.)
 
 An n > 1 request gets one Started, then each choice's Tokens interleaved, and n Finished events
 (a refused request gets a single Finished("error")).
@@ -32,11 +38,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pantheon.contract import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SAMPLING, Bound
+
 PENALTY_WINDOW = 64  # the most recent tokens a slot keeps on the device for penalties (decode_state's ring)
-MAX_SPEC_K = 16  # the most draft tokens a verify step takes per slot (speculative decoding)
-MAX_TOP_LOGPROBS = 20  # top_logprobs a row may ask for (OpenAI's limit); the step returns this many per row
-MAX_LOGIT_BIAS = 300  # logit_bias entries a request may carry (OpenAI's limit); the slot table holds this many
-LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100]
 DEFAULT_PENALTY_WINDOW = PENALTY_WINDOW  # a request looks at all of them unless it asks for fewer
 _U64 = (1 << 64) - 1
 
@@ -56,52 +60,45 @@ def _integer(name: str, value: object) -> int:
     return int(value)
 
 
+def _knob(name: str, value: object) -> float | int:
+    """`value` checked against the contract's bound for sampling knob `name` (the same one the HTTP
+    validators and /openapi.json read), as a float or an int by the bound's kind."""
+    b: Bound = SAMPLING[name]
+    v = _integer(name, value) if b.kind == "integer" else _real(name, value)
+    if not b.holds(v):
+        raise ValueError(f"{name} must be in {b.interval()}, got {value!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling knobs, validated on construction so a bad request fails before it is queued.
 
-    Out-of-range values raise ``ValueError`` naming the field (the web layer turns it into a 400).  Neutral
+    Out-of-range values raise ``ValueError`` naming the field (the web layer turns it into a 400); the
+    ranges are pantheon.contract's, the ones the HTTP routes publish and check.  Neutral
     values (the defaults, except ``temperature``) switch a stage off, so ``SamplingParams(temperature=0)``
     is plain greedy decoding.
     """
 
-    temperature: float = 1.0  # 0 => greedy
-    top_k: int = 0  # 0 (or >= vocabulary size) => off; 1 => greedy
-    top_p: float = 1.0  # in (0, 1]; 1 => off
-    min_p: float = 0.0  # in [0, 1]; 0 => off
-    repetition_penalty: float = 1.0  # > 0; 1 => off
-    presence_penalty: float = 0.0  # in [-2, 2]
-    frequency_penalty: float = 0.0  # in [-2, 2]
-    seed: int | None = None  # None => a fresh random seed each time one is resolved
+    # The defaults and ranges are the request contract's (pantheon.contract.SAMPLING).
+    temperature: float = SAMPLING["temperature"].default  # 0 => greedy
+    top_k: int = SAMPLING["top_k"].default  # 0 (or >= vocabulary size) => off, -1 too (stored as 0); 1 => greedy
+    top_p: float = SAMPLING["top_p"].default  # 1 => off
+    min_p: float = SAMPLING["min_p"].default  # 0 => off
+    repetition_penalty: float = SAMPLING["repetition_penalty"].default  # 1 => off
+    presence_penalty: float = SAMPLING["presence_penalty"].default
+    frequency_penalty: float = SAMPLING["frequency_penalty"].default
+    seed: int | None = None  # None => a fresh random seed each time one is resolved; any integer (mod 2**64)
     penalty_window: int = DEFAULT_PENALTY_WINDOW  # how many recent tokens the penalties look at; 0 => none
 
     def __post_init__(self) -> None:
         set_ = partial(object.__setattr__, self)
-        t = _real("temperature", self.temperature)
-        if t < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        set_("temperature", t)
-        k = _integer("top_k", self.top_k)
-        if k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
-        set_("top_k", k)
-        p = _real("top_p", self.top_p)
-        if not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        set_("top_p", p)
-        m = _real("min_p", self.min_p)
-        if not 0.0 <= m <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        set_("min_p", m)
-        r = _real("repetition_penalty", self.repetition_penalty)
-        if r <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        set_("repetition_penalty", r)
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = _real(name, getattr(self, name))
-            if not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-            set_(name, v)
+        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            set_(name, _knob(name, getattr(self, name)))
+        if self.top_k < 0:  # the contract's other "off"
+            set_("top_k", 0)
+        # The seed is not held to the wire's signed 64-bit range: choice_seed derives unsigned ones.
         if self.seed is not None:
             set_("seed", _integer("seed", self.seed))
         w = _integer("penalty_window", self.penalty_window)
@@ -142,6 +139,14 @@ def choice_seed(seed: int, choice: int) -> int:
     return z ^ (z >> 31)
 
 
+def stop_ids(tokenizer: Any, ignore_eos: bool = False) -> frozenset[int]:
+    """The ids that end a request's generation: the tokenizer's end-of-turn ids (its EOS among them), or
+    none under `ignore_eos` (a benchmark's full budget). The one place the set is built: the request
+    carries it (`GenRequest.stop_ids`) to the device's stop table and the grammar matcher; the web layer
+    learns of a stop from the events (`Tokens.stop`, `Finished.reason`), not by looking the id up."""
+    return frozenset() if ignore_eos else frozenset(tokenizer.eot_ids)
+
+
 @dataclass
 class GenRequest:
     """One generation as the schedulers see it: token ids in, a budget, stop ids and sampling knobs.
@@ -153,7 +158,7 @@ class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    stop_ids: frozenset[int] = frozenset()
+    stop_ids: frozenset[int] = frozenset()  # stop_ids(tokenizer, ignore_eos): the device stops on these
     session_id: str | None = None
     # Prefix reuse happens only between requests of one scope (the web layer's tenant key: API key,
     # user, session, cache_salt), so a prompt's cached length never tells one client about another's.
@@ -234,9 +239,11 @@ class VisionCard:
     the normalisation, how many embeddings one image becomes, and the token ids around them.
 
     The chat template renders each image part as `marker`; like HF's processor, the rendered text then
-    has every marker replaced by `expansion` (Gemma 3: two newlines, <start_of_image>, n_tokens x
-    <image_soft_token>, <end_of_image>, two newlines) and is tokenized whole; the image's embeddings go
-    where the ids are `image_id`, n_tokens per image."""
+    has every marker replaced by the image's expansion (`expansion_for`) and is tokenized whole; the
+    image's embeddings go where the ids are `image_id`, n_tokens per encoder input. Gemma 3: two
+    newlines, <start_of_image>, n_tokens x <image_soft_token>, <end_of_image>, two newlines. Idefics3 /
+    SmolVLM (`tiling` > 0): the image is cut into a grid of tiles plus the whole image downscaled, each
+    its own run of n_tokens x <image>, written as HF's Idefics3Processor writes them."""
 
     image_size: int
     mean: tuple[float, float, float]
@@ -244,7 +251,20 @@ class VisionCard:
     n_tokens: int
     image_id: int
     marker: str
-    expansion: str
+    expansion: str  # one untiled image (Idefics3: the downscaled whole image, after the tiles)
+    tiling: int = 0  # Idefics3: the longest side images are resized to before tiling (0: no tiling)
+    tile_prefix: str = ""  # Idefics3: what precedes a tile's run, with {row} and {col} (1-based)
+    image_text: str = ""  # the image token's text (one run is n_tokens of it)
+
+    def expansion_for(self, rows: int, cols: int) -> str:
+        """The text one image becomes: rows x cols tiles (each row ended by a newline), then a newline and
+        the whole image; or, untiled (rows = cols = 0), `expansion` alone."""
+        if rows == 0 and cols == 0:
+            return self.expansion
+        run = self.image_text * self.n_tokens
+        grid = "".join("".join(self.tile_prefix.format(row=r, col=c) + run for c in range(1, cols + 1)) + "\n"
+                       for r in range(1, rows + 1))
+        return grid + "\n" + self.expansion
 
 
 @dataclass(frozen=True)
@@ -270,6 +290,9 @@ class Tokens:
     ids: tuple[int, ...]
     choice: int = 0  # which of the request's n choices
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per id when the request asked for logprobs
+    # The last id is one of the request's stop ids: the device flagged its step STOP. It ends the choice
+    # (a Finished("stop") follows) and is not text.
+    stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -277,7 +300,7 @@ class Finished:
     """The end of one choice (an n > 1 request gets one per choice; an "error" one may end them all:
     the web layer treats any error as the request's)."""
 
-    reason: str  # "stop" | "length" | "cancelled" | "error"
+    reason: str  # "stop" | "length" (the device's flag) | "cancelled" | "error"
     error: Exception | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # of this choice

@@ -47,7 +47,8 @@ def prompt_entry(pos: int, tid: int, k: int) -> TokenLogprob:
 
 class ChoicesBackend(ScriptBackend):
     """Choice i writes `texts[i % len(texts)]` (default: the script's text) and then finishes with the
-    script's reason; a "\\0" is the stop token (Finished "stop"). Each Tokens event carries the next
+    script's reason; a "\\0" (the fake tokenizer's end of turn, in the request's stop ids) is the stop
+    token, flagged on its Tokens and then Finished "stop" as the device does. Each Tokens event carries the next
     `chunks` count of ids (cycling), choices taking turns."""
 
     def __init__(self, model):
@@ -96,14 +97,15 @@ class ChoicesBackend(ScriptBackend):
                         sink(Finished("error", error=RuntimeError("device lost"), choice=i))
                         return
                     ids = todo[i][: next(sizes)]
-                    if 0 in ids:
-                        ids = ids[: ids.index(0) + 1]
+                    ends = [j for j, t in enumerate(ids) if t in req.stop_ids]
+                    if ends:
+                        ids = ids[: ends[0] + 1]
                     del todo[i][: len(ids)]
                     pos = emitted[i]
                     lps = tuple(entry(i, pos + j, t, k) for j, t in enumerate(ids)) if k is not None else None
                     emitted[i] += len(ids)
-                    sink(Tokens(tuple(ids), choice=i, logprobs=lps))
-                    if ids[-1] == 0:
+                    sink(Tokens(tuple(ids), choice=i, logprobs=lps, stop=bool(ends)))
+                    if ends:
                         sink(Finished("stop", completion_tokens=emitted[i], choice=i))
                         del todo[i]
                     elif not todo[i]:

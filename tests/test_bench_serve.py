@@ -87,11 +87,11 @@ class FakeServer:
                     fake.reported.append((prompt, completion))
                     fake.streaming += 1
                     fake.peak_streaming = max(fake.peak_streaming, fake.streaming)
+                self.counted = True
                 try:
                     self._stream(body, prompt, completion)
                 finally:
-                    with fake.lock:
-                        fake.streaming -= 1
+                    self._closed()
                 # after [DONE], like a server that counts a request once its stream is closed: the
                 # bench must wait for the request count to settle before trusting the deltas
                 time.sleep(0.05)
@@ -101,6 +101,15 @@ class FakeServer:
                     fake.metrics.add_tokens(body["model"], prompt, completion)
                     fake.metrics.add_tokens("other-model", 1000, 1000)
                     fake.metrics.observe_request("/v1/chat/completions", 200)
+
+            def _closed(self) -> None:
+                # Called before the last frame goes out (and again, harmlessly, when the handler ends):
+                # a client starts its next request only after reading [DONE], so the count never sees
+                # one stream's tail overlap the next stream, however slowly this thread is scheduled.
+                with fake.lock:
+                    if self.counted:
+                        self.counted = False
+                        fake.streaming -= 1
 
             def _stream(self, body: dict, prompt: int, completion: int) -> None:
                 self.send_response(200)
@@ -122,6 +131,7 @@ class FakeServer:
                     send({**base, "choices": [], "usage": {
                         "prompt_tokens": prompt, "completion_tokens": completion,
                         "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": 1}}})
+                self._closed()
                 send("[DONE]")
 
         return Handler
@@ -200,6 +210,11 @@ def test_shared_prefix_and_multi_turn(capsys):
     longest = max(bodies, key=lambda b: len(b["messages"]))
     assert [m["role"] for m in longest["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert longest["messages"][2]["content"] == "t0 t1 "
+    # time to first token by turn: what a later turn's re-sent history costs
+    turns = out["results"][0]["by_turn"]
+    assert [(t["turn"], t["requests"]) for t in turns] == [(1, 2), (2, 2), (3, 1)]
+    assert all(t["ttft_ms"]["median"] is not None for t in turns)
+    assert turns[0]["prompt_tokens"] < turns[2]["prompt_tokens"]
 
 
 def test_dataset(tmp_path, capsys):

@@ -15,9 +15,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "pantheon"
 
 # room -> floor. The foundation (floor 0) is the package's own few modules: what a request is, the
-# settings table, the error types, OS threads and locks.
+# request contract (every field's bounds), the settings table, the error types, OS threads and locks.
 FLOORS: dict[str, int] = {
-    "__init__": 0, "types": 0, "config": 0, "errors": 0, "osthread": 0,
+    "__init__": 0, "types": 0, "contract": 0, "config": 0, "errors": 0, "osthread": 0,
     "ops": 1, "text": 1,          # how a weight is multiplied; how text becomes ids and back
     "formats": 2,                 # checkpoint files -> config + tensors (uses ops' weight type, text's tokenizer)
     "jax_models": 3,              # one architecture per file, pure functions

@@ -267,14 +267,15 @@ def _submit(s: BatchScheduler, prompt: list[int], n: int, session: str | None = 
 def test_scheduler_batches_and_reuses_only_committed_state():
     """8 concurrent greedy requests equal their single-request outputs; a session's second turn resumes
     from the slot's committed state and equals a cold run; a prompt diverging inside a slot's history
-    is prefilled cold (recurrent state cannot roll back); n = 2 choices forked from one prefill equal it."""
+    is prefilled cold (recurrent state cannot roll back); n = 2 choices forked from one prefill equal it.
+    Prefix snapshots are off here: resuming from one is test_hybrid_prefix.py's subject."""
     path, j, _ = tiny_fixture("rwkv7")
     m = engine.load(path, engine.LoadOptions(n_slots=8, max_seq=96, prefill_chunk=16))
     base = j["prompt_ids"]
     ps = [base[: 3 + 3 * i] for i in range(8)]
     alone = [list(reference.generate(m, p, GREEDY, max_tokens=8, stop_ids=[])) for p in ps]
     s = BatchScheduler(m, Settings(home=Path("/tmp"), batch_slots=8, queue_depth=32, queue_wait_s=30.0,
-                                   prefill_chunk=16), warmup=False)
+                                   prefill_chunk=16, prefix_snapshot_mb=0), warmup=False)
     try:
         cs = [_submit(s, p, 8, session=f"s{i}") for i, p in enumerate(ps)]
         for c in cs:

@@ -170,13 +170,14 @@ def test_compile_after_warmup_is_an_error_under_the_guard():
 def test_hybrid_model_batches_and_reuses_only_its_committed_state():
     """qwen35moe (recurrent DeltaNet state): 8 concurrent greedy requests equal their single-request
     outputs; a session's second turn resumes from the slot's committed state and equals a cold run;
-    a prompt diverging inside a slot's history is prefilled cold (the state cannot roll back)."""
+    a prompt diverging inside a slot's history is prefilled cold (the state cannot roll back). Prefix
+    snapshots are off here: resuming from one is test_hybrid_prefix.py's subject."""
     path, j, _ = tiny_fixture("qwen35moe")
     m = engine.load(path, engine.LoadOptions(n_slots=8, max_seq=96, prefill_chunk=16))
     base = j["prompt_ids"]
     ps = [base[: 3 + 3 * i] for i in range(8)]
     alone = [run_alone(m, p, GREEDY, 8) for p in ps]
-    s = BatchScheduler(m, settings(batch_slots=8), warmup=False)
+    s = BatchScheduler(m, settings(batch_slots=8, prefix_snapshot_mb=0), warmup=False)
     try:
         cs = [submit(s, p, n=8, session=f"s{i}") for i, p in enumerate(ps)]
         for c in cs:

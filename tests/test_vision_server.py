@@ -1,7 +1,8 @@
-"""Images through the official `openai` client on a running server: the tiny Gemma 3 VLM of
-tests/fixtures/tiny-vlm served with its projector (`?mmproj=` in the model spec, what `--mmproj` writes),
-next to a text-only model. A chat with one and with two images answers the float64 oracle's greedy tokens,
-streamed and not, alone and batched with 7 text-only streams; the refusals are 400s naming the part."""
+"""Images through the official `openai` client on a running server: the two tiny VLM families of
+tests/fixtures/tiny-vlm (Gemma 3 as `vlm`, Idefics3 / SmolVLM as `smol`) served with their projectors
+(`?mmproj=` in the model spec, what `--mmproj` writes), next to a text-only model. A chat with one and
+with two images answers each family's float64 oracle's greedy tokens, streamed and not, alone and batched
+with 7 text-only streams; the refusals are 400s naming the part."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ ADMIN = "vision-admin"
 
 @pytest.fixture(scope="module")
 def srv():
-    models = [f"vlm={VLM / 'gemma3-vlm.gguf'}?mmproj={VLM / 'gemma3-vlm.mmproj.gguf'}", f"text={TINY / 'gemma3.gguf'}"]
+    models = [f"vlm={VLM / 'gemma3-vlm.gguf'}?mmproj={VLM / 'gemma3-vlm.mmproj.gguf'}",
+              f"smol={VLM / 'idefics3-vlm.gguf'}?mmproj={VLM / 'idefics3-vlm.mmproj.gguf'}",
+              f"text={TINY / 'gemma3.gguf'}"]
     s = start_server(models, env={"PANTHEON_BATCH_SLOTS": "8", "PANTHEON_KV_DTYPE": "float32",
                                   "PANTHEON_MODEL_DIR": str(VLM), "PANTHEON_ADMIN_KEY": ADMIN,
-                                  "PANTHEON_PREFILL_CHUNK": "32", "PANTHEON_MAX_IMAGES": "2",
+                                  "PANTHEON_PREFILL_CHUNK": "32", "PANTHEON_MAX_IMAGES": "2", "PANTHEON_MAX_SEQ": "192",
                                   "PANTHEON_MAX_IMAGE_PIXELS": "10000"}, timeout=400)
     yield s
     s.stop()
@@ -39,8 +42,11 @@ def client(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def fixture() -> dict:
-    return json.loads((VLM / "gemma3-vlm.json").read_text())
+FILES = {"vlm": "gemma3-vlm", "smol": "idefics3-vlm"}  # served name -> the family's fixture files
+
+
+def fixture(model: str = "vlm") -> dict:
+    return json.loads((VLM / f"{FILES[model]}.json").read_text())
 
 
 def data_url(name: str, fmt: str = "PNG") -> str:
@@ -79,11 +85,23 @@ def token_bytes(resp) -> list[bytes]:
     return [bytes(t.bytes) for t in resp.choices[0].logprobs.content]
 
 
-def oracle_bytes(ids: list[int]) -> list[bytes]:
+def case_messages(model: str, case: str) -> list[dict]:
+    """The oracle's prompt of `case` as chat messages with the fixture's images as data URLs (the server's
+    rendering tokenizes to the oracle's ids)."""
+    j = fixture(model)
+    urls = [data_url(n) for n in j["image_files"]]
+    if model == "vlm":
+        return one_image(urls[0]) if case == "one" else two_images(*urls)
+    it = iter(urls)  # the Idefics3 fixture records its chat, {"type": "image"} where each image goes
+    return [{"role": m["role"], "content": [image(next(it)) if p["type"] == "image" else p for p in m["content"]]}
+            for m in j["cases"][case]["chat"]]
+
+
+def oracle_bytes(ids: list[int], model: str = "vlm") -> list[bytes]:
     """The oracle's greedy ids as bytes, by the model file's own vocabulary."""
     from pantheon.formats.gguf_loader import open_gguf
     from pantheon.text.tokenizer import Tokenizer
-    f = open_gguf(VLM / "gemma3-vlm.gguf")
+    f = open_gguf(VLM / f"{FILES[model]}.gguf")
     tok = Tokenizer.from_gguf_metadata(f.meta, str(f.path))
     return [tok.token_bytes(i) for i in ids]
 
@@ -99,16 +117,15 @@ def streamed(client, messages, model="vlm", n=8) -> str:
     return "".join(c.choices[0].delta.content or "" for c in s if c.choices)
 
 
+@pytest.mark.parametrize("model", ["vlm", "smol"])
 @pytest.mark.parametrize("case", ["one", "two"])
-def test_chat_with_images_answers_the_oracle_streamed_and_not(client, case):
-    j = fixture()
-    c = j["cases"][case]
-    a, b = (data_url(n) for n in j["image_files"])
-    msgs = one_image(a) if case == "one" else two_images(a, b)
-    r = chat(client, msgs)
+def test_chat_with_images_answers_the_oracle_streamed_and_not(client, model, case):
+    c = fixture(model)["cases"][case]
+    msgs = case_messages(model, case)
+    r = chat(client, msgs, model=model)
     assert r.usage.prompt_tokens == len(c["prompt_ids"])  # the image tokens are counted
-    assert token_bytes(r) == oracle_bytes(c["greedy_ids"])
-    assert r.choices[0].message.content == streamed(client, msgs)
+    assert token_bytes(r) == oracle_bytes(c["greedy_ids"], model)
+    assert r.choices[0].message.content == streamed(client, msgs, model=model)
 
 
 def test_webp_and_png_of_the_same_pixels_answer_alike(client):
@@ -125,6 +142,7 @@ def test_image_chats_batched_with_seven_text_streams_equal_alone(client):
              ("hello there", "the cat sat", "compare the colours", "a red square", "which is brighter",
               "the sun went down", "describe the light")]
     jobs = [("vlm", one_image(a)), ("vlm", two_images(a, b))] + [("text", m) for m in texts]
+    jobs += [("smol", case_messages("smol", "one")), ("smol", case_messages("smol", "two"))]
     alone = [chat(client, m, model=mod).choices[0].message.content for mod, m in jobs]
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(lambda job: chat(client, job[1], model=job[0]).choices[0].message.content, jobs))

@@ -128,8 +128,9 @@ class ScriptBackend:
                     sink(Finished("cancelled", completion_tokens=n))
                     return
                 n += 1
-                sink(Tokens((ord(ch),)))
-                if ord(ch) == 0:
+                stop = ord(ch) in req.stop_ids  # as the device flags a stop id: on the event, STOP
+                sink(Tokens((ord(ch),), stop=stop))
+                if stop:
                     sink(Finished("stop", completion_tokens=n))
                     return
             sink(Finished(reason, completion_tokens=n))
@@ -293,6 +294,31 @@ def test_refused_before_start_is_a_real_status(client, app_and_reg, stream):
     b.refuse = BusyError("shutting down", status=503)
     assert chat(client, stream=stream).status_code == 503
     assert in_flight(app_and_reg[1]) == 0
+
+
+def test_the_finish_reason_is_the_devices_flag_not_a_lookup_of_the_id(client, app_and_reg):
+    """The backend's events say how a choice ended (Tokens.stop, Finished's reason: the device's STOP /
+    LENGTH flag); the web layer maps them and never looks the ids up in the stop set again."""
+    b = backend(app_and_reg[1])
+    eot = 0  # CharTokenizer's end of turn, in the request's stop ids
+    # a stop id the device did not stop on (not flagged): not text (a control token), and the choice ends
+    # as its Finished says
+    b.events = [Started(), Tokens((ord("a"), eot, ord("b"))), Finished("length", completion_tokens=3)]
+    r = chat(client)
+    assert r.status_code == 200, r.get_data()
+    choice = r.get_json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("ab", "length")
+    # the flag on the last id: that id is a stop id, whatever it is, and not text
+    b.events = [Started(), Tokens((ord("a"), ord("z")), stop=True), Finished("stop", completion_tokens=2)]
+    choice = chat(client).get_json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("a", "stop")
+    # the same, streamed: the flag ends the text, the Finished's reason is the finish reason
+    b.events = [Started(), Tokens((ord("o"),)), Tokens((ord("k"),)), Tokens((eot,), stop=True),
+                Finished("stop", completion_tokens=3)]
+    events = sse(chat(client, stream=True))
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == "ok"
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "stop"
+    b.events = None
 
 
 def test_error_after_start(client, app_and_reg):

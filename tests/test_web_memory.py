@@ -207,7 +207,10 @@ def srv():
     s = start_server([f"base={LLAMA}@0"],
                      env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PANTHEON_DIE_BUDGET_MB": "150",
                           "PANTHEON_BATCH_SLOTS": str(SLOTS),
-                          "PANTHEON_WARMUP": "0", "PANTHEON_ADMIN_KEY": ADMIN, "PANTHEON_MODEL_DIR": str(TINY)})
+                          "PANTHEON_WARMUP": "0", "PANTHEON_ADMIN_KEY": ADMIN, "PANTHEON_MODEL_DIR": str(TINY),
+                          # without warm-up a new replica compiles inside its first requests; on a loaded
+                          # machine that outlasts the default 30 s a queued request waits for a slot
+                          "PANTHEON_QUEUE_WAIT_S": "600"})
     yield s
     s.stop()
 
@@ -325,14 +328,16 @@ def test_replicas_split_sessions_and_sessions_stick(srv, start_dies):
         assert r.status_code == 200, r.text
         return r.headers[INSTANCE], r.json()["choices"][0]["message"]["content"]
 
-    with ThreadPoolExecutor(8) as pool:
-        first = dict(zip(sessions, pool.map(lambda s: turn(s, first_msgs[s]), sessions)))
-        assert {inst for inst, _ in first.values()} == {r1["instance_id"], r2["instance_id"]}  # both used
-        second_msgs = {s: first_msgs[s] + [{"role": "assistant", "content": first[s][1]},
-                                           {"role": "user", "content": "And then?"}] for s in sessions}
-        second = dict(zip(sessions, pool.map(lambda s: turn(s, second_msgs[s]), sessions)))
-    assert {s: second[s][0] for s in sessions} == {s: first[s][0] for s in sessions}  # each session stuck
-    unload(srv, instance_id=r2["instance_id"])
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            first = dict(zip(sessions, pool.map(lambda s: turn(s, first_msgs[s]), sessions)))
+            assert {inst for inst, _ in first.values()} == {r1["instance_id"], r2["instance_id"]}  # both used
+            second_msgs = {s: first_msgs[s] + [{"role": "assistant", "content": first[s][1]},
+                                               {"role": "user", "content": "And then?"}] for s in sessions}
+            second = dict(zip(sessions, pool.map(lambda s: turn(s, second_msgs[s]), sessions)))
+        assert {s: second[s][0] for s in sessions} == {s: first[s][0] for s in sessions}  # each session stuck
+    finally:  # the module's later tests read the ledger: the replica goes whatever happened here
+        unload(srv, instance_id=r2["instance_id"])
 
 
 def long_conversation() -> list[dict]:

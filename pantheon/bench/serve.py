@@ -224,6 +224,7 @@ class Record:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    turn: int = 1  # which turn of its conversation it was (1: the first; later ones re-send the history)
 
     @property
     def e2e(self) -> float:
@@ -411,6 +412,7 @@ def summarize(records: list[Record], requested: int, not_sent: int, t0: float, s
         "cached_fraction": round(sum(cached) / tin, 4) if cached and tin else None,
     }
     out["tokens_estimated"] = out["usage_reported"] < len(ok)
+    out["by_turn"] = by_turn(ok)
     if slo_ttft is None and slo_tpot is None:
         out["goodput"] = None
     else:
@@ -423,6 +425,25 @@ def summarize(records: list[Record], requested: int, not_sent: int, t0: float, s
         out["goodput"] = {"slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot, "requests": good,
                           "fraction": round(good / requested, 4) if requested else None,
                           "req_s": round(good / duration, 4)}
+    return out
+
+
+def by_turn(ok: list[Record]) -> list[dict[str, Any]] | None:
+    """Multi-turn runs: per turn number, the requests, their TTFT and their prompt and cached tokens.
+
+    Why apart: a later turn re-sends the whole history, so its time to first token says how much of that
+    history the server reuses (a server that re-processes it shows TTFT growing with the turn); the
+    run's overall TTFT mixes the cold first turns in. None for single-turn runs."""
+    turns = sorted({r.turn for r in ok})
+    if len(turns) < 2:
+        return None
+    out = []
+    for t in turns:
+        rs = [r for r in ok if r.turn == t]
+        cached = [r.cached_tokens for r in rs if r.cached_tokens is not None]
+        out.append({"turn": t, "requests": len(rs), "ttft_ms": stats_ms([r.ttft for r in rs if r.ttft is not None]),
+                    "prompt_tokens": round(sum(r.in_tokens() for r in rs) / len(rs), 1),
+                    "cached_tokens": round(sum(cached) / len(cached), 1) if cached else None})
     return out
 
 
@@ -521,6 +542,7 @@ def run_level(target: Target, plan: Plan, concurrency: int, deadline: float, lab
                         not_sent[0] += conv.turns - turn
                     break
                 rec = stream_chat(target, _body(plan, messages, plan.gen), plan.headers, deadline)
+                rec.turn = turn + 1
                 with lock:
                     records.append(rec)
                     if bar is not None:
@@ -646,6 +668,10 @@ def print_run(r: dict) -> None:
     if r["cached_tokens"] is not None:
         print(f"  prefix cache: {r['cached_tokens']} of {r['input_tokens']} prompt tokens cached "
               f"({100 * (r['cached_fraction'] or 0):.1f}%)")
+    for t in r.get("by_turn") or ():
+        print(f"  turn {t['turn']}: {t['requests']} requests, TTFT median {_fmt(t['ttft_ms']['median'])} ms "
+              f"p90 {_fmt(t['ttft_ms']['p90'])} ms, prompt {_fmt(t['prompt_tokens'])} tokens "
+              f"(cached {_fmt(t['cached_tokens'])})")
     sm = r.get("server_metrics")
     if sm:
         print("  server /metrics deltas: " + ", ".join(f"{k} {v:g}" for k, v in sorted(sm.items())))

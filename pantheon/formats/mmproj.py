@@ -20,8 +20,9 @@ from pantheon.formats.gguf_loader import TensorSource, _float, _int
 from pantheon.formats.gguf_reader import open_reader, read_metadata
 
 # projector type (clip.projector_type) -> whether image tokens attend to each other both ways in the
-# text model (Gemma 3: HF's token_type_ids block mask, llama.cpp's non-causal image batch)
-PROJECTORS: dict[str, bool] = {"gemma3": True}
+# text model (Gemma 3: HF's token_type_ids block mask, llama.cpp's non-causal image batch; Idefics3 /
+# SmolVLM: plain causal attention over the image tokens, as HF's Llama text model runs them)
+PROJECTORS: dict[str, bool] = {"gemma3": True, "idefics3": False}
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class VisionConfig:
     """The encoder's shape and the image preprocessing, from the mmproj header."""
 
     projector: str  # clip.projector_type
-    image_size: int  # every image is resized to image_size x image_size (no tiling for Gemma 3)
+    image_size: int  # what the encoder sees: image_size x image_size (Gemma 3: the whole image; Idefics3: one tile)
     patch_size: int
     hidden: int  # the ViT width
     ffn: int
@@ -41,6 +42,8 @@ class VisionConfig:
     text_hidden: int  # clip.vision.projection_dim: the text model's embedding width
     merge: int  # the projector's pooling factor per side (clip.vision.projector.scale_factor; Gemma 3: 4)
     bidirectional: bool  # the text model attends both ways inside one image's tokens
+    longest_edge: int = 0  # Idefics3: clip.vision.preproc_image_size, the longest side an image is resized
+    # to before it is cut into image_size tiles (0: no tiling, one image_size x image_size image)
 
     @property
     def patches_per_side(self) -> int:
@@ -48,7 +51,8 @@ class VisionConfig:
 
     @property
     def tokens_per_image(self) -> int:
-        """Embeddings one image becomes in the text model (Gemma 3: (64 / 4)^2 = 256)."""
+        """Embeddings one image (Idefics3: one tile) becomes in the text model (Gemma 3: (64 / 4)^2 = 256;
+        SmolVLM-256M: (512 / 16 / 4)^2 = 64, by average pooling or by the pixel shuffle alike)."""
         side = self.patches_per_side // self.merge
         return side * side
 
@@ -97,7 +101,20 @@ def config_from_metadata(path: Path, meta: dict[str, Any]) -> VisionConfig:
         eps=_float(meta, p + "attention.layer_norm_epsilon", 1e-6, path=path, positive=True),
         mean=_triple(meta, p + "image_mean", 0.5, path), std=_triple(meta, p + "image_std", 0.5, path),
         text_hidden=_int(meta, p + "projection_dim", path=path, lo=1, hi=1 << 20, required=True),
-        merge=merge, bidirectional=PROJECTORS[proj])
+        merge=merge, bidirectional=PROJECTORS[proj],
+        longest_edge=_longest_edge(meta, proj, image_size, path))
+
+
+def _longest_edge(meta: dict[str, Any], proj: str, image_size: int, path: Path) -> int:
+    """Idefics3's tiling size: the converter writes the processor's `size.longest_edge` (SmolVLM-256M:
+    2048, four 512-pixel tiles a side). Every image's longer side is resized to it before tiling, so
+    one smaller than a tile would be a file from another processor: refused."""
+    if proj != "idefics3":
+        return 0
+    edge = _int(meta, "clip.vision.preproc_image_size", image_size, path=path, lo=1, hi=1 << 15)
+    if edge < image_size:
+        raise ModelLoadError(path, f"clip.vision.preproc_image_size {edge} is smaller than one {image_size}-pixel tile")
+    return edge
 
 
 def open_mmproj(path: str | Path) -> MmprojFile:

@@ -24,7 +24,8 @@ from pantheon.ops import moe_kernels
 from pantheon.jax_models.interface import Capabilities, Group
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
-CAPABILITIES = Capabilities(mixed_steps=True, fused_projections=True)
+# image_inputs: the text tower of Idefics3 / SmolVLM (a llama) takes a projector's image rows
+CAPABILITIES = Capabilities(mixed_steps=True, fused_projections=True, image_inputs=True)
 
 Matrices = tuple[QuantWeight, ...] | weights.LayerStack  # one weight per layer, in layer order
 Vectors = Any  # a stacked [L, ...] array (numpy on the host, jax on the device)
@@ -197,6 +198,20 @@ def forward(params: LlamaParams, state: common.KVCache, tokens: jax.Array, slots
                           kernels=kernels)
 
 
+def forward_images(params: LlamaParams, state: common.KVCache, tokens: jax.Array, slots: jax.Array,
+                   start: jax.Array, n_new: jax.Array, override: common.EmbdOverride | None, *, cfg: ModelConfig,
+                   span: int, all_logits: bool = False, kernels: Kernels = XLA) -> tuple[jax.Array, common.KVCache]:
+    """`forward` with image embeddings at some positions (`override`), as HF's Idefics3 `inputs_merger`
+    puts them (the unscaled token embeddings replaced). Attention stays causal: HF's Llama text model
+    masks image tokens like any other, so `override.lo/hi` are not read."""
+    xs, state = _body(params, state, ((tokens, slots, start, n_new),), cfg=cfg, span=span, kernels=kernels,
+                      override=override)
+    x = xs[0] if all_logits else common.last_valid(xs[0], n_new)
+    x = common.rms_norm(x, params.norm, cfg.rms_eps)
+    head = params.embed if params.head is None else params.head
+    return weights.linear(x, head, params.head_bias).astype(jnp.float32), state
+
+
 def _chunk_padding(groups: tuple[Group, ...], shapes: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array] | None:
     """The flattened rows [first, end) holding the padding of the step's one-row prefill chunk, if any.
 
@@ -246,9 +261,11 @@ def hidden_states(params: LlamaParams, state: common.KVCache, tokens: jax.Array,
 
 
 def _body(params: LlamaParams, state: common.KVCache, groups: tuple[Group, ...], *, cfg: ModelConfig,
-          span: int, kernels: Kernels) -> tuple[list[jax.Array], common.KVCache]:
+          span: int, kernels: Kernels, override: common.EmbdOverride | None = None
+          ) -> tuple[list[jax.Array], common.KVCache]:
     """The layer stack shared by the logits and the hidden-state outputs: each group's residual
-    stream [B, T, H] after the last layer (before the final norm), and the updated state."""
+    stream [B, T, H] after the last layer (before the final norm), and the updated state.
+    `override` (one group only): image rows in place of those positions' token embeddings."""
     nh, nkv, hd, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
     shapes = [g[0].shape for g in groups]
     sizes = [b * t for b, t in shapes]
@@ -260,6 +277,8 @@ def _body(params: LlamaParams, state: common.KVCache, groups: tuple[Group, ...],
         f = np.float32(cfg.rope_attn_factor)
         ropes = [(c * f, s * f) for c, s in ropes]
     x = weights.embed(params.embed, jnp.concatenate([g[0].reshape(-1) for g in groups]))  # [N, H] f32
+    if override is not None:
+        x = common.override_embeddings(x.reshape(shapes[0] + (H,)), override).reshape(-1, H)
     skip = _chunk_padding(groups, shapes)
 
     def per_group(a: jax.Array, heads: int) -> list[jax.Array]:

@@ -1,4 +1,5 @@
-"""The SigLIP vision encoder and Gemma 3's multimodal projector, as pure functions over an mmproj GGUF.
+"""The SigLIP vision encoder and its two projectors (Gemma 3's, Idefics3 / SmolVLM's), as pure functions
+over an mmproj GGUF.
 
 What an image becomes, exactly as HF's `Gemma3ForConditionalGeneration.get_image_features` computes it
 (and llama.cpp's clip graph for `projector_type = gemma3`):
@@ -12,7 +13,12 @@ What an image becomes, exactly as HF's `Gemma3ForConditionalGeneration.get_image
    tokens), RMS-normed with `mm.soft_emb_norm` (the converter already folded Gemma's 1 + w into it) and
    multiplied into the text width by `mm.input_projection`.
 
-The result replaces the text model's (already scaled) token embeddings at the image's token positions.
+   Idefics3 (`projector_type = idefics3`, SmolVLM) instead: the pixel shuffle (HF's `pixel_shuffle`:
+   each `merge` x `merge` block of neighbouring patches becomes one vector of merge^2 * D, in HF's order)
+   and one matrix without bias (`mm.model.fc`) into the text width. Idefics3 tiles an image; each tile
+   and the downscaled whole image are encoded as separate images here.
+
+The result replaces the text model's token embeddings (Gemma 3: already scaled) at the image's token positions.
 
 Why a Python loop over layers: the encoder runs once per image (not per token), its layers are few
 and small next to the text model, and each layer's matrices are separate weights multiplied in place
@@ -34,7 +40,7 @@ from pantheon.formats.mmproj import VisionConfig
 from pantheon.ops import weights
 from pantheon.ops.weights import QuantWeight
 
-PROJECTORS = ("gemma3",)
+PROJECTORS = ("gemma3", "idefics3")
 
 
 @struct.dataclass
@@ -65,8 +71,8 @@ class VisionParams:
     layers: tuple[VitLayer, ...]
     post_w: Any
     post_b: Any
-    soft_norm: Any  # [D] (1 + w already folded in by the converter)
-    proj: QuantWeight  # [text_hidden, D]
+    soft_norm: Any  # Gemma 3: [D] (1 + w already folded in by the converter); Idefics3: None
+    proj: QuantWeight  # Gemma 3: [text_hidden, D]; Idefics3: [text_hidden, merge^2 * D]
 
 
 def load_params(src: TensorSource, vc: VisionConfig) -> VisionParams:
@@ -90,13 +96,16 @@ def load_params(src: TensorSource, vc: VisionConfig) -> VisionParams:
             w_up=src.matrix(b + "ffn_up.weight", (F, D)), b_up=src.get(b + "ffn_up.bias", (F,)),
             w_down=src.matrix(b + "ffn_down.weight", (D, F)), b_down=src.get(b + "ffn_down.bias", (D,)))
 
-    # mm.input_projection is stored [D, text_hidden] (HF's x @ W); as a weight it is (out, in)
-    proj = np.ascontiguousarray(src.get("mm.input_projection.weight", (D, vc.text_hidden)).T)
+    if vc.projector == "idefics3":  # HF's nn.Linear, stored (out, in) as any matrix
+        proj, soft_norm = src.matrix("mm.model.fc.weight", (vc.text_hidden, D * vc.merge * vc.merge)), None
+    else:  # mm.input_projection is stored [D, text_hidden] (HF's x @ W); as a weight it is (out, in)
+        proj = weights.dense(np.ascontiguousarray(src.get("mm.input_projection.weight", (D, vc.text_hidden)).T))
+        soft_norm = src.get("mm.soft_emb_norm.weight", (D,))
     return VisionParams(
         patch_w=weights.dense(np.ascontiguousarray(patch)), patch_b=src.get("v.patch_embd.bias", (D,)),
         pos=src.get("v.position_embd.weight", (n_patches, D)), layers=tuple(layer(i) for i in range(vc.n_layers)),
         post_w=src.get("v.post_ln.weight", (D,)), post_b=src.get("v.post_ln.bias", (D,)),
-        soft_norm=src.get("mm.soft_emb_norm.weight", (D,)), proj=weights.dense(proj))
+        soft_norm=soft_norm, proj=proj)
 
 
 def _layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
@@ -126,8 +135,13 @@ def encode(params: VisionParams, pixels: jax.Array, *, vc: VisionConfig) -> jax.
         x = x + weights.linear(jax.nn.gelu(weights.linear(h, lp.w_up, lp.b_up), approximate=True), lp.w_down,
                                lp.b_down)
     x = _layer_norm(x, params.post_w, params.post_b, vc.eps)
-    # Gemma 3's projector: average-pool the patch grid merge x merge, RMS-norm, project
     m = vc.merge
+    if vc.projector == "idefics3":
+        # HF's pixel_shuffle, step for step: rows of m patches side by side, then m such rows stacked
+        q = p // m
+        g = x.reshape(N, p, q, m * D).transpose(0, 2, 1, 3).reshape(N, q, q, m * m * D).transpose(0, 2, 1, 3)
+        return weights.linear(g.reshape(N, q * q, m * m * D), params.proj).astype(jnp.float32)
+    # Gemma 3's projector: average-pool the patch grid merge x merge, RMS-norm, project
     g = x.astype(jnp.float32).reshape(N, p // m, m, p // m, m, D).mean(axis=(2, 4)).reshape(N, (p // m) ** 2, D)
     g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + vc.eps) * params.soft_norm
     return weights.linear(g, params.proj).astype(jnp.float32)

@@ -50,7 +50,8 @@ from pantheon.config import load_settings
 from pantheon.errors import ModelLoadError, clear_exception_frames
 from pantheon.formats.gguf_loader import GGUFFile, ModelConfig, open_gguf
 from pantheon.runtime.decode_state import DecodeState
-from pantheon.types import GREEDY, MAX_SPEC_K, MAX_TOP_LOGPROBS, ModelCard, ModelGeometry
+from pantheon.contract import MAX_SPEC_K
+from pantheon.types import GREEDY, MAX_TOP_LOGPROBS, ModelCard, ModelGeometry
 from pantheon.jax_models.common import last_valid
 from pantheon.jax_models.registry import capabilities_of
 from pantheon.ops.weights import XLA, Kernels
@@ -286,6 +287,14 @@ class Model:
         self._insert = jax.jit(decode_state.insert, donate_argnums=(0,))
         self._release = jax.jit(decode_state.release, donate_argnums=(0,))
         self._copy = jax.jit(decode_state.copy_slot, donate_argnums=(0,))
+        # A recurrent slot's state at a prompt chunk's end (prefix snapshots, pantheon.scheduler.snapshots):
+        # `_snap` copies one slot's recurrent parts out (a new buffer: the state is not donated, the next
+        # step donates it), `_restore` writes such a copy back into a slot (donated).
+        self._snap = self._restore_snap = None
+        if self.caps.recurrent_state:
+            self._snap = jax.jit(lambda cache, slot: arch.snapshot_slot(cache, slot))
+            self._restore_snap = jax.jit(lambda cache, slot, snap: arch.restore_slot(cache, slot, snap),
+                                         donate_argnums=(0,))
         self._score = jax.jit(_score_rows, static_argnames=("k",))
         self.mask_words = -(-cfg.vocab // 32)  # a grammar mask row: one bit per token of the logits
         self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (all-ones mask, False) on the device
@@ -377,7 +386,8 @@ class Model:
         self._no_mask.clear()
         _delete_arrays(self.vision_params)
         self.vision_params = None
-        for attr in ("_forward", "_serve", "_advance", "_accept", "_insert", "_release", "_copy", "_score", "_embed", "_encode"):
+        for attr in ("_forward", "_serve", "_advance", "_accept", "_insert", "_release", "_copy", "_snap", "_restore_snap",
+                     "_score", "_embed", "_encode"):
             fn = getattr(self, attr, None)
             clear = getattr(fn, "clear_cache", None)
             if callable(clear):
@@ -508,6 +518,31 @@ class Model:
                 raise ValueError(f"slot {s} is not one of the model's {self.n_slots}")
         copy = self._program(("copy",), self._copy)
         return self._track(state.replace(cache=copy(state.cache, np.int32(src), np.int32(dst))))
+
+    def snapshot(self, state: DecodeState, slot: int) -> Any:
+        """A copy, on the device, of slot `slot`'s recurrent state as it stands after every step dispatched
+        so far (a recurrent model only: `caps.recurrent_state`). Returns at once; `state` stays usable
+        (it is read, not donated). The KV rows of the attention layers are not in it: they stay in the
+        slot, position-indexed (the scheduler's snapshot pool says when they are still valid)."""
+        self._check_live()
+        if self._snap is None:
+            raise ValueError(f"model {self.name!r} has no recurrent state to snapshot")
+        return self._track(self._program(("snapshot",), self._snap)(state.cache, np.int32(slot)))
+
+    def restore(self, state: DecodeState, slot: int, snap: Any) -> DecodeState:
+        """Put `snap` (from `snapshot`) back as slot `slot`'s recurrent state: the slot then continues
+        from the position the snapshot was taken at (its KV rows below it must hold the same prefix)."""
+        self._check_live()
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} is not one of the model's {self.n_slots}")
+        restore = self._program(("restore",), self._restore_snap)
+        return self._track(state.replace(cache=restore(state.cache, np.int32(slot), snap)))
+
+    def snapshot_bytes(self) -> int:
+        """Device bytes one `snapshot` holds (the f32 recurrent state of one sequence; 0: not recurrent)."""
+        if not self.caps.recurrent_state:
+            return 0
+        return int(self.arch.state_bytes_per_sequence(self.config))
 
     def prompt_logprobs(self, state: DecodeState, tokens: Sequence[int], k: int
                         ) -> tuple[list[tuple[float, list[tuple[int, float]]] | None], DecodeState]:
@@ -972,6 +1007,8 @@ class Model:
             self.encode_images([np.zeros((3, S, S), np.float32)])
         state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))  # compiles insert
         state = self.copy_slot(state, 0, 0)  # ... the n > 1 fork
+        if self.caps.recurrent_state:  # ... prefix snapshots of the recurrent state
+            state = self.restore(state, 0, self.snapshot(state, 0))
         return self.release(state, 0)  # ... and release, leaving slot 0 idle
 
     def program_keys(self, decode: bool = True, prefill: bool = True, mixed: bool = True) -> list[tuple]:
@@ -1000,7 +1037,10 @@ class Model:
         if mixed and self.supports_mixed:
             serve.append(("mixed", self.mixed_rows, top, cap))
         rows = sorted({_rows_of(b) for b in serve})
-        return [("insert",), ("release",), ("copy",), *[("advance", r) for r in rows], *[("serve", *b) for b in serve]]
+        verbs = [("insert",), ("release",), ("copy",)]
+        if self.caps.recurrent_state:
+            verbs += [("snapshot",), ("restore",)]
+        return [*verbs, *[("advance", r) for r in rows], *[("serve", *b) for b in serve]]
 
     def _has(self, key: tuple) -> bool:
         with self._keys_lock:
@@ -1116,6 +1156,8 @@ class Model:
                         self.read(h)
                 state = self.insert(state, decode_state.slot_insert(0, [0], 0, GREEDY, 0, ()))
                 state = self.copy_slot(state, 0, 0)
+                if self.caps.recurrent_state:
+                    state = self.restore(state, 0, self.snapshot(state, 0))
                 return self.release(state, 0)
             except Exception:
                 store = self._exec_store()
@@ -1188,6 +1230,11 @@ class Model:
             return self._release.lower(table, np.int32(0))
         if key[0] == "copy":
             return self._copy.lower(cache, np.int32(0), np.int32(0))
+        if key[0] == "snapshot":
+            return self._snap.lower(cache, np.int32(0))
+        if key[0] == "restore":
+            snap = jax.eval_shape(self._snap, cache, np.int32(0))
+            return self._restore_snap.lower(cache, np.int32(0), snap)
         raise ValueError(f"unknown program {key!r}")
 
     def _logits_dtype(self) -> Any:
@@ -1209,6 +1256,10 @@ class Model:
             settings = load_settings()
             if where is None and settings.exec_store:
                 where = str(settings.home / "executables")
+            if where and not self.arch.CAPABILITIES.stored_programs:
+                log.info("%s: programs compiled at each start (%s's programs cannot be stored)", self.name,
+                         self.config.arch)
+                where = ""
             if where:
                 try:
                     self._store = exec_store.ExecStore(Path(where), self._identity(), settings.exec_store_mb << 20)
@@ -1474,8 +1525,9 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
                                                         "tensor-parallel steps take no image rows yet)")
             stage[0] = "loading the vision projector"
             vision, vparams, vcard = _load_vision(Path(opts.mmproj).expanduser(), cfg, tokenizer, kernels, devices)
-            if vision.bidirectional and opts.prefill_chunk < vision.tokens_per_image:
-                # an image's tokens attend to each other both ways, so one image must fit one chunk
+            if opts.prefill_chunk < vision.tokens_per_image:
+                # the scheduler never ends a chunk inside an image (Gemma 3's tokens attend to each other
+                # both ways), so one image (one Idefics3 tile) must fit one chunk
                 log.info("%s: prefill chunk raised from %d to %d (one image's tokens)", name, opts.prefill_chunk,
                          vision.tokens_per_image)
                 opts = replace(opts, prefill_chunk=vision.tokens_per_image)
@@ -1491,15 +1543,47 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
 
 
 # the text architectures each projector type was made for (their modules declare image_inputs)
-VISION_TEXT_ARCHS = {"gemma3": ("gemma3",)}
-IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+VISION_TEXT_ARCHS = {"gemma3": ("gemma3",), "idefics3": ("llama",)}
+GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+IDEFICS3_TOKENS = ("<fake_token_around_image>", "<global-img>", "<image>")
+
+
+def _single_tokens(path: Path, tokenizer: Any, texts: Sequence[str], family: str) -> dict[str, int]:
+    """Each text's one token id, or ModelLoadError: the prompt's image tokens must be single tokens of
+    this tokenizer, or the image rows would land on the wrong positions."""
+    ids = {}
+    for text in texts:
+        got = tokenizer.encode(text)
+        if len(got) != 1:
+            raise ModelLoadError(path, f"the text model's tokenizer has no {text} token (a {family} vision model "
+                                       "needs it)")
+        ids[text] = got[0]
+    return ids
+
+
+def _vision_card(path: Path, vc: Any, tokenizer: Any) -> Any:
+    """What the web layer needs to write an image into a prompt, per projector family (the strings are
+    what HF's processor of that family writes)."""
+    from pantheon.types import VisionCard
+    n = vc.tokens_per_image
+    if vc.projector == "idefics3":
+        fake, glob, image = IDEFICS3_TOKENS
+        side = vc.longest_edge // vc.image_size  # the largest grid: side x side tiles
+        grid = [f"<row_{r}_col_{c}>" for r in range(1, side + 1) for c in range(1, side + 1)] if side > 1 else []
+        ids = _single_tokens(path, tokenizer, IDEFICS3_TOKENS + tuple(grid), "SmolVLM / Idefics3")
+        return VisionCard(image_size=vc.image_size, mean=vc.mean, std=vc.std, n_tokens=n, image_id=ids[image],
+                          marker=image, expansion=fake + glob + image * n + fake, tiling=vc.longest_edge,
+                          tile_prefix=fake + "<row_{row}_col_{col}>", image_text=image)
+    boi, eoi, soft = GEMMA3_TOKENS
+    ids = _single_tokens(path, tokenizer, GEMMA3_TOKENS, "Gemma 3")
+    return VisionCard(image_size=vc.image_size, mean=vc.mean, std=vc.std, n_tokens=n, image_id=ids[soft],
+                      marker=boi, expansion="\n\n" + boi + soft * n + eoi + "\n\n", image_text=soft)
 
 
 def _load_vision(path: Path, cfg: ModelConfig, tokenizer: Any, kernels: Kernels, devices: list[Any]):
     """The projector file's config, its params on the device, and the card the web layer reads."""
     from pantheon.formats.mmproj import open_mmproj
     from pantheon.jax_models import siglip
-    from pantheon.types import VisionCard
     f = open_mmproj(path)
     vc = f.config
     if cfg.arch not in VISION_TEXT_ARCHS.get(vc.projector, ()) or not capabilities_of(_arch_module(cfg, path)).image_inputs:
@@ -1507,17 +1591,7 @@ def _load_vision(path: Path, cfg: ModelConfig, tokenizer: Any, kernels: Kernels,
     if vc.text_hidden != cfg.hidden:
         raise ModelLoadError(path, f"the projector outputs width {vc.text_hidden}, the text model's embeddings "
                                    f"are {cfg.hidden} wide: not this model's projector")
-    ids = {}
-    for text in IMAGE_TOKENS:
-        got = tokenizer.encode(text)
-        if len(got) != 1:
-            raise ModelLoadError(path, f"the text model's tokenizer has no {text} token (a Gemma 3 vision model "
-                                       "needs it)")
-        ids[text] = got[0]
-    n = vc.tokens_per_image
-    boi, eoi, soft = IMAGE_TOKENS
-    card = VisionCard(image_size=vc.image_size, mean=vc.mean, std=vc.std, n_tokens=n, image_id=ids[soft],
-                      marker=boi, expansion="\n\n" + boi + soft * n + eoi + "\n\n")
+    card = _vision_card(path, vc, tokenizer)
     host = weights.stamp(siglip.load_params(f.tensors, vc), kernels)
     return vc, weights.place(host, lambda _path, _leaf: devices[0]), card
 

@@ -15,6 +15,7 @@ from pantheon.runtime import decode_state
 from pantheon.runtime.decode_state import DecodeState
 from pantheon.runtime.engine import Chunk, Model, StepPlan
 from pantheon.types import SamplingParams
+from pantheon.types import stop_ids as model_stop_ids
 
 
 def prefill(model: Model, state: DecodeState, slot: int, ids: Sequence[int], start: int = 0, chunk: int | None = None,
@@ -57,7 +58,9 @@ def generate(model: Model, prompt_ids: Sequence[int], params: SamplingParams | N
     each verify step yields every token it accepted, which must be the tokens plain decoding yields.
     """
     params = (params or SamplingParams(temperature=0.0)).resolved()
-    stop = tuple(model.tokenizer.eot_ids if stop_ids is None and model.tokenizer else (stop_ids or ()))
+    if stop_ids is None:  # the model's own set, as a request gets it
+        stop_ids = model_stop_ids(model.tokenizer) if model.tokenizer else ()
+    stop = tuple(stop_ids)
     prompt = list(prompt_ids)
     if len(prompt) + max_tokens > model.max_seq:
         max_tokens = model.max_seq - len(prompt)

@@ -10,8 +10,10 @@ Lifecycle of a request:
    before that work rather than after, and its place counts in the queue's bound while it prepares.
 2. The driver admits queued requests into IDLE slots, preferring the slot that holds the request's
    session, else the idle slot whose committed history shares the longest prefix with the prompt (its
-   KV is reused: only the new suffix is prefilled). Reuse never crosses a cache scope
-   (`GenRequest.cache_scope`). Admission writes the request's data into its slot on the device once
+   KV is reused: only the new suffix is prefilled). A model with recurrent state can only reuse a slot's
+   whole committed history, so it also keeps snapshots of its slots' state where prompt chunks end
+   (pantheon.scheduler.snapshots) and resumes a prompt from the longest one it starts with. Reuse
+   never crosses a cache scope (`GenRequest.cache_scope`). Admission writes the request's data into its slot on the device once
    (`Model.insert`: knobs, seed, stop ids, budget, the prompt's tail for penalties). A request waiting
    longer than `queue_wait_s` is refused with 429 Retry-After 2. A cancelled queued request leaves at once.
 3. Slot states (pantheon.scheduler.slot: an enum and its transition table; any other change raises):
@@ -71,6 +73,7 @@ from pantheon.scheduler.embed import PRESSURE_CRITICAL, Embeddings, _EmbedHandle
 from pantheon.scheduler.drafts import DraftBudget, PromptLookup, SpecGauge
 from pantheon.scheduler.masks import MaskBuilder
 from pantheon.scheduler.slot import DECODE, EMBED, FORK, FORKWAIT, IDLE, PREFILL, Slot
+from pantheon.scheduler.snapshots import Snapshot, SnapshotPool, pool_bytes
 
 class Reservation:
     """A place in the admission queue held by a request still preparing (`BatchScheduler.reserve`).
@@ -158,6 +161,9 @@ class SchedulerStats:
     spec_steps: int = 0  # verify steps (speculative decoding)
     spec_drafted: int = 0  # draft tokens verified (prompt lookup)
     spec_accepted: int = 0  # of them, accepted (each is a token that cost no step of its own)
+    snapshot_resumes: int = 0  # admissions that resumed a recurrent slot from a prefix snapshot
+    snapshots_taken: int = 0
+    snapshots_evicted: int = 0
     rejected_full: int = 0
     rejected_timeout: int = 0
     completed: int = 0
@@ -191,6 +197,12 @@ class BatchScheduler:
         self.spec_slots = max(getattr(model, "verify_rows", ()) or (0,))
         self._gauge = SpecGauge(enabled=settings.spec_gauge)  # driver-only: whether verify steps pay here
         self._last_read: float | None = None  # driver-only: when the last step was read (None after idling)
+        # driver-only: recurrent state at prompt chunk ends (pantheon.scheduler.snapshots); the snapshots
+        # need their source slot's K/V rows unless the model has no per-token state (RWKV-7)
+        entry = model.snapshot_bytes() if self.recurrent else 0
+        self._snapshots = SnapshotPool(pool_bytes(settings.prefix_snapshot_mb, entry, model.n_slots, model.max_seq,
+                                                  model.chunk) if entry else 0, entry)
+        self._snap_needs_kv = self.recurrent and model.state_bytes_per_token() > 0
         self.pressure = pressure or (lambda: 0)
         self._mu = osthread.Lock()
         self._work = osthread.Condition(self._mu)
@@ -458,14 +470,18 @@ class BatchScheduler:
             if len(idle) < n:  # an n > 1 request waits for n free slots (first come, first served)
                 break
             job = self._queue.popleft()
-            slot, reuse = self._pick_slot(idle, job.req)
+            slot, reuse, resume = self._pick_slot(idle, job.req)
             prompt = job.req.prefix_key  # image positions keyed by their content hash
             slot.state = PREFILL
             slot.job = job
             slot.choice = 0
             slot.session_id = job.req.session_id
             slot.scope = job.req.cache_scope
-            slot.hist = slot.hist[:reuse]
+            new_hist = list(prompt[:reuse]) if resume is not None else slot.hist[:reuse]
+            if self._snap_needs_kv:  # its rows past what the old and new histories share get overwritten
+                self._snapshots.overwritten(slot.index, self._common_prefix(slot.hist, new_hist))
+            slot.hist = new_hist
+            slot.resume = resume
             # n > 1: the prompt but its last token goes into one slot; the choices then fork from it,
             # each decoding the last token first (pantheon.runtime.engine.Model.copy_slot)
             slot.pending = list(prompt[reuse:] if n == 1 else prompt[reuse:-1])
@@ -476,12 +492,17 @@ class BatchScheduler:
                 slot.state = FORK
             others = sorted((sl for sl in idle if sl is not slot), key=lambda sl: len(sl.hist))[: n - 1]
             for i, sl in enumerate(others, start=1):
+                if self._snap_needs_kv:  # the fork overwrites its whole cache
+                    self._snapshots.overwritten(sl.index, 0)
                 sl.state, sl.job, sl.choice = FORKWAIT, job, i
                 sl.session_id, sl.scope, sl.hist, sl.pending = None, job.req.cache_scope, [], []
                 sl.generated, sl.reused = 0, 0
             if reuse:
                 self.stats.prefix_hits += 1
                 self.stats.reused_tokens += reuse
+                if resume is not None:
+                    self.stats.snapshot_resumes += 1
+                    self._snapshots.touch(resume)
             else:
                 self.stats.prefix_misses += 1
             if job.req.prompt_logprobs is None:  # else Started carries them, after _insert scores the prompt
@@ -509,29 +530,57 @@ class BatchScheduler:
             return 0
         return n
 
-    def _pick_slot(self, idle: list[Slot], req: GenRequest) -> tuple[Slot, int]:
-        """Session slot first, else the longest common prefix, else the emptiest slot.
+    def _pick_slot(self, idle: list[Slot], req: GenRequest) -> tuple[Slot, int, Snapshot | None]:
+        """Session slot first, else the longest common prefix, else the emptiest slot; with the prefix
+        length it reuses and the snapshot it resumes from (None: the slot's own committed state).
 
-        Only slots of the request's cache scope can be reused; any other slot reuses nothing.
+        Only slots of the request's cache scope can be reused; any other slot reuses nothing. A
+        recurrent model may also resume from the longest usable prefix snapshot of the request's
+        scope (`_snapshot_for`): any idle slot can take it, the snapshot's own slot with no copy (it
+        is preferred on a tie), another after a copy of that slot's cache.
         At least one prompt token is always prefilled (its logits give the first sampled token).
         """
         prompt = req.prefix_key
         limit = max(0, len(prompt) - 1)
+        snap = self._snapshot_for(req.cache_scope, prompt, limit)
 
-        def reuse(sl: Slot) -> int:
-            return self._reusable(sl.hist, prompt, limit) if sl.scope == req.cache_scope else 0
+        def reuse(sl: Slot) -> tuple[int, Snapshot | None]:
+            own = self._reusable(sl.hist, prompt, limit) if sl.scope == req.cache_scope else 0
+            return (snap.n, snap) if snap is not None and snap.n > own else (own, None)
 
         if req.session_id:
             for sl in idle:
                 if sl.session_id == req.session_id and sl.scope == req.cache_scope:
-                    return sl, reuse(sl)
-        best, best_len = None, -1
+                    return sl, *reuse(sl)
+        best, best_len, best_snap = None, -1, None
         for sl in idle:
-            n = reuse(sl)
-            if n > best_len or (n == best_len and best is not None and len(sl.hist) < len(best.hist)):
-                best, best_len = sl, n
+            n, s = reuse(sl)
+            better = n > best_len
+            if n == best_len and best is not None:
+                # a tie: no copy (the slot's own state, or the snapshot's source) beats a copy, then the emptiest
+                cost = (s is not None and s.slot != sl.index and self._snap_needs_kv, len(sl.hist))
+                best_cost = (best_snap is not None and best_snap.slot != best.index and self._snap_needs_kv,
+                             len(best.hist))
+                better = cost < best_cost
+            if better:
+                best, best_len, best_snap = sl, n, s
         assert best is not None
-        return best, best_len
+        return best, best_len, best_snap
+
+    def _snapshot_for(self, scope: str, prompt: list[int], limit: int) -> Snapshot | None:
+        """The longest prefix snapshot of `scope` that `prompt` starts with and that can be resumed now:
+        its source slot still holds the prefix's K/V rows (its committed history starts with the
+        prefix), unless the model has no per-token state. None: no pool, or none fits."""
+        if not self._snapshots.enabled:
+            return None
+
+        def usable(e: Snapshot) -> bool:
+            if not self._snap_needs_kv:
+                return True
+            src = self._slots[e.slot]
+            return src.state not in (FORKWAIT, EMBED) and len(src.hist) >= e.n and src.hist[:e.n] == prompt[:e.n]
+
+        return self._snapshots.best(scope, prompt, limit, usable)
 
     def _release_locked(self, sl: Slot, reason: str, error: Exception | None = None) -> tuple[_Job, Event]:
         """Slot back to IDLE, keeping its committed history for prefix reuse by the next request."""
@@ -563,6 +612,11 @@ class BatchScheduler:
     # ---- device work (driver thread, no lock held) ------------------------------------------------
     def _insert(self, sl: Slot, job: _Job) -> None:
         req = job.req
+        snap, sl.resume = sl.resume, None
+        if snap is not None:  # resume from a prefix snapshot: the source's K/V rows first, then the state
+            if self._snap_needs_kv and snap.slot != sl.index:
+                self._state = self.model.copy_slot(self._state, snap.slot, sl.index)
+            self._state = self.model.restore(self._state, sl.index, snap.state)
         if req.prompt_logprobs is not None:  # legacy echo + logprobs: score the prompt first
             lps, self._state = self.model.prompt_logprobs(self._state, req.prompt_ids, req.prompt_logprobs)
             entries = tuple(None if e is None else TokenLogprob(t, e[0], tuple(e[1]))
@@ -722,6 +776,9 @@ class BatchScheduler:
             return None
         rows = planned.rows
         fwd, self._state = self.model.forward(self._state, planned.plan)
+        chunk = planned.plan.chunk
+        if chunk is not None and self._snapshots.enabled:  # the slot's state where this chunk ends
+            self._take_snapshot(rows[0], chunk.start + len(chunk.tokens))
         masks = None
         if any(r.slot.matcher is not None and r.emits for r in rows):
             self._collect_inflight()
@@ -789,6 +846,16 @@ class BatchScheduler:
             sl.pos += 1 + len(d)  # an upper bound until read: the tokens it accepted set it back
         plan = StepPlan(decode=tuple(sl.index for sl in decoders), drafts=tuple(drafts), reach=reach)
         return _Planned(plan, rows, "verify")
+    def _take_snapshot(self, row: _Row, end: int) -> None:
+        """Keep a copy of the prefilling slot's recurrent state after its prompt's first `end` tokens (the
+        chunk just dispatched). It becomes usable once the slot's history holds that prefix, i.e. once
+        the step is read: a step that fails, or a job cancelled meanwhile, never commits it."""
+        before = self._snapshots.evicted
+        self._snapshots.add(row.job.req.cache_scope, row.job.req.prefix_key[:end], row.slot.index,
+                            self.model.snapshot(self._state, row.slot.index))
+        with self._mu:
+            self.stats.snapshots_taken += 1
+            self.stats.snapshots_evicted += self._snapshots.evicted - before
 
     def _masks(self, rows: list[_Row]) -> np.ndarray:
         """The grammar masks of a step's rows, built while its forward runs (the caller has read the
@@ -926,7 +993,7 @@ class BatchScheduler:
             return True
         if sl.lookup is not None:
             sl.lookup.append(tok)
-        events.append((r.job, Tokens((tok,), choice=sl.choice, logprobs=entry)))
+        events.append((r.job, Tokens((tok,), choice=sl.choice, logprobs=entry, stop=flag == decode_state.STOP)))
         if flag in decode_state.FINISH_REASONS:
             events.append(self._release_locked(sl, decode_state.FINISH_REASONS[flag]))
             return True
@@ -941,7 +1008,8 @@ class BatchScheduler:
             for sl in self._slots:
                 if sl.state != IDLE:
                     events.append(self._release_locked(sl, "error", exc))
-                sl.hist, sl.scope, sl.session_id, sl.pending = [], "", None, []
+                sl.hist, sl.scope, sl.session_id, sl.pending, sl.resume = [], "", None, [], None
+        self._snapshots.clear()
         self._deliver(events)
         self._inflight = None
         self._state = self.model.new_state()  # raising here ends the driver loudly (_die)
@@ -962,10 +1030,12 @@ class BatchScheduler:
                 sl.hist, sl.scope = [], ""
             while self._queue:
                 events.append((self._queue.popleft(), Finished("error", error=err)))
+        self._snapshots.clear()
         self._deliver(events)
 
     def _shutdown(self) -> None:
         self._mask_builder.close()
+        self._snapshots.clear()  # their device buffers go now, not with the scheduler
         events: list[tuple[_Job, Event]] = []
         err = BusyError("server is shutting down", status=503)
         with self._mu:

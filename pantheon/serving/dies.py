@@ -62,6 +62,7 @@ class LoadEstimate:
     ffn_weight_bytes: int = 0  # dense and expert FFN matrices: split by columns / experts
     kv_bytes: int = 0  # the static KV cache (n_slots + 1 slots x capacity x bytes/token)
     recurrent_bytes: int = 0  # fixed per-sequence state (hybrid archs), never split
+    snapshot_bytes: int = 0  # the most the prefix snapshots of that state may hold (pantheon.scheduler.snapshots)
     scratch_bytes: int = 0
     n_heads: int = 0
     n_kv_heads: int = 0
@@ -72,7 +73,7 @@ class LoadEstimate:
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.state_bytes + self.scratch_bytes
+        return self.weights_bytes + self.state_bytes + self.snapshot_bytes + self.scratch_bytes
 
     def per_die(self, n: int = 1) -> int:
         if n <= 1:
@@ -83,7 +84,7 @@ class LoadEstimate:
         w += math.ceil(self.attn_weight_bytes / n) if heads_ok else self.attn_weight_bytes
         w += math.ceil(self.ffn_weight_bytes / n)
         kv = math.ceil(self.kv_bytes / n) if self.n_kv_heads and self.n_kv_heads % n == 0 else self.kv_bytes
-        return w + kv + self.recurrent_bytes + self.scratch_bytes
+        return w + kv + self.recurrent_bytes + self.snapshot_bytes + self.scratch_bytes
 
 
 def _as_estimate(estimate: LoadEstimate | int) -> LoadEstimate:
@@ -176,7 +177,7 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
     `source`: a GGUF path, an HF checkpoint directory, or an already loaded Model. Weights are the
     tensors' bytes on the die (weights.device_bytes: what the loader keeps, a GGUF format as it is
     stored), from headers only; state is (n_slots + 1) slots x capacity x
-    the arch's bytes/token (+ its per-sequence recurrent bytes); scratch is SCRATCH_MIN_BYTES plus
+    the arch's bytes/token (+ its per-sequence recurrent bytes and their prefix snapshots); scratch is SCRATCH_MIN_BYTES plus
     SCRATCH_FRACTION of the rest plus a prefill chunk's logits.
 
     This is the first thing an admin load does with a client-named file, so every failure of a
@@ -195,6 +196,8 @@ def estimate_load_bytes(source: Any, opts: Any = None, platform: str = "cpu") ->
 def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
     from pantheon.runtime.engine import LoadOptions, geometry, kv_bytes, resolve_kv_dtype
     from pantheon.jax_models import registry as arch_registry
+    from pantheon.config import load_settings
+    from pantheon.scheduler.snapshots import pool_bytes
 
     if _is_model(source):
         opts = opts or getattr(source, "opts", None)
@@ -237,10 +240,12 @@ def _estimate_load_bytes(source: Any, opts: Any, platform: str) -> LoadEstimate:
     geo = geometry(cfg, opts)  # the engine's own max_seq / chunk / capacity
     kv = (n_slots + 1) * geo.capacity * bpt
     rec = (n_slots + 1) * per_seq
+    snaps = pool_bytes(load_settings().prefix_snapshot_mb, per_seq, n_slots, geo.max_seq, geo.chunk)
     logits = 2 * max(geo.chunk, n_slots) * int(cfg.vocab) * 4
     scratch = SCRATCH_MIN_BYTES + int(SCRATCH_FRACTION * (total + kv + rec)) + logits
     return LoadEstimate(weights_bytes=int(total), replicated_weight_bytes=int(rep), attn_weight_bytes=int(attn),
                         ffn_weight_bytes=int(ffn), kv_bytes=int(kv), recurrent_bytes=int(rec),
+                        snapshot_bytes=int(snaps),
                         scratch_bytes=int(scratch), n_heads=int(cfg.n_heads), n_kv_heads=int(cfg.n_kv_heads))
 
 

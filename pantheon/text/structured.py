@@ -102,8 +102,10 @@ from typing import Any, Iterable
 import llguidance as llg
 import numpy as np
 
+from pantheon.contract import FORMAT_NAME_PATTERN
 from pantheon.text.emitter import TOOL_CLOSE, TOOL_OPEN
 from pantheon.errors import RequestError
+from pantheon.types import stop_ids as model_stop_ids
 
 # At most one of these at every place JSON allows whitespace (see the module docstring).
 WHITESPACE = r"(?: |\n[ \t]{0,24})?"
@@ -112,7 +114,7 @@ _TAG_SPACE = r"[ \t\r\n]{0,4}"
 # String formats llguidance 1.9 enforces; any other is an error in llguidance (kept only for strict schemas).
 KNOWN_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6",
                            "uuid", "uri"})
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for response_format.json_schema.name
+_NAME_RE = re.compile(FORMAT_NAME_PATTERN)  # OpenAI's rule for response_format.json_schema.name
 _MAX_MESSAGE = 400  # llguidance's messages can quote the schema; a client gets the first characters
 # verbose_errors=False: error messages say what is wrong without dumping parser state and grammar.
 _LIMITS = llg.LLParserLimits(verbose_errors=False)
@@ -467,12 +469,12 @@ class Grammar:
     # -- use -----------------------------------------------------------------------------------------------------
 
     def matcher(self, stop_ids: Iterable[int], vocab: int) -> "Matcher":
-        """A fresh matcher for one choice. `stop_ids`: the model's end-of-turn ids (the tokenizer's EOS and
-        end-of-turn ids when empty); `vocab`: the logits width, which may exceed the tokenizer's."""
+        """A fresh matcher for one choice. `stop_ids`: the request's (pantheon.types.stop_ids); when it has
+        none (ignore_eos), the model's own set, so the grammar still has an end; `vocab`: the logits width,
+        which may exceed the tokenizer's."""
         stops = sorted({int(t) for t in stop_ids if 0 <= int(t) < vocab})
         if not stops:
-            tok = self._tokenizer
-            stops = sorted({t for t in (*tok.eot_ids, tok.eos_id) if t is not None and 0 <= t < vocab})
+            stops = sorted({t for t in model_stop_ids(self._tokenizer) if t < vocab})
         if not stops:
             raise ValueError("a structured matcher needs at least one stop id below the vocabulary size")
         return Matcher(self._proto.deep_copy(), stops, vocab, self._llg_vocab, self._llg_eos)

@@ -15,17 +15,10 @@ from flask import Blueprint, Response, jsonify
 from pantheon.errors import CatalogError, RequestError
 from pantheon.web import bridge
 from pantheon.web.body import shown
-from pantheon.types import MAX_SPEC_K
-from pantheon.web.fields import body_object, boolean, integer
+from pantheon.contract import ADMIN_DIES_MAX, ADMIN_NAME_CHARS, LOAD, UNLOAD
+from pantheon.web.fields import body_object, boolean, bounded
 from pantheon.web.routes import read_json, server
-from pantheon.web.schema import (
-    ADMIN_DIES_MAX,
-    ADMIN_NAME_CHARS,
-    LOAD_REQUEST,
-    UNLOAD_REQUEST,
-    UNLOAD_TIMEOUT_MAX_S,
-    fields,
-)
+from pantheon.web.schema import LOAD_REQUEST, UNLOAD_REQUEST, fields
 from pantheon.web.security import model_path_in_dir
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
@@ -94,7 +87,7 @@ def load() -> Response:
     mmproj = _opt_str(body, "mmproj")
     # this model's speculative decoding (defaults: PANTHEON_SPECULATIVE, PANTHEON_SPEC_K)
     overrides = {k: v for k, v in (("speculative", boolean(body, "speculative")),
-                                   ("spec_k", integer(body, "spec_k", 0, MAX_SPEC_K))) if v is not None}
+                                   ("spec_k", bounded(body, "spec_k", LOAD))) if v is not None}
     source, resolve = _resolver(body)
     if mmproj is not None:  # like "path": a file inside the model directory
         target = model_path_in_dir(server().settings, mmproj)
@@ -117,10 +110,7 @@ def unload() -> Response:
     if (name is None) == (instance_id is None):
         raise RequestError("give exactly one of \"name\" (every replica of that model) or \"instance_id\"",
                            param="name")
-    timeout = body.get("timeout_s")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 <= timeout <= UNLOAD_TIMEOUT_MAX_S):
-        raise RequestError(f"timeout_s: must be a number of seconds in [0, {UNLOAD_TIMEOUT_MAX_S}]", param="timeout_s")
+    timeout = bounded(body, "timeout_s", UNLOAD)  # seconds
     registry = server().registry
     done = bridge.call_in_thread(_then_register, server().registration, registry.unload, name, instance_id, timeout,
                                  name="pantheon-admin-unload")

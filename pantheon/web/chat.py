@@ -25,22 +25,24 @@ from typing import Any
 
 from pantheon.text.emitter import Delta, Emitter, merge_deltas
 from pantheon.errors import BusyError, PantheonError
-from pantheon.types import GenRequest
+from pantheon.types import GenRequest, stop_ids
 from pantheon.web import bridge
 from pantheon.web import images as web_images
 from pantheon.web.body import shown
-from pantheon.web.fields import MAX_ID_CHARS
+from pantheon.contract import CHAT, ID_CHARS, PROMPT_CACHE_KEY_CHARS
 from pantheon.web.fields import bad as _bad
 from pantheon.web.fields import boolean as _boolean
 from pantheon.web.fields import (
     body_object,
+    bounded,
     choices_n,
     logit_bias,
+    metadata,
     sampling_params,
     stream_flags,
+    tool_name,
     top_logprobs,
 )
-from pantheon.web.fields import integer as _integer
 from pantheon.web.fields import stop_strings as _stop
 from pantheon.web.fields import string as _string
 from pantheon.web.generation import ClientGone, GenerationCore, Piece, SSEStream, json_line, new_id
@@ -263,14 +265,7 @@ def _function_def(fn: Any, p: str, seen: set[str]) -> None:
     extra = set(fn) - {"name", "description", "parameters", "strict"}
     if extra:
         raise _bad(f"{p}.{sorted(extra)[0]}", "is not supported")
-    name = fn.get("name")
-    if not isinstance(name, str) or not name or len(name) > 64:
-        raise _bad(f"{p}.name", "must be a non-empty string of at most 64 characters")
-    if name in seen:
-        raise _bad(f"{p}.name", f"duplicate tool name {name!r}")
-    seen.add(name)
-    if "description" in fn and not isinstance(fn["description"], str):
-        raise _bad(f"{p}.description", "must be a string")
+    tool_name(fn, p, seen)
     if "parameters" in fn and not isinstance(fn["parameters"], dict):
         raise _bad(f"{p}.parameters", "must be a JSON Schema object")
     if "strict" in fn and not isinstance(fn["strict"], bool):
@@ -354,18 +349,12 @@ def _compat_fields(body: Mapping) -> bool | None:
     here; modalities may only ask for text.
     """
     _boolean(body, "store")
-    md = body.get("metadata")
-    if md is not None:
-        if not isinstance(md, dict) or len(md) > 16:
-            raise _bad("metadata", "must be an object of at most 16 string values")
-        for k, v in md.items():
-            if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
-                raise _bad(f"metadata.{k}", "keys are at most 64 characters and values strings of at most 512")
+    metadata(body)
     for key, allowed in (("service_tier", SERVICE_TIERS), ("verbosity", VERBOSITY)):
         v = _string(body, key)
         if v is not None and v not in allowed:
             raise _bad(key, f"must be one of {', '.join(allowed)}")
-    _string(body, "prompt_cache_key", 1024)
+    _string(body, "prompt_cache_key", PROMPT_CACHE_KEY_CHARS)
     _string(body, "safety_identifier")
     mods = body.get("modalities")
     if mods is not None and (not isinstance(mods, list) or any(m != "text" for m in mods)):
@@ -392,7 +381,7 @@ def _response_format(body: Mapping) -> dict | None:
 def _logprobs(body: Mapping) -> int | None:
     """`logprobs` (bool) and `top_logprobs` (0..20, only with logprobs): None, or the alternatives per token."""
     want = _boolean(body, "logprobs")
-    k = top_logprobs(body)
+    k = top_logprobs(body, CHAT)
     if body.get("top_logprobs") is not None and not want:
         raise _bad("top_logprobs", "needs \"logprobs\": true")
     return k if want else None
@@ -403,11 +392,11 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     body = body_object(body, TOP_FIELDS)
     model = _string(body, "model")
     messages = _messages(body)
-    max_tokens = _integer(body, "max_tokens", 1, 1 << 31)
-    mct = _integer(body, "max_completion_tokens", 1, 1 << 31)
+    max_tokens = bounded(body, "max_tokens", CHAT)
+    mct = bounded(body, "max_completion_tokens", CHAT)
     if mct is not None:
         max_tokens = mct
-    params = sampling_params(body)
+    params = sampling_params(body, CHAT)
     stop = _stop(body)
     stream, include_usage = stream_flags(body)
     tools = _tools(body)
@@ -421,10 +410,10 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
             break
         hdr = headers.get(header)
         if hdr:
-            if len(hdr) > MAX_ID_CHARS:
-                raise _bad(header, f"must be at most {MAX_ID_CHARS} characters")
+            if len(hdr) > ID_CHARS:
+                raise _bad(header, f"must be at most {ID_CHARS} characters")
             session_id = hdr
-    n = choices_n(body)
+    n = choices_n(body, CHAT)
     user = _string(body, "user")
     cache_salt = _string(body, "cache_salt")
     logprobs = _logprobs(body)
@@ -518,7 +507,8 @@ class Generation(GenerationCore):
         self.creq = creq
         self.grammars = grammars  # the server's grammar-compile pool (ServerState.grammars)
         self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
-        self.images: list[Any] = []  # the request's images, preprocessed (pantheon.formats.images.Preprocessed)
+        self.images: list[Any] = []  # the encoder's inputs, preprocessed (pantheon.formats.images.Preprocessed)
+        self.image_texts: list[str] = []  # the text each image's marker becomes (web_images.expand)
         self.image_embd: Any = None  # their embeddings [N, tokens, H] when the backend encoded them here
 
     # -- setup --------------------------------------------------------------------------------------------
@@ -529,7 +519,7 @@ class Generation(GenerationCore):
         creq = self.creq
         self.admission.limits(card, creq.n, creq.logit_bias)
         if web_images.image_parts(creq.messages):  # decode (maybe fetch) off the hub; 400 on any bad image
-            msgs, self.images = bridge.call_in_thread(
+            msgs, self.images, self.image_texts = bridge.call_in_thread(
                 web_images.load_images, creq.messages, card, self.registry.settings, name="pantheon-image")
             creq = self.creq = dataclasses.replace(creq, messages=msgs)
         admit = lambda: self.admission.chat(card, creq.messages, lambda m: self._render(card, m),  # noqa: E731
@@ -590,7 +580,6 @@ class Generation(GenerationCore):
         """Build the GenRequest and submit it (into `reservation`'s place when there is one)."""
         creq = self.creq
         tok = card.tokenizer
-        stop_ids = frozenset() if creq.ignore_eos else frozenset(tok.eot_ids)
         ends_in_think = getattr(card.template, "prompt_ends_in_think", None)
         in_think = bool(ends_in_think(rendered)) if ends_in_think else False
         tool_names = [t["function"]["name"] for t in creq.template_tools() or []]
@@ -598,7 +587,7 @@ class Generation(GenerationCore):
                             calls_only=creq.forces_tool_call) for _ in range(creq.n)]
         session = None if self.prompt_capped else creq.session_id  # a capped turn starts over
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,  # resolves the seed, once
-                         stop_ids=stop_ids, session_id=session, cache_scope=creq.cache_scope,
+                         stop_ids=stop_ids(tok, creq.ignore_eos), session_id=session, cache_scope=creq.cache_scope,
                          request_id=self.id, n=creq.n, logprobs=creq.logprobs, logit_bias=creq.logit_bias,
                          constraint=constraint, speculative=creq.speculative,
                          images=web_images.prompt_images(ids, self.images, card, self.image_embd) if self.images
@@ -626,7 +615,8 @@ class Generation(GenerationCore):
     def _prompt_ids_of(self, card: Any) -> Any:
         """Rendered text -> the prompt's token ids (BOS added when the model wants one), each image's
         placeholder expanded to its image tokens first, as the model's processor does."""
-        return lambda text: prompt_ids(card, web_images.expand(text, card) if self.images else text)
+        return lambda text: prompt_ids(card, web_images.expand(text, card, self.image_texts) if self.images
+                                   else text)
 
 
     # -- response shapes ---------------------------------------------------------------------------------

@@ -34,16 +34,16 @@ from typing import Any
 from pantheon.config import Settings
 from pantheon.text.emitter import Emitter
 from pantheon.errors import PantheonError
-from pantheon.types import GenRequest, SamplingParams
+from pantheon.types import GenRequest, SamplingParams, stop_ids
 from pantheon.web import bridge
 from pantheon.web.chat import BIG_PROMPT_CHARS
+from pantheon.contract import COMPLETIONS, PROMPTS_MAX
 from pantheon.web.fields import (
-    MAX_TOKENS_LIMIT,
     bad,
     body_object,
     boolean,
+    bounded,
     choices_n,
-    integer,
     logit_bias,
     sampling_params,
     stop_strings,
@@ -53,9 +53,9 @@ from pantheon.web.fields import (
 )
 from pantheon.web.generation import GenerationCore, Piece, json_line
 from pantheon.web.logprobs import Positioned, legacy_logprobs
-from pantheon.web.schema import COMPLETION_REQUEST, PROMPTS_MAX, fields
+from pantheon.web.schema import COMPLETION_REQUEST, fields
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
+DEFAULT_MAX_TOKENS = COMPLETIONS["max_tokens"].default  # OpenAI's default for this route
 LARGE_ECHO_ENTRIES = 4096  # echoed prompt logprob entries (n x tokens x (k + 1)) past which work leaves the hub
 
 COMPLETION_FIELDS = fields(COMPLETION_REQUEST)  # pantheon.web.schema describes the body
@@ -130,15 +130,15 @@ def parse_completion_request(body: Any, headers: Mapping[str, str]) -> Completio
     prompts = _prompts(body)
     if body.get("suffix") not in (None, ""):
         raise bad("suffix", "suffix is not supported (no fill-in-the-middle)")
-    max_tokens = integer(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
-    params = sampling_params(body)
+    max_tokens = bounded(body, "max_tokens", COMPLETIONS)
+    params = sampling_params(body, COMPLETIONS)
     stop = stop_strings(body)
     stream, include_usage = stream_flags(body)
-    n = choices_n(body)
-    best_of = integer(body, "best_of", 1, MAX_TOKENS_LIMIT)
+    n = choices_n(body, COMPLETIONS)
+    best_of = bounded(body, "best_of", COMPLETIONS)
     if best_of is not None and best_of not in (1, n):
         raise bad("best_of", f"only 1 or n ({n}) is supported: choices are not ranked on the server")
-    logprobs = top_logprobs(body, "logprobs") if body.get("logprobs") is not None else None
+    logprobs = top_logprobs(body, COMPLETIONS, "logprobs") if body.get("logprobs") is not None else None
     echo = bool(boolean(body, "echo"))
     return CompletionRequest(model=model, prompt=prompts[0], prompts=prompts if len(prompts) > 1 else None,
                              params=params,
@@ -196,7 +196,7 @@ class CompletionGeneration(GenerationCore):
         self.observe_admission("capped" if self.capped else "fit")
         self.echo_text = creq.prompt if isinstance(creq.prompt, str) else tok.decode(ids)
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,
-                         stop_ids=frozenset() if creq.ignore_eos else frozenset(tok.eot_ids),
+                         stop_ids=stop_ids(tok, creq.ignore_eos),
                          cache_scope=creq.cache_scope, request_id=self.id, n=creq.n, logprobs=creq.logprobs,
                          logit_bias=creq.logit_bias, prompt_logprobs=creq.logprobs if score_prompt else None,
                          speculative=creq.speculative)

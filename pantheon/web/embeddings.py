@@ -43,17 +43,17 @@ from pantheon.web import bridge
 from pantheon.web.body import parse_json
 from pantheon.web.chat import BIG_PROMPT_CHARS
 from pantheon.web.fields import bad as _bad
-from pantheon.web.fields import body_object
+from pantheon.web.fields import body_object, bounded
 from pantheon.web.generation import CHECK_GAP_S, POLL_S, ClientGone
 from pantheon.web.routes import INSTANCE_HEADER, parse_for_root, read_raw, server
-from pantheon.web.schema import EMBED_INPUTS_MAX, EMBEDDING_REQUEST, fields
+from pantheon.contract import EMBED_INPUTS_MAX, EMBEDDINGS, ID_CHARS
+from pantheon.web.schema import EMBEDDING_REQUEST, fields
 
 bp = Blueprint("embeddings", __name__)
 
 FIELDS = fields(EMBEDDING_REQUEST)  # pantheon.web.schema describes the body
 ENCODINGS = ("float", "base64")
 MAX_INPUTS = EMBED_INPUTS_MAX  # items one request may carry (OpenAI's limit)
-MAX_ID_CHARS = 256
 BIG_ANSWER_FLOATS = 1 << 16  # answers with more floats are encoded off the hub, in an OS thread (~0.1 s of work)
 CANCEL_WAIT_S = 5.0  # how long a request whose client left waits for the scheduler to let go of its slots
 
@@ -114,16 +114,14 @@ def parse_embeddings_request(body: Any) -> EmbeddingsRequest:
     texts, token_inputs = _inputs(body["input"])
     for key in ("model", "user"):
         v = body.get(key)
-        if v is not None and (not isinstance(v, str) or len(v) > MAX_ID_CHARS):
-            raise _bad(key, f"must be a string of at most {MAX_ID_CHARS} characters")
+        if v is not None and (not isinstance(v, str) or len(v) > ID_CHARS):
+            raise _bad(key, f"must be a string of at most {ID_CHARS} characters")
     fmt = body.get("encoding_format")
     if fmt is None:
         fmt = "float"
     if fmt not in ENCODINGS:
         raise _bad("encoding_format", f"must be one of {', '.join(ENCODINGS)}")
-    dims = body.get("dimensions")
-    if dims is not None and (not _is_id(dims) or dims < 1):
-        raise _bad("dimensions", "must be a positive integer")
+    dims = bounded(body, "dimensions", EMBEDDINGS)
     pooling = body.get("pooling")
     if pooling is None:
         pooling = "mean"

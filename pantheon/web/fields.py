@@ -14,14 +14,23 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from pantheon.contract import (
+    ID_CHARS,
+    LOGIT_BIAS_KEY_DIGITS,
+    LOGIT_BIAS_VALUE,
+    MAX_LOGIT_BIAS,
+    METADATA_KEY_CHARS,
+    METADATA_MAX,
+    METADATA_VALUE_CHARS,
+    SAMPLING,
+    STOP_CHARS,
+    STOP_MAX,
+    TOOL_NAME_CHARS,
+    Bound,
+)
 from pantheon.errors import RequestError
-from pantheon.types import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from pantheon.types import SamplingParams
 from pantheon.web.body import shown
-
-MAX_STOP = 4
-MAX_STOP_CHARS = 512
-MAX_ID_CHARS = 256
-MAX_TOKENS_LIMIT = 1 << 31  # an integer field's ceiling where the real bound is the model's context
 
 
 def body_object(body: Any, allowed: frozenset[str]) -> dict:
@@ -45,17 +54,18 @@ def bad(param: str, message: str) -> RequestError:
 
 def tool_name(t: Mapping[str, Any], p: str, seen: set[str]) -> str:
     """A declared tool's name and description checked, the same rule for every API that takes tools
-    (Responses' function tools, Messages' custom tools): a unique name of 1-64 characters and a
-    string description. Adds the name to `seen`."""
+    (chat's functions, Responses' function tools, Messages' custom tools): a unique name of 1 to
+    TOOL_NAME_CHARS characters and a string description. Adds the name to `seen`."""
     name = t.get("name")
-    if not isinstance(name, str) or not name or len(name) > 64:
-        raise bad(f"{p}.name", "must be a non-empty string of at most 64 characters")
+    if not isinstance(name, str) or not name or len(name) > TOOL_NAME_CHARS:
+        raise bad(f"{p}.name", f"must be a non-empty string of at most {TOOL_NAME_CHARS} characters")
     if name in seen:
-        raise bad(f"{p}.name", f"duplicate tool name {name[:64]!r}")
+        raise bad(f"{p}.name", f"duplicate tool name {name[:TOOL_NAME_CHARS]!r}")
     seen.add(name)
     if "description" in t and not isinstance(t["description"], str):
         raise bad(f"{p}.description", "must be a string")
     return name
+
 
 def is_num(v: Any) -> bool:
     """A JSON number. Integers are exact (math.isfinite would overflow on an integer literal past 1e308)."""
@@ -64,31 +74,41 @@ def is_num(v: Any) -> bool:
     return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))
 
 
-def number(body: Mapping, key: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+def number(body: Mapping, key: str, b: Bound, at: str = "") -> float | None:
+    """A JSON number in the contract's range `b`, or None when absent (or null). `at`: the path of
+    `body` in the request ("thinking."), which the 400 puts before the field's name."""
     v = body.get(key)
     if v is None:
         return None
     if not is_num(v):
-        raise bad(key, f"must be a number, got {json.dumps(v)[:40]}")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise bad(key, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {shown(repr(v))}")
+        raise bad(at + key, f"must be a number, got {json.dumps(v)[:40]}")
+    if not b.holds(v):
+        raise bad(at + key, f"must be in {b.interval()}, got {shown(repr(v))}")
     return float(v)
 
 
-def integer(body: Mapping, key: str, lo: int, hi: int) -> int | None:
+def integer(body: Mapping, key: str, b: Bound, at: str = "") -> int | None:
+    """A JSON integer (2.0 counts) in the contract's range `b`, or None when absent (or null)."""
     v = body.get(key)
     if v is None:
         return None
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool):
-        raise bad(key, f"must be an integer, got {json.dumps(v)[:40]}")
-    if v < lo or v > hi:
-        raise bad(key, f"must be in [{lo}, {hi}], got {v}")
+        raise bad(at + key, f"must be an integer, got {json.dumps(v)[:40]}")
+    if not b.holds(v):
+        raise bad(at + key, f"must be in {b.interval()}, got {v}")
     return v
 
 
-def string(body: Mapping, key: str, max_len: int = MAX_ID_CHARS) -> str | None:
+def bounded(body: Mapping, key: str, table: Mapping[str, Bound], at: str = "") -> float | int | None:
+    """Field `key` checked against its row of a route's contract table (pantheon.contract): the only
+    way a validator reads a numeric bound, so the check and /openapi.json cannot drift apart."""
+    b = table[key]
+    return integer(body, key, b, at) if b.kind == "integer" else number(body, key, b, at)
+
+
+def string(body: Mapping, key: str, max_len: int = ID_CHARS) -> str | None:
     v = body.get(key)
     if v is None:
         return None
@@ -109,18 +129,38 @@ def boolean(body: Mapping, key: str) -> bool | None:
 
 
 def stop_strings(body: Mapping) -> tuple[str, ...]:
-    """`stop`: a string or at most MAX_STOP strings; empty ones are dropped (they would match at once)."""
-    s = body.get("stop")
+    """`stop`: a string or at most STOP_MAX strings; empty ones are dropped (they would match at once)."""
+    return stop_list(body, "stop", one_allowed=True)
+
+
+def stop_list(body: Mapping, key: str, one_allowed: bool = False) -> tuple[str, ...]:
+    """Stop strings under `key` (`stop`, Messages' `stop_sequences`): a list of at most STOP_MAX strings
+    of at most STOP_CHARS characters each (`one_allowed`: a single string too); empty ones dropped."""
+    s = body.get(key)
     if s is None:
         return ()
-    items = [s] if isinstance(s, str) else s
+    items = [s] if one_allowed and isinstance(s, str) else s
     if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-        raise bad("stop", "must be a string or a list of strings")
-    if len(items) > MAX_STOP:
-        raise bad("stop", f"at most {MAX_STOP} stop strings are allowed")
-    if any(len(x) > MAX_STOP_CHARS for x in items):
-        raise bad("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        raise bad(key, "must be a string or a list of strings" if one_allowed else "must be a list of strings")
+    if len(items) > STOP_MAX:
+        raise bad(key, f"at most {STOP_MAX} stop strings are allowed")
+    if any(len(x) > STOP_CHARS for x in items):
+        raise bad(key, f"a stop string may have at most {STOP_CHARS} characters")
     return tuple(x for x in items if x)
+
+
+def metadata(body: Mapping) -> dict:
+    """`metadata` (chat, Responses): at most METADATA_MAX string values under short keys; kept, not used."""
+    md = body.get("metadata")
+    if md is None:
+        return {}
+    if not isinstance(md, dict) or len(md) > METADATA_MAX:
+        raise bad("metadata", f"must be an object of at most {METADATA_MAX} string values")
+    for k, v in md.items():
+        if len(k) > METADATA_KEY_CHARS or not isinstance(v, str) or len(v) > METADATA_VALUE_CHARS:
+            raise bad(f"metadata.{k}", f"keys are at most {METADATA_KEY_CHARS} characters and values strings "
+                                       f"of at most {METADATA_VALUE_CHARS}")
+    return md
 
 
 def stream_flags(body: Mapping) -> tuple[bool, bool]:
@@ -142,65 +182,57 @@ def stream_flags(body: Mapping) -> tuple[bool, bool]:
     return stream, bool(iu)
 
 
-def sampling_params(body: Mapping) -> SamplingParams:
-    """The sampling knobs (temperature, top_p, top_k, min_p, the penalties, seed) as SamplingParams."""
-    temperature = number(body, "temperature", 0.0, 2.0)
-    top_p = number(body, "top_p", 0.0, 1.0, lo_open=True)
-    top_k = integer(body, "top_k", -1, 1 << 30)
-    min_p = number(body, "min_p", 0.0, 1.0)
-    rep = number(body, "repetition_penalty", 0.0, 10.0, lo_open=True)
-    pres = number(body, "presence_penalty", -2.0, 2.0)
-    freq = number(body, "frequency_penalty", -2.0, 2.0)
-    seed = integer(body, "seed", -(1 << 63), (1 << 63) - 1)  # a signed 64-bit integer, as OpenAI's
+def sampling_params(body: Mapping, table: Mapping[str, Bound] = SAMPLING) -> SamplingParams:
+    """The sampling knobs of `body` (those of the contract's SAMPLING a route's `table` has) as
+    SamplingParams; an absent knob takes the contract's default. A route whose table narrows a
+    knob (Messages' temperature) is held to its own range first, then to SamplingParams' own."""
+    given = {}
+    for key in SAMPLING:
+        if key in table:
+            v = bounded(body, key, table)
+            if v is not None:
+                given[key] = v
     try:
-        return SamplingParams(
-            temperature=1.0 if temperature is None else temperature,
-            top_k=0 if top_k is None or top_k < 0 else top_k,
-            top_p=1.0 if top_p is None else top_p,
-            min_p=0.0 if min_p is None else min_p,
-            repetition_penalty=1.0 if rep is None else rep,
-            presence_penalty=0.0 if pres is None else pres,
-            frequency_penalty=0.0 if freq is None else freq,
-            seed=seed,
-        )
+        return SamplingParams(**given)
     except ValueError as exc:  # SamplingParams names the field first
         field = str(exc).split(" ", 1)[0]
         raise RequestError(str(exc), param=field) from None
 
 
-def choices_n(body: Mapping) -> int:
+def choices_n(body: Mapping, table: Mapping[str, Bound]) -> int:
     """`n`, the number of choices: at least 1 here; the model's slot count bounds it when the request starts."""
-    n = integer(body, "n", 1, MAX_TOKENS_LIMIT)
+    n = bounded(body, "n", table)
     return 1 if n is None else n
 
 
-def top_logprobs(body: Mapping, key: str = "top_logprobs") -> int:
-    """A count of alternatives per token, 0..MAX_TOP_LOGPROBS (OpenAI's limit)."""
-    k = integer(body, key, 0, MAX_TOP_LOGPROBS)
+def top_logprobs(body: Mapping, table: Mapping[str, Bound], key: str = "top_logprobs") -> int:
+    """A count of alternatives per token, in the contract's range (0 to OpenAI's limit)."""
+    k = bounded(body, key, table)
     return 0 if k is None else k
 
 
 def logit_bias(body: Mapping) -> tuple[tuple[int, float], ...]:
-    """`logit_bias`: {"<token id>": bias in [-100, 100]} with at most MAX_LOGIT_BIAS entries, as (id, bias)
-    pairs in the client's order. Ids are checked against the model's vocabulary when the request starts."""
+    """`logit_bias`: {"<token id>": bias in LOGIT_BIAS_VALUE} with at most MAX_LOGIT_BIAS entries, as (id,
+    bias) pairs in the client's order. Ids are checked against the model's vocabulary when the request starts."""
     lb = body.get("logit_bias")
     if lb is None:
         return ()
+    span = LOGIT_BIAS_VALUE.interval()
     if not isinstance(lb, dict):
-        raise bad("logit_bias", "must be an object mapping token ids (as strings) to numbers in [-100, 100]")
+        raise bad("logit_bias", f"must be an object mapping token ids (as strings) to numbers in {span}")
     if len(lb) > MAX_LOGIT_BIAS:
         raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(lb)}")
     out: list[tuple[int, float]] = []
     seen: set[int] = set()
     for key, v in lb.items():
-        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+        if not (key.isascii() and key.isdigit()) or len(key) > LOGIT_BIAS_KEY_DIGITS:
             raise bad("logit_bias", f"keys must be token ids written in decimal, got {shown(json.dumps(key))}")
         tid = int(key)
         if tid in seen:
             raise bad("logit_bias", f"token id {tid} appears twice")
         seen.add(tid)
-        if not is_num(v) or not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:
-            raise bad("logit_bias", f"the bias of token {tid} must be a number in [-100, 100], "
+        if not is_num(v) or not LOGIT_BIAS_VALUE.holds(v):
+            raise bad("logit_bias", f"the bias of token {tid} must be a number in {span}, "
                                     f"got {json.dumps(v)[:40]}")
         out.append((tid, float(v)))
     return tuple(out)

@@ -89,7 +89,7 @@ class Choice:
     decoder: Any  # the tokenizer's StreamDecoder
     tokens: int = 0  # completion tokens: those the text was made from, up to and including a stop token
     chars: int = 0  # characters decoded so far: where the next token's text starts (legacy text_offset)
-    eos: bool = False  # a stop token ended it; what follows is discarded
+    eos: bool = False  # a stop id ended it (the device flagged it, Tokens.stop); what follows is discarded
     done: bool = False  # its final piece went out (stop string hit, or its Finished arrived)
     finished: bool = False  # the backend's Finished for it arrived
     finish_reason: str | None = None
@@ -140,7 +140,6 @@ class GenerationCore(abc.ABC):
         self.cached_tokens = 0  # prompt tokens served from a prefix already in the slot
         self.capped = False  # context_capped: the oldest turns were dropped, or max_tokens was clamped
         self._tok: Any = None
-        self._stop_ids: frozenset[int] = frozenset()
         self._cancelled = False
         self._last_check = 0.0  # monotonic time of the last client check; 0: check at the first wait
         self._replay: list[Any] = []  # events taken out early by launch(), delivered before the channel's
@@ -185,7 +184,6 @@ class GenerationCore(abc.ABC):
         `reservation`: the queue place the backend's `reserve` gave this request, which it then takes."""
         tok = self.entry.card.tokenizer
         self._tok = tok
-        self._stop_ids = req.stop_ids
         self.want_logprobs = req.logprobs is not None
         self.prompt_tokens = len(req.prompt_ids)
         decoder = (lambda: tok.stream(skip_special=False, at_start=False)) if continuation else \
@@ -271,11 +269,12 @@ class GenerationCore(abc.ABC):
         if self.want_logprobs and (lps is None or len(lps) != len(ev.ids)):
             raise RuntimeError("the backend sent tokens without the log probabilities the request asked for")
         tok = self._tok
+        last = len(ev.ids) - 1
         for k, tid in enumerate(ev.ids):
             if c.done or c.eos:
                 return  # over-generated past a stop string or EOS: discarded
             c.tokens += 1
-            if tid in self._stop_ids:
+            if ev.stop and k == last:  # the device flagged it STOP: a stop id, not text
                 c.eos = True
                 return
             if self.want_logprobs:
@@ -304,15 +303,11 @@ class GenerationCore(abc.ABC):
         c.finished = True
         if c.done:
             return
-        cut = reason == "length" and not c.eos  # ended mid-text: a call being written goes out partial
+        # The device's flag, as the backend passed it on: LENGTH ended it mid-text (a call being written
+        # goes out partial), STOP on a stop id. What the text says (tool calls, a call cut short) wins.
+        cut = reason == "length"
         yield from self._emit(c, c.emitter.feed(c.decoder.flush()) + c.emitter.finish(cut=cut))
-        if c.emitter.finish_reason is not None:
-            fr = c.emitter.finish_reason
-        elif reason == "length" and not c.eos:
-            fr = "length"
-        else:
-            fr = "stop"
-        yield self._end(c, fr)
+        yield self._end(c, c.emitter.finish_reason or ("length" if cut else "stop"))
 
     def _fail(self, ev: Finished) -> None:
         """An error ends the whole request: raise it, unless every choice had already ended."""

@@ -99,13 +99,15 @@ def image_bytes(url: Any, param: str, settings: Any) -> bytes:
     raise _bad(param, "must be a data: URL (or an http(s) URL on the server's allowlist)")
 
 
-def load_images(messages: list[dict], card: Any, settings: Any) -> tuple[list[dict], list[images.Preprocessed]]:
-    """The messages with each image part turned into the template's image part, and each image decoded
-    and preprocessed for `card`'s model, in prompt order. Blocking (decode, maybe a fetch): call it off
-    the hub when the request has images."""
+def load_images(messages: list[dict], card: Any, settings: Any
+                ) -> tuple[list[dict], list[images.Preprocessed], list[str]]:
+    """The messages with each image part turned into the template's image part; the encoder's inputs in
+    prompt order (one per image, or for a tiling model (Idefics3) each image's tiles then its whole
+    image); and the text each image's marker becomes (`expand`). Blocking (decode, maybe a fetch): call
+    it off the hub when the request has images."""
     parts = image_parts(messages)
     if not parts:
-        return messages, []
+        return messages, [], []
     first = f"messages[{parts[0][0]}].content[{parts[0][1]}]"
     vision = getattr(card, "vision", None)
     if vision is None:
@@ -116,11 +118,19 @@ def load_images(messages: list[dict], card: Any, settings: Any) -> tuple[list[di
                            "(PANTHEON_MAX_IMAGES)", param="messages", code="too_many_images")
     limits = images.ImageLimits(max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
     out: list[images.Preprocessed] = []
+    texts: list[str] = []
     for i, j, obj in parts:
         param = f"messages[{i}].content[{j}].image_url.url"
         data = image_bytes(obj.get("url"), param, settings)
         try:
-            out.append(images.load(data, vision.image_size, vision.mean, vision.std, limits))
+            if vision.tiling:
+                cut = images.tiles(images.decode(data, limits), vision.image_size, vision.tiling, vision.mean,
+                                   vision.std)
+                out.extend(cut.tiles)
+                texts.append(vision.expansion_for(cut.rows, cut.cols))
+            else:
+                out.append(images.load(data, vision.image_size, vision.mean, vision.std, limits))
+                texts.append(vision.expansion)
         except images.ImageError as exc:
             code = "image_too_large" if "at most" in str(exc) else "invalid_image"
             raise _bad(param, str(exc), code=code) from None
@@ -131,14 +141,22 @@ def load_images(messages: list[dict], card: Any, settings: Any) -> tuple[list[di
         content[j] = {"type": "image", "marker": vision.marker}
         m["content"] = content
         msgs[i] = m
-    return msgs, out
+    return msgs, out, texts
 
 
-def expand(rendered: str, card: Any) -> str:
-    """The rendered prompt with each image marker replaced by the model's image token run (as HF's
-    processor does before tokenizing)."""
+def expand(rendered: str, card: Any, texts: list[str] | None = None) -> str:
+    """The rendered prompt with each image marker replaced by its image's text (`load_images`; default:
+    the model's one expansion), as HF's processor does before tokenizing. Turns dropped to fit the
+    context took their markers with them, so the markers left are the last images'."""
     v = card.vision
-    return rendered.replace(v.marker, v.expansion)
+    if texts is None:
+        return rendered.replace(v.marker, v.expansion)
+    pieces = rendered.split(v.marker)
+    k = len(pieces) - 1
+    if k > len(texts):  # the text itself spelled the marker: prompt_images refuses the extra runs
+        texts = [v.expansion] * (k - len(texts)) + list(texts)
+    mine = texts[len(texts) - k:] if k else []
+    return pieces[0] + "".join(t + p for t, p in zip(mine, pieces[1:]))
 
 
 def prompt_images(ids: list[int], pics: list[images.Preprocessed], card: Any, embd: Any = None

@@ -31,7 +31,8 @@ from pantheon.text.emitter import Delta
 from pantheon.web import bridge
 from pantheon.web.chat import BIG_PROMPT_CHARS, ChatRequest, Generation, check_arguments, prompt_ids, render_prompt
 from pantheon.web.errors import anthropic_body, from_exception
-from pantheon.web.fields import bad, body_object, boolean, integer, number, sampling_params, string, tool_name
+from pantheon.contract import ID_CHARS, MESSAGES, THINKING
+from pantheon.web.fields import bad, body_object, boolean, bounded, sampling_params, stop_list, string, tool_name
 from pantheon.web.generation import ClientGone, new_id
 from pantheon.web.schema import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST, fields
 
@@ -47,7 +48,6 @@ BLOCK_FIELDS = {
     "redacted_thinking": {"type", "data"},
     "image": {"type", "source", "cache_control"},
 }
-MAX_STOP = 4
 
 
 # ---- validation ----------------------------------------------------------------------------------------------
@@ -243,21 +243,8 @@ def _thinking(body: Mapping) -> bool | None:
         raise bad("thinking.type", "must be enabled, disabled or adaptive")
     if th.get("display") is not None and th["display"] not in ("summarized", "omitted"):
         raise bad("thinking.display", "must be summarized or omitted")
-    integer(th, "budget_tokens", 1, 1 << 31)
+    bounded(th, "budget_tokens", THINKING, at="thinking.")
     return {"enabled": True, "disabled": False}.get(kind)
-
-
-def _stop(body: Mapping) -> tuple[str, ...]:
-    s = body.get("stop_sequences")
-    if s is None:
-        return ()
-    if not isinstance(s, list) or not all(isinstance(x, str) for x in s):
-        raise bad("stop_sequences", "must be a list of strings")
-    if len(s) > MAX_STOP:
-        raise bad("stop_sequences", f"at most {MAX_STOP} stop sequences are supported")
-    if any(len(x) > 512 for x in s):
-        raise bad("stop_sequences", "a stop sequence may have at most 512 characters")
-    return tuple(x for x in s if x)
 
 
 def _output_format(body: Mapping) -> dict | None:
@@ -304,13 +291,11 @@ def parse_messages_request(body: Any, headers: Mapping[str, str]) -> ChatRequest
         raise bad("messages", "is required")
     if body.get("max_tokens") is None:
         raise bad("max_tokens", "is required")
-    max_tokens = integer(body, "max_tokens", 1, 1 << 31)
+    max_tokens = bounded(body, "max_tokens", MESSAGES)
     stream = bool(boolean(body, "stream"))
     creq = _request(body, max_tokens, stream)
-    number(body, "temperature", 0.0, 1.0)
-    integer(body, "top_k", 0, 1 << 30)
-    creq.params = sampling_params({k: body[k] for k in ("temperature", "top_p", "top_k") if body.get(k) is not None})
-    creq.stop = _stop(body)
+    creq.params = sampling_params(body, MESSAGES)
+    creq.stop = stop_list(body, "stop_sequences")
     creq.response_format = _output_format(body)
     if creq.response_format is not None and creq.forces_tool_call:
         raise bad("output_config.format", "cannot be combined with tool_choice any or tool (each constrains the "
@@ -330,8 +315,8 @@ def parse_messages_request(body: Any, headers: Mapping[str, str]) -> ChatRequest
     for header in ("X-Session-Id", "X-SMG-Routing-Key"):
         hdr = headers.get(header)
         if hdr:
-            if len(hdr) > 256:
-                raise bad(header, "must be at most 256 characters")
+            if len(hdr) > ID_CHARS:
+                raise bad(header, f"must be at most {ID_CHARS} characters")
             creq.session_id = hdr
             break
     return creq

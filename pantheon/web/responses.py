@@ -38,7 +38,8 @@ from pantheon import osthread
 from pantheon.errors import RequestError
 from pantheon.text.emitter import Delta
 from pantheon.web.chat import REASONING_EFFORT, ChatRequest, Generation, check_arguments
-from pantheon.web.fields import bad, body_object, boolean, integer, number, sampling_params, string, tool_name
+from pantheon.contract import ID_CHARS, PROMPT_CACHE_KEY_CHARS, RESPONSES
+from pantheon.web.fields import bad, body_object, boolean, bounded, metadata, sampling_params, string, tool_name
 from pantheon.web.generation import new_id
 from pantheon.web.schema import RESPONSES_REQUEST, fields
 
@@ -370,18 +371,6 @@ def _reasoning(body: Mapping) -> tuple[bool | None, dict | None]:
     return REASONING_EFFORT[effort], {"effort": effort, "summary": r.get("summary")}
 
 
-def _metadata(body: Mapping) -> dict:
-    md = body.get("metadata")
-    if md is None:
-        return {}
-    if not isinstance(md, dict) or len(md) > 16:
-        raise bad("metadata", "must be an object of at most 16 string values")
-    for k, v in md.items():
-        if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
-            raise bad(f"metadata.{k}", "keys are at most 64 characters and values strings of at most 512")
-    return md
-
-
 def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesRequest:
     """Validate a Responses body; raises RequestError (400) naming the first bad field."""
     body = body_object(body, TOP_FIELDS)
@@ -392,15 +381,11 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("instructions", "must be a string")
-    max_output = integer(body, "max_output_tokens", 1, 1 << 31)
-    temperature = number(body, "temperature", 0.0, 2.0)
-    top_p = number(body, "top_p", 0.0, 1.0, lo_open=True)
+    max_output = bounded(body, "max_output_tokens", RESPONSES)
     # top_k, min_p and repetition_penalty: the sampling extensions chat takes too (the SMG router adds them,
     # at their neutral values, to every Responses request it forwards)
-    params = sampling_params({k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                              if body.get(k) is not None})
-    if integer(body, "priority", 0, 0):  # SGLang's request priority (SMG sends 0): no priority scheduling here
-        raise bad("priority", "must be 0")
+    params = sampling_params(body, RESPONSES)
+    bounded(body, "priority", RESPONSES)  # SGLang's request priority (SMG sends 0): no priority scheduling here
     stream = bool(boolean(body, "stream"))
     so = body.get("stream_options")
     if so is not None:
@@ -434,7 +419,7 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
         v = string(body, key)
         if v is not None and v not in allowed:
             raise bad(key, f"must be one of {', '.join(allowed)}")
-    string(body, "prompt_cache_key", 1024)
+    string(body, "prompt_cache_key", PROMPT_CACHE_KEY_CHARS)
     string(body, "safety_identifier")
     user = string(body, "user")
     creq = ResponsesRequest(
@@ -442,14 +427,13 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
         include_usage=False, tools=tools, tool_choice=tool_choice, session_id=None, enable_thinking=thinking,
         user=user, truncate_oldest=truncation == "auto", response_format=rf, parallel_tool_calls=parallel is not False,
         instructions=instructions, previous_response_id=prev, store=store is not False, text_format=text_echo,
-        reasoning=reasoning, metadata=_metadata(body), tools_echo=tools_echo, tool_choice_echo=tc_echo,
-        max_output_tokens=max_output, temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p)
+        reasoning=reasoning, metadata=metadata(body), tools_echo=tools_echo, tool_choice_echo=tc_echo,
+        max_output_tokens=max_output, temperature=params.temperature, top_p=params.top_p)
     for header in ("X-Session-Id", "X-SMG-Routing-Key"):
         hdr = headers.get(header)
         if hdr:
-            if len(hdr) > 256:
-                raise bad(header, "must be at most 256 characters")
+            if len(hdr) > ID_CHARS:
+                raise bad(header, f"must be at most {ID_CHARS} characters")
             creq.session_id = hdr
             break
     if rf is not None and creq.forces_tool_call:

@@ -9,9 +9,10 @@ every value the property's schema refuses must be a 400 naming the field, the bo
 `maximum`, `maxLength`, `maxItems`, ...) are probed at and just past their edges, and a field missing
 here is refused; a fuzz of every route from the published document finds no body the schema refuses
 taken. So a field cannot be added to a validator without being documented, nor documented without
-being checked. (The generation routes' numeric bounds are still literals in pantheon.web.fields,
-chat.py, embeddings.py and pantheon.text.structured; those tests are what holds them equal to these.)
-Bounds a model sets (n by its slots, token ids by its vocabulary, dimensions by its size) are checked
+being checked. Every bound itself (a numeric field's range, default and example; a string's or a
+list's size) is a row or a constant of pantheon.contract: `bound()` turns a row into its schema here,
+and pantheon.web.fields checks a value against the same row (tests/test_contract.py generates both
+from the table and compares them with the published document). Bounds a model sets (n by its slots, token ids by its vocabulary, dimensions by its size) are checked
 when the request starts; the schema gives the field's own range.
 
 Conventions: request objects are closed (`additionalProperties: false`: the validators refuse a field
@@ -26,30 +27,29 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pantheon.types import MAX_SPEC_K
+from pantheon import contract
+from pantheon.contract import (
+    ADMIN_DIES_MAX,
+    ADMIN_NAME_CHARS,
+    EMBED_INPUTS_MAX,
+    FORMAT_NAME_PATTERN,
+    ID_CHARS,
+    LOGIT_BIAS_KEY_DIGITS,
+    LOGIT_BIAS_VALUE,
+    MAX_LOGIT_BIAS,
+    METADATA_KEY_CHARS,
+    METADATA_MAX,
+    METADATA_VALUE_CHARS,
+    PROMPT_CACHE_KEY_CHARS,
+    PROMPTS_MAX,
+    STOP_CHARS,
+    STOP_MAX,
+    TOKENS_MAX,
+    TOOL_NAME_CHARS,
+    Bound,
+)
 
 Schema = dict[str, Any]
-
-# ---- bounds shared by the schema and the validators ---------------------------------------------------
-ID_CHARS = 256  # model names, user, session_id, cache_salt, ...
-STOP_MAX = 4  # stop strings per request
-STOP_CHARS = 512  # characters per stop string
-TOOL_NAME_CHARS = 64
-METADATA_MAX = 16
-METADATA_KEY_CHARS = 64
-METADATA_VALUE_CHARS = 512
-PROMPT_CACHE_KEY_CHARS = 1024
-MAX_TOKENS_MAX = 1 << 31
-TOP_K_MAX = 1 << 30
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit integer, as OpenAI's
-TOP_LOGPROBS_MAX = 20  # pantheon.types.MAX_TOP_LOGPROBS
-LOGIT_BIAS_MAX = 300  # entries in one logit_bias object (pantheon.types.MAX_LOGIT_BIAS)
-LOGIT_BIAS_LIMIT = 100.0  # each bias is in [-LIMIT, LIMIT] (pantheon.types.LOGIT_BIAS_RANGE)
-EMBED_INPUTS_MAX = 2048  # inputs in one /v1/embeddings call (OpenAI's limit)
-TOKENS_MAX = 1 << 18  # token ids one /detokenize call takes and one /tokenize call returns (a long context)
-ADMIN_NAME_CHARS = 4096  # admin string fields (paths, names)
-ADMIN_DIES_MAX = 64
-UNLOAD_TIMEOUT_MAX_S = 86400
 
 ROLES = ("system", "user", "assistant", "tool", "function")  # "function": the deprecated tool result
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
@@ -81,18 +81,13 @@ def _str(max_len: int | None = ID_CHARS, example: str = "abc", **extra: Any) -> 
     return s
 
 
-def _int(lo: int | None, hi: int | None, example: int, **extra: Any) -> Schema:
-    s: Schema = {"type": "integer", "examples": [example], **extra}
-    if lo is not None:
-        s["minimum"] = lo
-    if hi is not None:
-        s["maximum"] = hi
-    return s
-
-
-def _num(lo: float, hi: float, example: float, lo_open: bool = False, **extra: Any) -> Schema:
-    s: Schema = {"type": "number", "maximum": hi, "examples": [example], **extra}
-    s["exclusiveMinimum" if lo_open else "minimum"] = lo
+def bound(b: Bound, **extra: Any) -> Schema:
+    """A numeric field's JSON Schema from its contract row: the one way a bound reaches the document."""
+    s: Schema = {"type": b.kind, "examples": [b.example], **extra}
+    if b.lo is not None:
+        s["exclusiveMinimum" if b.lo_open else "minimum"] = b.lo
+    if b.hi is not None:
+        s["maximum"] = b.hi
     return s
 
 
@@ -210,9 +205,9 @@ NAMED_FUNCTION: Schema = {"type": "object", "properties": {"name": {"type": "str
 LOGIT_BIAS: Schema = {
     "type": "object",
     "description": "token id (as a string) -> bias added to its logit before sampling; -100 bans it, 100 forces it",
-    "propertyNames": {"pattern": "^[0-9]{1,10}$"},
-    "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT, "maximum": LOGIT_BIAS_LIMIT},
-    "maxProperties": LOGIT_BIAS_MAX,
+    "propertyNames": {"pattern": f"^[0-9]{{1,{LOGIT_BIAS_KEY_DIGITS}}}$"},
+    "additionalProperties": bound(LOGIT_BIAS_VALUE),
+    "maxProperties": MAX_LOGIT_BIAS,
     "examples": [{"50": -100}],
 }
 
@@ -224,7 +219,7 @@ RESPONSE_FORMAT: Schema = {
                  "schema": {**_JSON_SCHEMA_OBJECT, "type": ["object", "null"],
                             "description": "llama.cpp's form: a schema the object must match"}}, required=("type",)),
         _object({"type": {"const": "json_schema"},
-                 "json_schema": _object({"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                 "json_schema": _object({"name": {"type": "string", "pattern": FORMAT_NAME_PATTERN},
                                          "description": {"type": "string"},
                                          "schema": _JSON_SCHEMA_OBJECT,
                                          "strict": {"type": ["boolean", "null"]}}, required=("name", "schema"))},
@@ -239,16 +234,16 @@ CHAT_REQUEST: Schema = _object(_optional({
     "model": _str(example="my-model", description="a resident model's name; see the routing rules"),
     "messages": {"type": "array", "minItems": 1, "items": CHAT_MESSAGE,
                  "examples": [[{"role": "user", "content": "Hello!"}]]},
-    "max_tokens": _int(1, MAX_TOKENS_MAX, 16, description="clamped to the room left in the context"),
-    "max_completion_tokens": _int(1, MAX_TOKENS_MAX, 16, description="wins over max_tokens"),
-    "temperature": _num(0.0, 2.0, 0.7),
-    "top_p": _num(0.0, 1.0, 0.9, lo_open=True),
-    "top_k": _int(-1, TOP_K_MAX, 40, description="-1 and 0 both mean off"),
-    "min_p": _num(0.0, 1.0, 0.05),
-    "repetition_penalty": _num(0.0, 10.0, 1.1, lo_open=True),
-    "presence_penalty": _num(-2.0, 2.0, 0.5),
-    "frequency_penalty": _num(-2.0, 2.0, 0.5),
-    "seed": _int(SEED_MIN, SEED_MAX, 42),
+    "max_tokens": bound(contract.CHAT["max_tokens"], description="clamped to the room left in the context"),
+    "max_completion_tokens": bound(contract.CHAT["max_completion_tokens"], description="wins over max_tokens"),
+    "temperature": bound(contract.CHAT["temperature"]),
+    "top_p": bound(contract.CHAT["top_p"]),
+    "top_k": bound(contract.CHAT["top_k"], description="-1 and 0 both mean off"),
+    "min_p": bound(contract.CHAT["min_p"]),
+    "repetition_penalty": bound(contract.CHAT["repetition_penalty"]),
+    "presence_penalty": bound(contract.CHAT["presence_penalty"]),
+    "frequency_penalty": bound(contract.CHAT["frequency_penalty"]),
+    "seed": bound(contract.CHAT["seed"]),
     "stop": {"anyOf": [{"type": "string", "maxLength": STOP_CHARS},
                        {"type": "array", "maxItems": STOP_MAX, "items": {"type": "string", "maxLength": STOP_CHARS}}],
              "examples": ["\n\n", ["END", "###"]]},
@@ -265,10 +260,10 @@ CHAT_REQUEST: Schema = _object(_optional({
                     "examples": ["none"]},
     "parallel_tool_calls": _bool(),
     "session_id": _str(example="conversation-1", description="also the X-Session-Id / X-SMG-Routing-Key header"),
-    "n": _int(1, MAX_TOKENS_MAX, 1, description="choices to generate; at most the model's batch slots"),
+    "n": bound(contract.CHAT["n"], description="choices to generate; at most the model's batch slots"),
     "user": _str(example="user-1234"),
     "logprobs": _bool(False, description="return the chosen tokens' log probabilities"),
-    "top_logprobs": _int(0, TOP_LOGPROBS_MAX, 2, description="alternatives per position; needs logprobs: true"),
+    "top_logprobs": bound(contract.CHAT["top_logprobs"], description="alternatives per position; needs logprobs: true"),
     "logit_bias": LOGIT_BIAS,
     "response_format": RESPONSE_FORMAT,
     "functions": {"type": "array", "minItems": 1, "items": FUNCTION_DEF, "deprecated": True,
@@ -302,7 +297,6 @@ CHAT_REQUEST: Schema = _object(_optional({
 
 # ---- completions (legacy) and embeddings ------------------------------------------------------------------
 _IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-PROMPTS_MAX = 64  # prompts in one /v1/completions call
 PROMPT: Schema = {
     "anyOf": [{"type": "string"}, _IDS,
               {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": PROMPTS_MAX},
@@ -317,25 +311,25 @@ COMPLETION_REQUEST: Schema = _object(_optional({
     "prompt": PROMPT,
     "suffix": {"type": "string", "maxLength": 0, "examples": [""],
                "description": "fill-in-the-middle is not supported: only empty"},
-    "max_tokens": _int(1, MAX_TOKENS_MAX, 16, description="default 16, as OpenAI's"),
-    "temperature": _num(0.0, 2.0, 0.7),
-    "top_p": _num(0.0, 1.0, 0.9, lo_open=True),
-    "top_k": _int(-1, TOP_K_MAX, 40),
-    "min_p": _num(0.0, 1.0, 0.05),
-    "n": _int(1, MAX_TOKENS_MAX, 1, description="choices to generate; at most the model's batch slots"),
-    "best_of": _int(1, MAX_TOKENS_MAX, 1, description="only 1 or equal to n (choices are not ranked)"),
+    "max_tokens": bound(contract.COMPLETIONS["max_tokens"], description="default 16, as OpenAI's"),
+    "temperature": bound(contract.COMPLETIONS["temperature"]),
+    "top_p": bound(contract.COMPLETIONS["top_p"]),
+    "top_k": bound(contract.COMPLETIONS["top_k"]),
+    "min_p": bound(contract.COMPLETIONS["min_p"]),
+    "n": bound(contract.COMPLETIONS["n"], description="choices to generate; at most the model's batch slots"),
+    "best_of": bound(contract.COMPLETIONS["best_of"], description="only 1 or equal to n (choices are not ranked)"),
     "stream": _bool(False),
     "stream_options": {**_object({"include_usage": nullable(_bool())}),
                        "description": "only with stream: true", "examples": [{"include_usage": True}]},
-    "logprobs": _int(0, TOP_LOGPROBS_MAX, 0, description="alternatives per position (0: the chosen token only); "
+    "logprobs": bound(contract.COMPLETIONS["logprobs"], description="alternatives per position (0: the chosen token only); "
                      "with echo, n x prompt tokens x (logprobs + 1) is at most PANTHEON_MAX_ECHO_LOGPROBS "
                      "(65536 by default), else 400"),
     "echo": _bool(False, description="put the prompt before the completion (with logprobs: scored, within a cap)"),
     "stop": CHAT_REQUEST["properties"]["stop"],
-    "presence_penalty": _num(-2.0, 2.0, 0.5),
-    "frequency_penalty": _num(-2.0, 2.0, 0.5),
-    "repetition_penalty": _num(0.0, 10.0, 1.1, lo_open=True),
-    "seed": _int(SEED_MIN, SEED_MAX, 42),
+    "presence_penalty": bound(contract.COMPLETIONS["presence_penalty"]),
+    "frequency_penalty": bound(contract.COMPLETIONS["frequency_penalty"]),
+    "repetition_penalty": bound(contract.COMPLETIONS["repetition_penalty"]),
+    "seed": bound(contract.COMPLETIONS["seed"]),
     "logit_bias": LOGIT_BIAS,
     "user": _str(example="user-1234"),
     "ignore_eos": _bool(False, description="generate the full budget past end-of-text tokens (benchmarks)"),
@@ -351,7 +345,7 @@ EMBEDDING_REQUEST: Schema = _object(_optional({
               "examples": ["The food was delicious.", ["a", "b"]]},
     "model": CHAT_REQUEST["properties"]["model"],
     "encoding_format": _enum(("float", "base64"), description="base64: little-endian float32"),
-    "dimensions": _int(1, None, 64, description="the model's own dimensions only (vectors are not shortened)"),
+    "dimensions": bound(contract.EMBEDDINGS["dimensions"], description="the model's own dimensions only (vectors are not shortened)"),
     "user": _str(example="user-1234"),
     "pooling": _enum(("mean", "last"), description="how token states become one vector (default: mean)"),
 }, keep=("input",)), required=("input",))
@@ -391,14 +385,14 @@ LOAD_REQUEST: Schema = {**_object(_optional({
                "the model takes images", "examples": ["mmproj.gguf"]},
     "speculative": _bool(True, description="this model's default for prompt-lookup speculative decoding "
                                            "(default PANTHEON_SPECULATIVE); a request may still opt out"),
-    "spec_k": _int(0, MAX_SPEC_K, 6, description="the most drafts a verify step checks per slot (default "
-                                                 "PANTHEON_SPEC_K); 0: no verify programs"),
+    "spec_k": bound(contract.LOAD["spec_k"], description="the most drafts a verify step checks per slot "
+                                                         "(default PANTHEON_SPEC_K); 0: no verify programs"),
 })), "oneOf": _exactly_one("path", "model"), "description": "exactly one of path and model"}
 
 UNLOAD_REQUEST: Schema = {**_object(_optional({
     "name": {**_ADMIN_STR, "examples": ["chat"]},
     "instance_id": {**_ADMIN_STR, "examples": ["inst-8f2a61c0d9e4"]},
-    "timeout_s": _num(0, UNLOAD_TIMEOUT_MAX_S, 30, description="give up (409) if requests are still in flight"),
+    "timeout_s": bound(contract.UNLOAD["timeout_s"], description="give up (409) if requests are still in flight"),
 })), "oneOf": _exactly_one("name", "instance_id"), "description": "exactly one of name and instance_id"}
 
 # ---- OpenAI Responses and Anthropic Messages ---------------------------------------------------------------
@@ -406,7 +400,7 @@ _ITEM: Schema = {"type": "object", "description": "an input item: a message (rol
                  "content a string or input_text/output_text parts, and input_image parts with a data: URL in user "
                  "items of a model with a vision projector), function_call, function_call_output or "
                  "reasoning; fields set to null count as absent"}
-_FORMAT_NAME: Schema = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+_FORMAT_NAME: Schema = {"type": "string", "pattern": FORMAT_NAME_PATTERN}
 TEXT_FORMAT: Schema = {
     "oneOf": [
         _object({"type": {"const": "text"}}, required=("type",)),
@@ -423,13 +417,13 @@ RESPONSES_REQUEST: Schema = _object(_optional({
               "description": "a user message, or a list of input items",
               "examples": ["Hello!", [{"role": "user", "content": "Hello!"}]]},
     "instructions": _str(None, "Answer briefly.", description="the system prompt (not carried to later turns)"),
-    "max_output_tokens": _int(1, MAX_TOKENS_MAX, 16, description="clamped to the room left in the context"),
-    "temperature": _num(0.0, 2.0, 0.7),
-    "top_p": _num(0.0, 1.0, 0.9, lo_open=True),
-    "top_k": _int(-1, TOP_K_MAX, 40, description="-1 and 0 both mean off (the SMG router sends -1)"),
-    "min_p": _num(0.0, 1.0, 0.05),
-    "repetition_penalty": _num(0.0, 10.0, 1.1, lo_open=True),
-    "priority": _int(0, 0, 0, description="SGLang's request priority, which the SMG router sends: only 0"),
+    "max_output_tokens": bound(contract.RESPONSES["max_output_tokens"], description="clamped to the room left in the context"),
+    "temperature": bound(contract.RESPONSES["temperature"]),
+    "top_p": bound(contract.RESPONSES["top_p"]),
+    "top_k": bound(contract.RESPONSES["top_k"], description="-1 and 0 both mean off (the SMG router sends -1)"),
+    "min_p": bound(contract.RESPONSES["min_p"]),
+    "repetition_penalty": bound(contract.RESPONSES["repetition_penalty"]),
+    "priority": bound(contract.RESPONSES["priority"], description="SGLang's request priority, which the SMG router sends: only 0"),
     "stream": _bool(False, description="typed server-sent events (response.created ... response.completed)"),
     "stream_options": {**_object({"include_obfuscation": nullable(_bool())}), "description": "only with stream",
                        "examples": [{"include_obfuscation": False}]},
@@ -482,7 +476,7 @@ _ANTHROPIC_TOOL_CHOICE: Schema = {"type": "object", "properties": {
     "disable_parallel_tool_use": {"type": "boolean"}}, "required": ["type"],
     "description": "tool needs name, one of the tools", "examples": [{"type": "auto"}]}
 _THINKING: Schema = {"type": "object", "properties": {"type": {"enum": ["enabled", "disabled", "adaptive"]},
-                                                      "budget_tokens": {"type": "integer", "minimum": 1},
+                                                      "budget_tokens": bound(contract.THINKING["budget_tokens"]),
                                                       "display": {"enum": ["summarized", "omitted", None]}},
                      "required": ["type"], "description": "the chat template's thinking switch",
                      "examples": [{"type": "disabled"}]}
@@ -497,13 +491,13 @@ _MESSAGES_COMMON: dict[str, Schema] = {
 }
 MESSAGES_REQUEST: Schema = _object(_optional({
     **_MESSAGES_COMMON,
-    "max_tokens": _int(1, MAX_TOKENS_MAX, 16, description="required, as Anthropic requires it"),
+    "max_tokens": bound(contract.MESSAGES["max_tokens"], description="required, as Anthropic requires it"),
     "stop_sequences": {"type": "array", "maxItems": STOP_MAX, "items": {"type": "string", "maxLength": STOP_CHARS},
                        "examples": [["END"]]},
     "stream": _bool(False, description="Anthropic's server-sent events (message_start ... message_stop)"),
-    "temperature": _num(0.0, 1.0, 0.7),
-    "top_p": _num(0.0, 1.0, 0.9, lo_open=True),
-    "top_k": _int(0, TOP_K_MAX, 40),
+    "temperature": bound(contract.MESSAGES["temperature"]),
+    "top_p": bound(contract.MESSAGES["top_p"]),
+    "top_k": bound(contract.MESSAGES["top_k"]),
     "metadata": {**_object({"user_id": nullable(_str())}), "examples": [{"user_id": "u-1"}]},
     "output_config": {**_object({"format": nullable(_object({"type": {"const": "json_schema"},
                                                              "schema": _JSON_SCHEMA_OBJECT},

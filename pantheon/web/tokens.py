@@ -26,7 +26,8 @@ from pantheon.web.body import parse_json, shown
 from pantheon.web.chat import BIG_PROMPT_CHARS
 from pantheon.web.fields import body_object
 from pantheon.web.routes import read_raw, server
-from pantheon.web.schema import DETOKENIZE_REQUEST, ID_CHARS, TOKENIZE_REQUEST, TOKENS_MAX, fields
+from pantheon.contract import ID_CHARS, TOKENS_MAX
+from pantheon.web.schema import DETOKENIZE_REQUEST, TOKENIZE_REQUEST, fields
 
 bp = Blueprint("tokens", __name__)
 

@@ -69,6 +69,9 @@ class Settings:
     queue_wait_s: float = 30.0
     bs_stats: bool = False
     bs_mixed: bool = True
+    speculative: bool = True
+    spec_k: int = 6
+    spec_gauge: bool = True
     prefix_snapshot_mb: int = 1024
     die_budget_mb: int = 0
     warmup: bool = True
@@ -409,6 +412,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PANTHEON_BS_MIXED", "bs_mixed", _flag,
             doc="a prefill chunk and the decode rows of the other slots share one forward (llama-family "
                 "models); 0 alternates chunk and decode steps instead"),
+    Setting("PANTHEON_SPECULATIVE", "speculative", _flag,
+            doc="speculative decoding with prompt-lookup drafts for every request that does not opt out "
+                "(`\"speculative\": false`): the step verifies up to PANTHEON_SPEC_K drafted tokens per slot and "
+                "greedy (and seeded) output stays the same token for token (docs/speculative.md); 0 turns it off"),
+    Setting("PANTHEON_SPEC_GAUGE", "spec_gauge", _flag,
+            doc="verify steps run only while they measure at least as many tokens per second as plain decode "
+                "steps (per decoding-slot count; a slower one rests speculation for 256 steps, then probes "
+                "again); 0 always verifies drafts when there are some"),
+    Setting("PANTHEON_SPEC_K", "spec_k", _integer(low=0),
+            doc="the most draft tokens one verify step checks per slot (verify programs are made for this K "
+                "and K / 2: fewer drafts ride padded); 0 makes no verify programs"),
     # -- router registration (pantheon.serving.registration): all off unless PANTHEON_REGISTRY_URL is set
     Setting("PANTHEON_PREFIX_SNAPSHOT_MB", "prefix_snapshot_mb", _integer(low=0),
             doc="device memory per model for prefix snapshots of a recurrent model's slot state (Qwen3.5 / "

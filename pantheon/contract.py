@@ -130,6 +130,8 @@ MESSAGES: dict[str, Bound] = {
 THINKING: dict[str, Bound] = {"budget_tokens": replace(MAX_TOKENS, example=1024)}  # Messages' thinking object
 EMBEDDINGS: dict[str, Bound] = {"dimensions": _integer(1, None, 64)}  # the model's own dimensions only
 UNLOAD: dict[str, Bound] = {"timeout_s": _number(0.0, UNLOAD_TIMEOUT_MAX_S, 30.0)}
+MAX_SPEC_K = 16  # the most draft tokens a verify step takes per slot (speculative decoding)
+LOAD: dict[str, Bound] = {"spec_k": _integer(0, MAX_SPEC_K, 6)}  # the admin load's per-model draft count
 
 # Every route's numeric fields, by the component name of its request schema in GET /openapi.json.
 ROUTES: dict[str, dict[str, Bound]] = {
@@ -139,4 +141,5 @@ ROUTES: dict[str, dict[str, Bound]] = {
     "MessagesRequest": MESSAGES,
     "EmbeddingRequest": EMBEDDINGS,
     "UnloadRequest": UNLOAD,
+    "LoadRequest": LOAD,
 }

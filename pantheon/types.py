@@ -181,6 +181,9 @@ class GenRequest:
     # Images whose embeddings replace the token embeddings at their positions (PromptImage each, in
     # prompt order; the prompt holds the model's image token at every such position)
     images: tuple["PromptImage", ...] = ()
+    # Speculative decoding (prompt-lookup drafts verified inside the step): None follows the server's
+    # default (PANTHEON_SPECULATIVE), False opts out. The tokens are the same either way.
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         p = self.params.resolved()

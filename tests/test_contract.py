@@ -27,7 +27,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pantheon"
 
 # The request component of each contract table, and its route in test_openapi's table of bodies.
 ROUTE_OF = {"ChatCompletionRequest": "chat", "CompletionRequest": "completions", "ResponseRequest": "responses",
-            "MessagesRequest": "messages", "EmbeddingRequest": "embeddings", "UnloadRequest": "unload"}
+            "MessagesRequest": "messages", "EmbeddingRequest": "embeddings", "UnloadRequest": "unload",
+            "LoadRequest": "load"}
 BOUND_KEYS = ("type", "minimum", "exclusiveMinimum", "maximum", "examples")
 
 

@@ -402,3 +402,16 @@ def test_session_map_is_bounded():
         reg.release(reg.acquire("m", f"s{i}"))
     assert reg.session_instance("s0") is None and reg.session_instance(f"s{MAX_SESSIONS + 9}") is not None
     assert len(reg._sessions) == MAX_SESSIONS and sum(reg._session_counts.values()) == MAX_SESSIONS
+
+
+def test_a_load_may_set_its_own_speculative_decoding():
+    """The admin load's `speculative` / `spec_k` reach this model's load and its scheduler, not the others'."""
+    seen: dict[str, tuple] = {}
+    reg = make_registry(load_model=lambda p, n, d, s: (seen.setdefault(n, (s.speculative, s.spec_k)),
+                                                       FakeModel(p, n, d))[1],
+                        make_backend=lambda m, s: (seen.setdefault(m.name + "/backend", (s.speculative, s.spec_k)),
+                                                   FakeBackend(m))[1])
+    reg.load("small.gguf", "plain", None, resolve=Path)
+    reg.load("small.gguf", "tuned", None, resolve=Path, overrides={"speculative": False, "spec_k": 3})
+    assert seen["plain"] == seen["plain/backend"] == (True, 6)
+    assert seen["tuned"] == seen["tuned/backend"] == (False, 3)

@@ -77,6 +77,8 @@ def test_admin_auth(srv):
     ({"path": "qwen2.gguf", "color": "red"}, 400, "color"),
     ({"path": "qwen2.gguf", "dies": [9]}, 400, "dies"),
     ({"path": "qwen2.gguf", "name": "has space"}, 400, "name"),
+    ({"path": "qwen2.gguf", "spec_k": 99}, 400, "spec_k"),
+    ({"path": "qwen2.gguf", "speculative": "yes"}, 400, "speculative"),
     ({"name": "x"}, 400, None),
 ])
 def test_load_errors(srv, body, status, param):

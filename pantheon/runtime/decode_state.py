@@ -163,6 +163,21 @@ def release(table: SlotTable, slot: jax.Array) -> SlotTable:
 
 
 @struct.dataclass
+class VerifyRows:
+    """What a verify step's forward tells its acceptance part (`verify_and_advance`), per decode slot.
+
+    A verify step runs each decode slot d as K + 1 one-token rows d * (K + 1) + j: row 0 feeds the
+    slot's last token at its position, row j > 0 feeds draft j - 1 at the position after it. Rows
+    past the slot's drafts (and every row of a dead slot) go to the scratch slot."""
+
+    slot: jax.Array  # i32[D] the slot (scratch for padding and dead slots)
+    on: jax.Array  # bool[D] a live slot
+    start: jax.Array  # i32[D] the slot's position before the step (its last token goes there)
+    drafts: jax.Array  # i32[D, K] the drafted tokens, -1 past the slot's n_draft
+    n_draft: jax.Array  # i32[D] how many drafts the slot carries (0: a plain decode row)
+
+
+@struct.dataclass
 class Sampled:
     """A step's sampling output: what crosses to the host."""
 
@@ -216,4 +231,75 @@ def sample_and_advance(table: SlotTable, logits: jax.Array, rows: StepRows, mask
         ring=table.ring.at[at_emit].set(ring, mode="drop"),
     )
     packed = jnp.stack([ids.astype(jnp.int32), flag], axis=1)
+    return Sampled(packed=packed, logprobs=lps, top_ids=top_ids), table
+
+
+def verify_and_advance(table: SlotTable, logits: jax.Array, rows: VerifyRows, max_seq: int,
+                       barrier: bool = True) -> tuple[Sampled, SlotTable]:
+    """Sample every position of a verify step, accept each slot's agreeing prefix plus one, and move
+    the slots on (pure, jittable). `logits` f32[D * (K + 1), V], row d * (K + 1) + j the position
+    after the slot's j-th draft.
+
+    Why this is exact: row j of slot d is sampled with exactly what a plain decode step would use for
+    the slot's next-but-j token had the j drafts before it been that decode's tokens -- the slot's
+    knobs and logit bias, the penalty ring with those j drafts appended, and the draw key of step
+    index `step + j`. A draft is accepted only if it *equals* the token sampled at its position, so
+    every emitted token is the token plain decoding would have emitted there, greedy or seeded. (For
+    a deterministic draft this is also the rejection-sampling rule: the draft survives with
+    probability p(draft), and on a mismatch the token is a draw from p without the draft,
+    renormalised -- the residual distribution. docs/speculative.md.) Emission stops at the first
+    mismatch (the sampled token there is the corrected one), after the last draft (the bonus
+    token), or at a token that ends the request (stop id, budget, max_seq): nothing past it leaks.
+
+    Returns (Sampled over the D * (K + 1) rows -- IDLE for every row not emitted -- ; the new table):
+    each live slot moves on by the count of its emitted tokens, whose last becomes its `last`.
+    """
+    n_slots = table.pos.shape[0]
+    d, k = rows.drafts.shape
+    g = k + 1
+    r = d * g
+    jj = jnp.arange(g, dtype=jnp.int32)
+    slot = jnp.repeat(rows.slot, g)
+    step_j = jnp.tile(jj, d)
+    knobs = jax.tree.map(lambda col: col[slot], table.sampling)
+    x = jnp.asarray(logits, jnp.float32)
+    x = jax.lax.cond(jnp.any(table.bias_ids[slot] >= 0), lambda: apply_bias(x, table.bias_ids[slot], table.bias[slot]),
+                     lambda: x)
+    w = table.ring.shape[1]
+    ext = jnp.concatenate([table.ring[rows.slot], jnp.where(rows.drafts >= 0, rows.drafts, -1)], axis=1)  # [D, W+K]
+    window = jnp.arange(w, dtype=jnp.int32)[None, :] + jj[:, None]  # [G, W]: row j's ring = ext[j: j + W]
+    rings = ext[:, window].reshape(r, w)
+    x = apply_penalties(x, knobs, rings)
+    ids = pick(x, knobs, table.step[slot] + step_j, barrier=barrier)
+    ids2 = ids.reshape(d, g)
+    stop_hit = jnp.any(table.stop[slot] == ids[:, None], axis=-1).reshape(d, g)
+    left = table.budget[rows.slot][:, None] - (jj[None, :] + 1)  # budget after token j
+    after = rows.start[:, None] + jj[None, :] + 1  # the slot's position after token j
+    spent = (left <= 0) | (after + 1 >= max_seq)
+    flag = jnp.where(stop_hit, STOP, jnp.where(spent, LENGTH, RUNNING)).astype(jnp.int32)
+    target = jnp.concatenate([rows.drafts, jnp.full((d, 1), -1, jnp.int32)], axis=1)
+    cont = (ids2 == target) & (flag == RUNNING) & (jj[None, :] < rows.n_draft[:, None])
+    reach = jnp.cumprod(cont.astype(jnp.int32), axis=1)  # 1 while every token so far agreed and ran on
+    emitted = rows.on[:, None] & jnp.concatenate([jnp.ones((d, 1), bool), reach[:, :-1] > 0], axis=1)
+    count = jnp.sum(emitted, axis=1).astype(jnp.int32)
+    out_flag = jnp.where(emitted, flag, IDLE).astype(jnp.int32)
+    want = (table.want_lp[rows.slot][:, None] & emitted).reshape(r)
+    lps, top_ids = jax.lax.cond(
+        jnp.any(want), lambda: token_logprobs(x, ids, MAX_TOP_LOGPROBS),
+        lambda: (jnp.zeros((r, 1 + MAX_TOP_LOGPROBS), jnp.float32), jnp.zeros((r, MAX_TOP_LOGPROBS), jnp.int32)))
+    last_j = jnp.maximum(count - 1, 0)[:, None]
+    new_last = jnp.take_along_axis(ids2, last_j, axis=1)[:, 0]
+    last_flag = jnp.take_along_axis(flag, last_j, axis=1)[:, 0]
+    ring_ext = jnp.concatenate([table.ring[rows.slot], ids2], axis=1)  # [D, W + G]
+    new_ring = jnp.take_along_axis(ring_ext, jnp.arange(w, dtype=jnp.int32)[None, :] + count[:, None], axis=1)
+    at = jnp.where(rows.on, rows.slot, n_slots)  # out of range: the scatter drops the slot
+    table = table.replace(
+        pos=table.pos.at[at].set(rows.start + count, mode="drop"),
+        last=table.last.at[at].set(new_last, mode="drop"),
+        step=table.step.at[at].add(count, mode="drop"),
+        budget=table.budget.at[at].add(-count, mode="drop"),
+        active=table.active.at[at].set(last_flag == RUNNING, mode="drop"),
+        ring=table.ring.at[at].set(new_ring, mode="drop"),
+    )
+    packed = jnp.stack([ids.astype(jnp.int32), out_flag.reshape(r)], axis=1)
     return Sampled(packed=packed, logprobs=lps, top_ids=top_ids), table

@@ -50,6 +50,7 @@ from pantheon.config import load_settings
 from pantheon.errors import ModelLoadError, clear_exception_frames
 from pantheon.formats.gguf_loader import GGUFFile, ModelConfig, open_gguf
 from pantheon.runtime.decode_state import DecodeState
+from pantheon.contract import MAX_SPEC_K
 from pantheon.types import GREEDY, MAX_TOP_LOGPROBS, ModelCard, ModelGeometry
 from pantheon.jax_models.common import last_valid
 from pantheon.jax_models.registry import capabilities_of
@@ -77,6 +78,9 @@ class LoadOptions:
     # $PANTHEON_HOME/executables when PANTHEON_EXEC_STORE is on; "" keeps none
     store_dir: str | None = None
     mmproj: str | None = None  # a vision projector GGUF (llama.cpp's mmproj): the model takes images
+    # the most draft tokens a verify step checks per slot (speculative decoding); 0: no verify
+    # programs. None: PANTHEON_SPEC_K
+    spec_k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,11 @@ class StepPlan:
     chunk: Chunk | None = None
     decode: tuple[int, ...] = ()
     reach: int = 0
+    # Speculative decoding: per decode slot (in `decode`'s order) the draft tokens to verify after its
+    # last token (empty: the slot decodes one token as usual). Any draft makes the step a "verify"
+    # step (no prompt chunk): slot d runs as K + 1 one-token rows and may emit up to len(draft) + 1
+    # tokens (decode_state.verify_and_advance). `reach` then bounds the position after the drafts.
+    drafts: tuple[tuple[int, ...], ...] = ()
 
 
 @struct.dataclass
@@ -241,6 +250,17 @@ class Model:
         # The decode group is always padded to n_slots - 1 rows: one program per (T, span), not four.
         self.mixed_rows = self.n_slots - 1
         self.supports_mixed = self.caps.mixed_steps and self.mixed_rows >= 1
+        # Verify steps (speculative decoding): up to VERIFY_MAX_ROWS decoding slots, each with K + 1
+        # one-token rows, K one of `verify_ks`. Only where a slot's state can be rolled back by
+        # rewinding its position -- attention-only models: a recurrent state (qwen35, rwkv7) would
+        # have absorbed the rejected drafts -- and text-only models (the image path jits its steps).
+        spec_k = load_settings().spec_k if opts.spec_k is None else int(opts.spec_k)
+        spec_k = max(0, min(spec_k, self.chunk, MAX_SPEC_K))
+        self.supports_verify = spec_k > 0 and not self.caps.recurrent_state and vision is None
+        # two K buckets, K and half of it: a slot whose acceptance dropped drafts few tokens, and its
+        # step should not compute K + 1 rows for them (on a CPU every row costs its share of compute)
+        self.verify_ks = tuple(sorted({-(-spec_k // 2), spec_k})) if self.supports_verify else ()
+        self.verify_rows = tuple(b for b in self.row_buckets if b <= VERIFY_MAX_ROWS) if self.supports_verify else ()
         # Two programs per step: the forward (one per (kind, rows, tokens, span) bucket) and the
         # sampler + slot update (one per rows bucket). Keeping the sampler out of the forward compiles
         # it a handful of times, not once per forward bucket. Several dies: one mesh over them, params
@@ -260,6 +280,9 @@ class Model:
         self._advance = jax.jit(
             lambda table, logits, rows, mask, masked: decode_state.sample_and_advance(
                 table, logits, rows, mask, masked, max_seq, barrier),
+            donate_argnums=(0,))
+        self._accept = jax.jit(
+            lambda table, logits, rows: decode_state.verify_and_advance(table, logits, rows, max_seq, barrier),
             donate_argnums=(0,))
         self._insert = jax.jit(decode_state.insert, donate_argnums=(0,))
         self._release = jax.jit(decode_state.release, donate_argnums=(0,))
@@ -363,7 +386,7 @@ class Model:
         self._no_mask.clear()
         _delete_arrays(self.vision_params)
         self.vision_params = None
-        for attr in ("_forward", "_serve", "_advance", "_insert", "_release", "_copy", "_snap", "_restore_snap",
+        for attr in ("_forward", "_serve", "_advance", "_accept", "_insert", "_release", "_copy", "_snap", "_restore_snap",
                      "_score", "_embed", "_encode"):
             fn = getattr(self, attr, None)
             clear = getattr(fn, "clear_cache", None)
@@ -434,6 +457,8 @@ class Model:
         else:
             logits, rows, cache = p.fn(self.params, state.cache, state.slots, *p.args, **p.kwargs)
         n = (plan.chunk is not None) + len(plan.decode)
+        if p.key[0] == "verify":
+            n = len(plan.decode) * (p.key[2] + 1)
         return Forward(logits=logits, rows=rows, n_rows=n, padded_rows=p.rows, aot=p.program is not None), \
             self._track(state.replace(cache=cache))
 
@@ -445,6 +470,13 @@ class Model:
         `mask`: i32[rows, mask_words] (bit t of a row allows token t; an unconstrained row is all ones),
         or None for no mask (an all-ones mask kept on the device and a false switch)."""
         self._check_live()
+        if isinstance(fwd.rows, decode_state.VerifyRows):
+            if mask is not None:
+                raise ValueError("a verify step takes no grammar mask (constrained slots do not speculate)")
+            D, K = fwd.rows.drafts.shape
+            accept = self._program(("accept", D, K), self._accept) if fwd.aot else self._accept
+            out, table = accept(state.slots, fwd.logits, fwd.rows)
+            return self._sampled(state, fwd, out, table, want_logits)
         if mask is None:
             m, masked = self._unmasked(fwd.padded_rows)
         else:
@@ -453,6 +485,11 @@ class Model:
             m, masked = self._on_device(m), self._on_device(np.bool_(True))
         advance = self._program(("advance", fwd.padded_rows), self._advance) if fwd.aot else self._advance
         out, table = advance(state.slots, fwd.logits, fwd.rows, m, masked)
+        return self._sampled(state, fwd, out, table, want_logits)
+
+    def _sampled(self, state: DecodeState, fwd: Forward, out: decode_state.Sampled, table: Any,
+                 want_logits: bool) -> tuple[StepHandle, DecodeState]:
+        """The handle of a dispatched sampler (its outputs already on their way to the host)."""
         for x in (out.packed, out.logprobs, out.top_ids):
             if x.is_fully_addressable:  # (over several processes each reads its own replicated copy)
                 x.copy_to_host_async()  # the host reads it after dispatching the next step
@@ -574,8 +611,33 @@ class Model:
         the scratch slot). A decode row whose slot is inactive (finished or released while this step
         was being planned) is sent to the scratch slot, so it changes no cache and no recurrent state.
         Returns (logits [R, V] of each row's last token, StepRows, cache).
+
+        kind "verify" (speculative decoding): chunk_tok is the drafts i32[D, K] and chunk_meta their
+        counts i32[D]; slot d runs as K + 1 one-token rows (its last token, then each draft, at the
+        positions after it), so each row is computed exactly as a plain decode row of that token at
+        that position would be -- the rows' keys and values are all written before any row attends,
+        and a row attends only up to its own position. Rows past a slot's drafts go to the scratch
+        slot. Returns (logits [D * (K + 1), V], decode_state.VerifyRows, cache).
         """
         scratch = self.scratch_slot
+        if kind == "verify":
+            drafts, n_draft = chunk_tok, chunk_meta
+            D, K = drafts.shape
+            jj = jnp.arange(K + 1, dtype=jnp.int32)
+            on = table.active[dec_slots] & (dec_slots != scratch)
+            start = jnp.where(on, table.pos[dec_slots], 0)
+            n_draft = jnp.where(on, jnp.clip(n_draft, 0, K), 0)
+            tok = jnp.concatenate([table.last[dec_slots][:, None], drafts], axis=1)  # [D, K + 1]
+            real = on[:, None] & (jj[None, :] <= n_draft[:, None])
+            r_slot = jnp.where(real, dec_slots[:, None], scratch).reshape(-1)
+            r_start = jnp.where(real, start[:, None] + jj[None, :], jj[None, :]).reshape(-1)
+            r_tok = jnp.where(real, tok, 0).reshape(-1, 1)
+            logits, cache = self.arch.forward(params, cache, r_tok, r_slot, r_start, jnp.ones_like(r_start),
+                                              cfg=self.config, span=span, all_logits=False, kernels=kernels)
+            rows = decode_state.VerifyRows(
+                slot=jnp.where(on, dec_slots, scratch), on=on, start=start,
+                drafts=jnp.where(jj[None, :K] < n_draft[:, None], drafts, -1), n_draft=n_draft)
+            return logits, rows, cache
         groups, slot, emit, pos, live = [], [], [], [], []
         if kind in ("prefill", "mixed"):
             c_slot, c_n, c_final = chunk_meta[0:1], chunk_meta[1:2], chunk_meta[2:3]
@@ -627,6 +689,8 @@ class Model:
         c, dec = plan.chunk, list(plan.decode)
         if c is None and not dec:
             raise ValueError("a step needs a prompt chunk or a decoding slot")
+        if any(plan.drafts):
+            return self._verify_bucket(plan)
         if c is not None and not c.tokens:
             raise ValueError("a prompt chunk needs at least one token")
         if c is not None and dec and not self.supports_mixed:
@@ -649,12 +713,51 @@ class Model:
             kind, D = "decode", _bucket(len(dec), self.row_buckets)
         return (kind, D, T, span)
 
+    def _verify_bucket(self, plan: StepPlan) -> tuple:
+        """The ("verify", D, K, span) bucket of a step with drafts; checks the plan."""
+        if not self.supports_verify:
+            raise ValueError(f"{self.name} does not verify drafts (recurrent state, an image model, or spec_k 0)")
+        if plan.chunk is not None:
+            raise ValueError("a verify step carries no prompt chunk")
+        if len(plan.drafts) != len(plan.decode):
+            raise ValueError("a verify step needs one draft (maybe empty) per decoding slot")
+        if len(plan.decode) > self.verify_rows[-1]:
+            raise ValueError(f"{len(plan.decode)} decoding slots do not fit a verify step (at most {self.verify_rows[-1]})")
+        k = max(len(d) for d in plan.drafts)
+        if k > self.verify_ks[-1]:
+            raise ValueError(f"{k} drafts exceed the verify step's {self.verify_ks[-1]}")
+        K = _bucket(k, self.verify_ks)
+        reach = max(plan.reach, 1 + k)
+        return ("verify", _bucket(len(plan.decode), self.verify_rows), K, self._span_for(reach))
+
+    def verify_fits(self, n_decode: int, k: int, reach: int) -> bool:
+        """Whether a verify step of `n_decode` slots with up to `k` drafts reaching `reach` can run now
+        without compiling: the model verifies, the shape fits, and (ahead-of-time programs) a compiled
+        bucket holds it -- the scheduler plans a plain decode step otherwise."""
+        if not self.supports_verify or not 0 < n_decode <= self.verify_rows[-1] or not 0 < k <= self.verify_ks[-1]:
+            return False
+        if reach > self.capacity:
+            return False
+        if not self._aot:
+            return True
+        exact = ("verify", _bucket(n_decode, self.verify_rows), _bucket(k, self.verify_ks), self._span_for(reach))
+        return self._route(exact, 0) is not None
+
     def _padded(self, plan: StepPlan, bucket: tuple, program: Any) -> _Plan:
         """The step's host inputs padded to `bucket` (its own or a larger one: extra chunk positions
         are zeros past the chunk's real count, extra decode rows are the scratch slot, a wider span
         only attends over more masked positions -- the same tokens come out)."""
         kind, D, T, span = bucket
         c, dec = plan.chunk, plan.decode
+        if kind == "verify":  # (drafts [D, K], their counts [D], slots [D])
+            drafts, counts = np.zeros((D, T), np.int32), np.zeros(D, np.int32)
+            ds = np.full((D,), self.scratch_slot, np.int32)
+            ds[: len(dec)] = dec
+            for i, d in enumerate(plan.drafts):
+                drafts[i, : len(d)] = d
+                counts[i] = len(d)
+            return _Plan(self._serve, (drafts, counts, ds), dict(span=span, kernels=self.kernels, kind=kind),
+                         bucket, D * (T + 1), program)
         ctok, cmeta, ovr = np.zeros((1, max(T, 1)), np.int32), np.zeros(3, np.int32), None
         if c is not None:
             ctok, ovr = self._chunk_inputs([c.tokens], [c.embd], T)
@@ -830,6 +933,8 @@ class Model:
         s = self.scratch_slot
         if decode:
             plans += [StepPlan(decode=(s,) * b, reach=sp) for b in self.row_buckets for sp in self.span_buckets]
+            plans += [StepPlan(decode=(s,) * b, drafts=((0,) * k,) * b, reach=sp)
+                      for b in self.verify_rows for k in self.verify_ks for sp in self.span_buckets]
         chunks = [(t, sp) for t in (1, *self.chunk_buckets) for sp in self.span_buckets if sp >= t]
         for t, sp in chunks:
             start = max(0, min(sp - t, self.capacity - t)) if sp != self.span_buckets[0] else 0
@@ -911,11 +1016,13 @@ class Model:
         (`_first_programs`), then the sampler of each row count, then the step buckets from the
         narrowest span up (short contexts are the common case), fewest rows and tokens first."""
         serve = list(dict.fromkeys(self._exact_bucket(p) for p in self.warmup_plans(decode, prefill, mixed)))
-        serve.sort(key=lambda b: (b[3], b[1] + b[2], ("decode", "prefill", "mixed").index(b[0])))
-        rows = sorted({_rows_of(b) for b in serve})
+        serve.sort(key=lambda b: (b[3], b[1] + b[2], ("decode", "prefill", "mixed", "verify").index(b[0])))
+        rows = sorted({_rows_of(b) for b in serve if b[0] != "verify"})
         first = self._first_programs(decode, prefill, mixed)
         out = [k for k in first if k[0] != "serve" or k[1:] in serve]
-        out += [("advance", r) for r in rows] + [("serve", *b) for b in serve]
+        out += [("advance", r) for r in rows]
+        out += sorted({("accept", b[1], b[2]) for b in serve if b[0] == "verify"})
+        out += [("serve", *b) for b in serve]
         return list(dict.fromkeys(out))
 
     def _first_programs(self, decode: bool, prefill: bool, mixed: bool) -> list[tuple]:
@@ -956,11 +1063,11 @@ class Model:
             if cands is None:
                 cands = sorted((k[1:] for k in self._programs
                                 if k[0] == "serve" and k[1] == kind and k[2] >= D and k[3] >= T and k[4] >= span
-                                and ("advance", _rows_of(k[1:])) in self._programs),
+                                and _sampler_key(k[1:]) in self._programs),
                                key=lambda b: (b[3] * (b[1] + b[2]), b))
                 self._routes[exact] = cands
         for b in cands:
-            if kind == "decode" or b[3] >= chunk_start + b[2]:
+            if kind in ("decode", "verify") or b[3] >= chunk_start + b[2]:
                 return b
         return None
 
@@ -1096,6 +1203,17 @@ class Model:
     def _lower(self, key: tuple) -> Any:
         """Trace and lower program `key` for this model's abstract params, cache and slot table."""
         params, cache, table = self._abstract
+        if key[0] == "serve" and key[1] == "verify":
+            _, D, K, span = key[1:]
+            args = (np.zeros((D, K), np.int32), np.zeros(D, np.int32), np.zeros((D,), np.int32))
+            return self._serve.lower(params, cache, table, *args, span=span, kernels=self.kernels, kind="verify")
+        if key[0] == "accept":
+            D, K = key[1:]
+            r = D * (K + 1)
+            logits = jax.ShapeDtypeStruct((r, self.config.vocab), self._logits_dtype(), sharding=table.pos.sharding)
+            rows = decode_state.VerifyRows(slot=np.zeros(D, np.int32), on=np.zeros(D, bool), start=np.zeros(D, np.int32),
+                                           drafts=np.zeros((D, K), np.int32), n_draft=np.zeros(D, np.int32))
+            return self._accept.lower(table, logits, rows)
         if key[0] == "serve":
             kind, D, T, span = key[1:]
             args = (np.zeros((1, max(T, 1)), np.int32), np.zeros(3, np.int32), np.zeros((max(D, 1),), np.int32))
@@ -1183,9 +1301,20 @@ def _stop_warmers() -> None:
 
 
 def _rows_of(bucket: tuple) -> int:
-    """The output rows of a step bucket (kind, D, T, span): its chunk row, if any, and its decode rows."""
+    """The output rows of a step bucket (kind, D, T, span): its chunk row, if any, and its decode rows
+    (a verify bucket ("verify", D, K, span): K + 1 rows per slot)."""
     kind, D = bucket[0], bucket[1]
+    if kind == "verify":
+        return D * (bucket[2] + 1)
     return (0 if kind == "decode" else 1) + D
+
+
+def _sampler_key(bucket: tuple) -> tuple:
+    """The sampler program a step bucket's output goes through: ("advance", rows), or for a verify
+    bucket ("accept", D, K)."""
+    if bucket[0] == "verify":
+        return ("accept", bucket[1], bucket[2])
+    return ("advance", _rows_of(bucket))
 
 
 def _program_name(key: tuple) -> str:
@@ -1285,6 +1414,9 @@ def resolve_kv_dtype(opts: LoadOptions, device: Any) -> Any:  # device: a jax de
 
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
+# the most decoding slots a verify step holds: more slots already share each weight read, and on a CPU
+# their K + 1 rows each made a step compute-bound (4 streams of a code edit ran at 0.80x, measured)
+VERIFY_MAX_ROWS = 2
 
 
 def kv_bytes(f32_bytes: int, kv_dtype: Any) -> int:

@@ -6,7 +6,7 @@ tests, the CLI and tools use them, and the scheduler's batched output is compare
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,11 +47,15 @@ def logits(model: Model, ids: Sequence[int], chunk: int | None = None) -> np.nda
 def generate(model: Model, prompt_ids: Sequence[int], params: SamplingParams | None = None, max_tokens: int = 128,
              stop_ids: Sequence[int] | None = None, state: DecodeState | None = None, slot: int = 0,
              cancel: Any = None, chunk: int | None = None,
-             decode_from: int | None = None) -> Iterator[int]:
+             decode_from: int | None = None,
+             draft: Callable[[list[int]], Sequence[int]] | None = None) -> Iterator[int]:
     """One sequence, alone, through the serving verbs (insert, then steps): yields token ids.
 
     The reference the scheduler's batched output is compared with. `decode_from` feeds
     prompt_ids[decode_from:] one token per chunk (a test hook: chunking must not change tokens).
+    `draft` (speculative decoding): given the sequence so far (prompt and generated tokens), the
+    tokens to verify after it (at most the model's largest verify K; empty: a plain decode step);
+    each verify step yields every token it accepted, which must be the tokens plain decoding yields.
     """
     params = (params or SamplingParams(temperature=0.0)).resolved()
     if stop_ids is None:  # the model's own set, as a request gets it
@@ -72,10 +76,23 @@ def generate(model: Model, prompt_ids: Sequence[int], params: SamplingParams | N
         h, state = model.step(state, StepPlan(chunk=Chunk(slot, tuple(part), pos, i == len(pieces) - 1)))
         pos += len(part)
     tok, flag = (int(x) for x in model.read(h)[0])
+    seq = prompt + [tok]
     while True:
         yield tok
         if flag != decode_state.RUNNING or (cancel is not None and cancel.is_set()):
             return
+        d = tuple(draft(seq))[: max(0, model.max_seq - pos - 2)] if draft is not None else ()
+        if d:
+            h, state = model.step(state, StepPlan(decode=(slot,), drafts=(d,), reach=pos + 1 + len(d)))
+            got = [(int(t), int(f)) for t, f in model.read(h) if f != decode_state.IDLE]
+            pos += len(got)
+            for t, f in got[:-1]:
+                seq.append(t)
+                yield t
+            tok, flag = got[-1]
+            seq.append(tok)
+            continue
         h, state = model.step(state, StepPlan(decode=(slot,), reach=pos + 1))
         pos += 1
         tok, flag = (int(x) for x in model.read(h)[0])
+        seq.append(tok)

@@ -66,6 +66,9 @@ class Engine(Protocol):
     mask_words: int
     supports_mixed: bool
     mixed_rows: int
+    supports_verify: bool
+    verify_ks: tuple
+    verify_rows: tuple
     row_buckets: tuple
     chunk_buckets: tuple
     span_buckets: tuple
@@ -151,6 +154,9 @@ class Engine(Protocol):
 
     @host
     def compile_progress(self) -> tuple[int, int]: ...
+
+    @host
+    def verify_fits(self, n_decode: int, k: int, reach: int) -> bool: ...
 
     @host
     def warming(self) -> bool: ...

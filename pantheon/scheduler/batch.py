@@ -70,6 +70,7 @@ from pantheon.runtime.engine import Chunk, Model, StepHandle, StepPlan
 from pantheon.errors import BusyError, ModelFailed, RequestError
 from pantheon.types import EmbedRequest, EmbedSink, Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
 from pantheon.scheduler.embed import PRESSURE_CRITICAL, Embeddings, _EmbedHandle, new_job
+from pantheon.scheduler.drafts import DraftBudget, PromptLookup, SpecGauge
 from pantheon.scheduler.masks import MaskBuilder
 from pantheon.scheduler.slot import DECODE, EMBED, FORK, FORKWAIT, IDLE, PREFILL, Slot
 from pantheon.scheduler.snapshots import Snapshot, SnapshotPool, pool_bytes
@@ -120,6 +121,7 @@ class _Row:
     part: tuple[int, ...] = ()  # the prompt chunk (empty: a decode row)
     final: bool = False  # the prompt's last chunk: the row emits the first token
     ends_prompt: bool = False  # the last chunk of an n > 1 prompt (no token: the choices fork after it)
+    draft: tuple[int, ...] = ()  # a verify step's drafts for this decode row (it may emit len + 1 tokens)
 
     @property
     def emits(self) -> bool:
@@ -156,6 +158,9 @@ class SchedulerStats:
     prefix_hits: int = 0
     prefix_misses: int = 0
     reused_tokens: int = 0
+    spec_steps: int = 0  # verify steps (speculative decoding)
+    spec_drafted: int = 0  # draft tokens verified (prompt lookup)
+    spec_accepted: int = 0  # of them, accepted (each is a token that cost no step of its own)
     snapshot_resumes: int = 0  # admissions that resumed a recurrent slot from a prefix snapshot
     snapshots_taken: int = 0
     snapshots_evicted: int = 0
@@ -185,6 +190,13 @@ class BatchScheduler:
         self._t_origin = time.perf_counter()  # stats lines give each step's start from here: gaps show idle
         self.forbid_compile = settings.forbid_compile
         self.recurrent = model.caps.recurrent_state  # state that cannot roll back: reuse all of hist or nothing
+        # speculative decoding (prompt-lookup drafts, verified in the step): where the model verifies
+        # (attention-only text models), for every request that does not opt out
+        self.speculative = settings.speculative
+        self.spec_k = max(getattr(model, "verify_ks", ()) or (0,))
+        self.spec_slots = max(getattr(model, "verify_rows", ()) or (0,))
+        self._gauge = SpecGauge(enabled=settings.spec_gauge)  # driver-only: whether verify steps pay here
+        self._last_read: float | None = None  # driver-only: when the last step was read (None after idling)
         # driver-only: recurrent state at prompt chunk ends (pantheon.scheduler.snapshots); the snapshots
         # need their source slot's K/V rows unless the model has no per-token state (RWKV-7)
         entry = model.snapshot_bytes() if self.recurrent else 0
@@ -361,6 +373,7 @@ class BatchScheduler:
                     shared=gen_waits or any(sl.state not in (IDLE, EMBED) for sl in self._slots))
                 work = any(sl.state not in (IDLE, EMBED) for sl in self._slots)
                 if not work and not embeds and self._inflight is None and not events:
+                    self._last_read = None  # idle: the next step's time is not one step's
                     self._work.wait(0.5 if self._queue or self._embeds.queue else None)
                     continue
             self._deliver(events)
@@ -611,10 +624,18 @@ class BatchScheduler:
             self._deliver([(job, Started(reused_tokens=sl.reused, prompt_logprobs=entries))])
         self._state = self.model.insert(self._state, self._slot_insert(sl, req, sl.reused))
         sl.matcher = self._matcher(req)
+        self._start_drafts(sl, req)
         if req.images and job.embd is None:  # images whose rows are still to prefill need their embeddings
             todo = [im for im in req.images if im.embd is None and im.offset + im.n_tokens > sl.reused]
             got = dict(zip((id(im) for im in todo), self.model.encode_images([im.pixels for im in todo])))
             job.embd = [im.embd if im.embd is not None else got.get(id(im)) for im in req.images]
+
+    def _start_drafts(self, sl: Slot, req: GenRequest) -> None:
+        """A new request's prompt lookup over its prompt (None where this model does not speculate)."""
+        if self.spec_k and not req.images:
+            sl.lookup, sl.budget = PromptLookup(req.prompt_ids), DraftBudget(self.spec_k)
+        else:
+            sl.lookup, sl.budget = None, None
 
     def encode_images(self, pixels: list[Any]) -> Any:
         """Embeddings [N, tokens, H] (host) of preprocessed images, for a request to carry into `submit`.
@@ -689,6 +710,7 @@ class BatchScheduler:
                 self._state = self.model.insert(self._state, self._slot_insert(s, req, len(prompt) - 1, prompt[-1]))
                 s.hist, s.pos, s.last_token, s.pending = list(req.prefix_key[:-1]), len(prompt) - 1, prompt[-1], []
                 s.matcher = self._matcher(req)
+                self._start_drafts(s, req)
             with self._mu:
                 for s in group:
                     if s.job is job and s.state in (FORK, FORKWAIT):
@@ -711,6 +733,10 @@ class BatchScheduler:
             self._turn_prefill = True
         else:
             return None
+        if kind == "decode":
+            verify = self._verify_plan(decoders, jobs)
+            if verify is not None:
+                return verify
         rows: list[_Row] = []
         chunk = None
         if pre is not None:
@@ -743,6 +769,8 @@ class BatchScheduler:
 
         A step without a constrained row goes straight from 1 to 3 and keeps the step before it in
         flight (read after this one is dispatched: one step of overlap)."""
+        if self._may_draft():  # a draft must follow the slot's latest token: read the step in flight first
+            self._collect_inflight()
         planned = self._dispatch(t0)
         if planned is None:
             return None
@@ -760,6 +788,64 @@ class BatchScheduler:
         n_prompt = len(planned.plan.chunk.tokens) if planned.plan.chunk is not None else 0
         return _InFlight(handle, rows, planned.kind, n_prompt, now, (now - t0) * 1000)
 
+    def _speculates(self, sl: Slot) -> bool:
+        """Whether slot `sl` may draft now: speculation on for its request, no grammar (its mask
+        could not follow drafts), and not resting after a run of misses."""
+        job = sl.job
+        if job is None or sl.lookup is None or sl.matcher is not None or sl.budget is None or sl.budget.resting:
+            return False
+        return job.req.speculative if job.req.speculative is not None else self.speculative
+
+    def _may_draft(self) -> bool:
+        """Whether the next step could be a verify step: only decoding slots, few enough of them, and
+        one of them drafting."""
+        if not self.spec_k:
+            return False
+        with self._mu:
+            if any(sl.state == PREFILL and sl.pending for sl in self._slots):
+                return False
+            decoders = [sl for sl in self._slots if sl.state == DECODE]
+        return (0 < len(decoders) <= self.spec_slots and any(self._speculates(sl) for sl in decoders)
+                and self._gauge.pays(len(decoders)))
+
+    def _verify_plan(self, decoders: list[Slot], jobs: dict[int, Any]) -> _Planned | None:
+        """A verify step over `decoders` if one of them has drafts now (its prompt lookup matches) and the
+        model has a program for it; else None (a plain decode step). Called with nothing in flight for
+        these slots, so each slot's host position and last token are the device's."""
+        if not self.spec_k:
+            return None
+        speculating = [self._speculates(sl) for sl in decoders]
+        for sl, on in zip(decoders, speculating):
+            if not on and sl.budget is not None and sl.budget.resting:
+                sl.budget.rested()
+        if not any(speculating) or len(decoders) > self.spec_slots:
+            return None
+        if any(sl.matcher is not None for sl in decoders):
+            return None  # a constrained slot's row needs its mask, which a verify step does not take
+        if not self._gauge.pays(len(decoders)):
+            return None
+        if self._inflight is not None and any(r.slot in decoders for r in self._inflight.rows):
+            return None  # (the step before was kept in flight: its tokens are not known yet)
+        drafts = []
+        for sl, on in zip(decoders, speculating):
+            d: tuple[int, ...] = ()
+            if on:
+                req = jobs[id(sl)].req
+                room = min(req.max_tokens - sl.generated - 1, self.model.max_seq - sl.pos - 2)
+                d = sl.lookup.propose(min(sl.budget.k, room))
+                if not d:
+                    sl.budget.missed()
+            drafts.append(d)
+        k = max(len(d) for d in drafts)
+        reach = max(sl.pos + 1 + len(d) for sl, d in zip(decoders, drafts))
+        if not k or not self.model.verify_fits(len(decoders), k, reach):
+            return None
+        rows = []
+        for sl, d in zip(decoders, drafts):
+            rows.append(_Row(sl, jobs[id(sl)], draft=d))
+            sl.pos += 1 + len(d)  # an upper bound until read: the tokens it accepted set it back
+        plan = StepPlan(decode=tuple(sl.index for sl in decoders), drafts=tuple(drafts), reach=reach)
+        return _Planned(plan, rows, "verify")
     def _take_snapshot(self, row: _Row, end: int) -> None:
         """Keep a copy of the prefilling slot's recurrent state after its prompt's first `end` tokens (the
         chunk just dispatched). It becomes usable once the slot's history holds that prefix, i.e. once
@@ -827,8 +913,10 @@ class BatchScheduler:
             return
         t_read = time.perf_counter()
         events: list[tuple[_Job, Event]] = []
+        flat = packed.tolist()
+        group = len(flat) // max(1, len(done.rows)) if done.kind == "verify" else 1  # a verify row's K + 1 outputs
         with self._mu:
-            for i, (r, (tok, flag)) in enumerate(zip(done.rows, packed.tolist())):
+            for at, r in enumerate(done.rows):
                 sl = r.slot
                 if sl.job is not r.job or sl.state == IDLE or r.job.error is not None:
                     continue  # finished, cancelled or failed since: a dead row
@@ -836,33 +924,26 @@ class BatchScheduler:
                     sl.hist.extend(r.part)
                     if not r.final:
                         continue
-                else:
-                    sl.hist.append(sl.last_token)
-                if flag == decode_state.IDLE:
-                    continue
-                sl.generated += 1
-                sl.last_token = tok
-                k = r.job.req.logprobs
-                entry = None
-                if k is not None and lps is not None:
-                    lp, top = lps
-                    entry = (TokenLogprob(tok, float(lp[i, 0]),
-                                          tuple((int(top[i, j]), float(lp[i, 1 + j])) for j in range(k))),)
-                if sl.matcher is not None and not sl.matcher.consume(tok):
-                    # the token was under the mask, so the grammar stopped on an error of its own (one of
-                    # llguidance's limits): the request fails with that error rather than ending silently
-                    why = getattr(sl.matcher, "error", None) or f"token {tok} was not accepted"
-                    self._fail_job_locked(r.job, RequestError(
-                        f"structured outputs could not follow the grammar: {why}",
-                        param=getattr(r.job.req.constraint, "param", None), code="grammar_too_complex"))
-                    continue
-                events.append((r.job, Tokens((tok,), choice=sl.choice, logprobs=entry,
-                                             stop=flag == decode_state.STOP)))
-                if flag in decode_state.FINISH_REASONS:
-                    events.append(self._release_locked(sl, decode_state.FINISH_REASONS[flag]))
+                outputs = [(i, *flat[i]) for i in range(at * group, (at + 1) * group)]
+                if done.kind == "verify":
+                    outputs = [o for o in outputs if o[2] != decode_state.IDLE]  # (the emitted ones lead)
+                    accepted = max(0, len(outputs) - 1)
+                    sl.pos -= len(r.draft) - accepted  # the step's upper bound, set back to what it kept
+                    if r.draft:
+                        self.stats.spec_drafted += len(r.draft)
+                        self.stats.spec_accepted += accepted
+                        sl.budget.verified(len(r.draft), accepted)
+                for i, tok, flag in outputs:
+                    if not r.part:
+                        sl.hist.append(sl.last_token)
+                    if self._emit_locked(r, sl, i, tok, flag, lps, events):
+                        break
             st = self.stats
             st.steps += 1
             n_dec = sum(1 for r in done.rows if not r.part)
+            if done.kind == "verify":
+                st.spec_steps += 1
+                n_dec = sum(1 for tok_flag in flat if tok_flag[1] != decode_state.IDLE)
             if done.n_prompt:
                 st.prefill_chunks += 1
                 st.prefill_tokens += done.n_prompt
@@ -872,6 +953,13 @@ class BatchScheduler:
             if done.n_prompt and n_dec:
                 st.mixed_steps += 1
             st.step_ms_total += (t_read - done.t_dispatch) * 1000
+        if self._last_read is not None and not done.n_prompt:  # the time this step added, driver busy throughout
+            if done.kind == "verify":
+                self._gauge.verify(len(done.rows), t_read - self._last_read, n_dec)
+            elif done.kind == "decode":
+                self._gauge.plain(len(done.rows), t_read - self._last_read)
+        self._last_read = t_read
+        self._gauge.tick()
         self._deliver(events)
         host_ms = done.host_ms + (time.perf_counter() - t_read) * 1000
         with self._mu:
@@ -880,6 +968,36 @@ class BatchScheduler:
             print(f"[bs] {done.kind} width={len(done.rows)} tokens={done.n_prompt + n_dec} "
                   f"ms={(t_read - done.t_dispatch) * 1000:.1f} host_ms={host_ms:.2f} "
                   f"at={done.t_dispatch - self._t_origin:.4f}", file=sys.stderr, flush=True)
+
+    def _emit_locked(self, r: _Row, sl: Slot, i: int, tok: int, flag: int, lps: Any,
+                     events: list[tuple[_Job, Event]]) -> bool:
+        """Hand out token `tok` of output row `i` (flag `flag`) of slot `sl`; True when the slot stops
+        emitting (its request finished or failed). Under _mu."""
+        if flag == decode_state.IDLE:
+            return False
+        sl.generated += 1
+        sl.last_token = tok
+        k = r.job.req.logprobs
+        entry = None
+        if k is not None and lps is not None:
+            lp, top = lps
+            entry = (TokenLogprob(tok, float(lp[i, 0]),
+                                  tuple((int(top[i, j]), float(lp[i, 1 + j])) for j in range(k))),)
+        if sl.matcher is not None and not sl.matcher.consume(tok):
+            # the token was under the mask, so the grammar stopped on an error of its own (one of
+            # llguidance's limits): the request fails with that error rather than ending silently
+            why = getattr(sl.matcher, "error", None) or f"token {tok} was not accepted"
+            self._fail_job_locked(r.job, RequestError(
+                f"structured outputs could not follow the grammar: {why}",
+                param=getattr(r.job.req.constraint, "param", None), code="grammar_too_complex"))
+            return True
+        if sl.lookup is not None:
+            sl.lookup.append(tok)
+        events.append((r.job, Tokens((tok,), choice=sl.choice, logprobs=entry, stop=flag == decode_state.STOP)))
+        if flag in decode_state.FINISH_REASONS:
+            events.append(self._release_locked(sl, decode_state.FINISH_REASONS[flag]))
+            return True
+        return False
 
     def _step_failed(self, exc: Exception) -> None:
         """A step raised: its requests (every active one) fail, and the state is rebuilt from zeros --

@@ -75,6 +75,8 @@ class Slot:
     reused: int = 0
     choice: int = 0  # which choice of its job the slot generates (n > 1)
     matcher: Any = None  # the choice's grammar matcher (GenRequest.constraint), driver-only
+    lookup: Any = None  # driver-only: the choice's sequence for prompt-lookup drafts (scheduler.drafts), or None
+    budget: Any = None  # driver-only: its DraftBudget (how many tokens to draft next)
     resume: Any = None  # the prefix snapshot admission chose for it (restored by the driver's insert), driver-only
 
     @property

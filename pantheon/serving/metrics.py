@@ -59,6 +59,11 @@ _SCHED_COUNTERS = (
     ("steps", "scheduler_steps", "Device steps (prefill chunks and decode steps) run by the scheduler."),
     ("completed", "scheduler_completed", "Requests the scheduler finished (stop, length or error)."),
     ("cancelled", "scheduler_cancelled", "Requests cancelled while running or queued."),
+    ("spec_steps", "speculative_verify_steps", "Verify steps run (speculative decoding: drafts checked in the step)."),
+    ("spec_drafted", "speculative_prompt_lookup_drafted_tokens",
+     "Draft tokens proposed by prompt lookup and verified; the acceptance rate is accepted / drafted."),
+    ("spec_accepted", "speculative_prompt_lookup_accepted_tokens",
+     "Prompt-lookup draft tokens accepted (each one a token that cost no step of its own)."),
 )
 _SCHED_GAUGES = (
     ("running", "running_requests", "Requests holding a slot (prefilling or decoding)."),

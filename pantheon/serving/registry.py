@@ -154,7 +154,8 @@ def _load_options(name: str, settings: Settings, mmproj: str | None = None) -> A
     return LoadOptions(name=name, dtype=settings.dtype, n_slots=max(1, settings.batch_slots),
                        max_seq=settings.max_seq, prefill_chunk=settings.prefill_chunk,
                        native_matmul=settings.native_matmul, native_dot=settings.native_dot,
-                       native_dir=str(settings.home / "native"), mmproj=mmproj)
+                       native_dir=str(settings.home / "native"), mmproj=mmproj,
+                       spec_k=settings.spec_k if settings.speculative else 0)
 
 
 def estimate_load(path: Path, settings: Settings, platform: str) -> Any:
@@ -264,13 +265,17 @@ class Registry:
 
     # ---- loading (OS thread only) --------------------------------------------------------------------
     def load(self, source: str, name: str | None = None, dies: Sequence[int] | None = None,
-             resolve: Callable[[str], Path] = _resolve, mmproj: str | None = None) -> dict:
+             resolve: Callable[[str], Path] = _resolve, mmproj: str | None = None,
+             overrides: dict[str, Any] | None = None) -> dict:
         """Load `source` (catalog name or path, turned into a file by `resolve`) as `name`; blocks.
 
         Raises RequestError (400 bad dies/name, 409 same name loading/unloading, 507 table full),
         InsufficientMemoryError (507: does not fit the dies), CatalogError (404) or ModelLoadError
         (500). On failure nothing stays reserved: neither the slot nor the dies' bytes.
+        `overrides`: Settings fields this model is loaded and served with instead of the server's (the
+        admin load's per-model `speculative` and `spec_k`).
         """
+        settings = dataclasses.replace(self.settings, **overrides) if overrides else self.settings
         name = name or default_name(source)
         if not valid_name(name):
             raise _status_error(f"{name!r} is not a valid model name (letters, digits and ._:/+-, at most "
@@ -289,8 +294,8 @@ class Registry:
             with self._upload_lock:
                 uploading = True
                 extra = {"mmproj": mmproj} if mmproj else {}
-                model = self._load_model(path, name, entry.dies, self.settings, **extra)
-            backend = self._make_backend(model, self.settings)
+                model = self._load_model(path, name, entry.dies, settings, **extra)
+            backend = self._make_backend(model, settings)
             with self._lock:
                 entry.model, entry.card, entry.backend = model, getattr(model, "card", None), backend
                 entry.weight_bytes = int(getattr(model, "weight_bytes", 0) or 0)

@@ -15,8 +15,8 @@ from flask import Blueprint, Response, jsonify
 from pantheon.errors import CatalogError, RequestError
 from pantheon.web import bridge
 from pantheon.web.body import shown
-from pantheon.contract import ADMIN_DIES_MAX, ADMIN_NAME_CHARS, UNLOAD
-from pantheon.web.fields import body_object, bounded
+from pantheon.contract import ADMIN_DIES_MAX, ADMIN_NAME_CHARS, LOAD, UNLOAD
+from pantheon.web.fields import body_object, boolean, bounded
 from pantheon.web.routes import read_json, server
 from pantheon.web.schema import LOAD_REQUEST, UNLOAD_REQUEST, fields
 from pantheon.web.security import model_path_in_dir
@@ -85,6 +85,9 @@ def load() -> Response:
                 not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dies):
             raise RequestError("dies: must be a list of die numbers (non-negative integers)", param="dies")
     mmproj = _opt_str(body, "mmproj")
+    # this model's speculative decoding (defaults: PANTHEON_SPECULATIVE, PANTHEON_SPEC_K)
+    overrides = {k: v for k, v in (("speculative", boolean(body, "speculative")),
+                                   ("spec_k", bounded(body, "spec_k", LOAD))) if v is not None}
     source, resolve = _resolver(body)
     if mmproj is not None:  # like "path": a file inside the model directory
         target = model_path_in_dir(server().settings, mmproj)
@@ -93,8 +96,8 @@ def load() -> Response:
                                status=404, code="model_not_found")
         mmproj = str(target)
     registry = server().registry
-    load_fn = registry.load if mmproj is None else (
-        lambda *a: registry.load(*a, mmproj=mmproj))  # noqa: E731
+    load_fn = registry.load if mmproj is None and not overrides else (
+        lambda *a: registry.load(*a, mmproj=mmproj, overrides=overrides))  # noqa: E731
     info = bridge.call_in_thread(_then_register, server().registration, load_fn, source, name, dies, resolve,
                                  name="pantheon-admin-load")
     return jsonify(status="loaded", **info)

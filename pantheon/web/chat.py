@@ -86,6 +86,7 @@ class ChatRequest:
     session_id: str | None
     enable_thinking: bool | None
     ignore_eos: bool = False  # benchmark knob (vLLM / llama.cpp): generate the full budget past EOS
+    speculative: bool | None = None  # False: no speculative decoding for this request (None: the server's default)
     truncate_oldest: bool = False  # "truncate": "oldest": drop the oldest turns to fit the window (else 400)
     user: str | None = None
     cache_salt: str | None = None
@@ -431,12 +432,14 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
     if enable_thinking is None:  # an explicit chat_template_kwargs.enable_thinking wins
         enable_thinking = effort_thinking
     ignore_eos = bool(_boolean(body, "ignore_eos"))
+    speculative = _boolean(body, "speculative")
     truncate = _string(body, "truncate")
     if truncate not in (None, "none", "oldest"):
         raise _bad("truncate", "must be \"none\" or \"oldest\"")
     creq = ChatRequest(model=model, messages=messages, params=params, max_tokens=max_tokens, stop=stop,
                        stream=stream, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
                        session_id=session_id, enable_thinking=enable_thinking, ignore_eos=ignore_eos,
+                       speculative=speculative,
                        user=user, cache_salt=cache_salt, truncate_oldest=truncate == "oldest",
                        n=n, logprobs=logprobs, logit_bias=bias, response_format=rf,
                        parallel_tool_calls=parallel is not False)
@@ -586,7 +589,7 @@ class Generation(GenerationCore):
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,  # resolves the seed, once
                          stop_ids=stop_ids(tok, creq.ignore_eos), session_id=session, cache_scope=creq.cache_scope,
                          request_id=self.id, n=creq.n, logprobs=creq.logprobs, logit_bias=creq.logit_bias,
-                         constraint=constraint,
+                         constraint=constraint, speculative=creq.speculative,
                          images=web_images.prompt_images(ids, self.images, card, self.image_embd) if self.images
                          else ())
         self.launch(req, emitters, reservation=reservation)

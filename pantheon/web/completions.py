@@ -76,6 +76,7 @@ class CompletionRequest:
     echo: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     ignore_eos: bool = False
+    speculative: bool | None = None  # False: no speculative decoding for this request (None: the server's default)
     user: str | None = None
     # what the routes and cache_scope() read of every generation request; this route has no sessions
     session_id: str | None = None
@@ -144,6 +145,7 @@ def parse_completion_request(body: Any, headers: Mapping[str, str]) -> Completio
                              max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=stop,
                              stream=stream, include_usage=include_usage, n=n, logprobs=logprobs, echo=echo,
                              logit_bias=logit_bias(body), ignore_eos=bool(boolean(body, "ignore_eos")),
+                             speculative=boolean(body, "speculative"),
                              user=string(body, "user"))
 
 
@@ -196,7 +198,8 @@ class CompletionGeneration(GenerationCore):
         req = GenRequest(prompt_ids=ids, params=creq.params, max_tokens=max_tokens,
                          stop_ids=stop_ids(tok, creq.ignore_eos),
                          cache_scope=creq.cache_scope, request_id=self.id, n=creq.n, logprobs=creq.logprobs,
-                         logit_bias=creq.logit_bias, prompt_logprobs=creq.logprobs if score_prompt else None)
+                         logit_bias=creq.logit_bias, prompt_logprobs=creq.logprobs if score_prompt else None,
+                         speculative=creq.speculative)
         emitters = [Emitter(stop=creq.stop, parse_think=False) for _ in range(creq.n)]
         self.launch(req, emitters, continuation=True)
         if score_prompt:

@@ -276,6 +276,8 @@ CHAT_REQUEST: Schema = _object(_optional({
     "chat_template_kwargs": {**_object({"enable_thinking": nullable(_bool())}),
                              "examples": [{"enable_thinking": False}]},
     "ignore_eos": _bool(False, description="generate the full budget past end-of-turn tokens (benchmarks)"),
+    "speculative": _bool(False, description="false: no speculative decoding for this request (the tokens are the "
+                                            "same either way; docs/speculative.md)"),
     "cache_salt": _str(example="tenant-a", description="part of the prefix-cache scope"),
     "truncate": _enum(TRUNCATE, description="oldest: drop the oldest turns to fit the context window"),
     "reasoning_effort": _enum(REASONING_EFFORTS, examples=["low"],
@@ -331,6 +333,7 @@ COMPLETION_REQUEST: Schema = _object(_optional({
     "logit_bias": LOGIT_BIAS,
     "user": _str(example="user-1234"),
     "ignore_eos": _bool(False, description="generate the full budget past end-of-text tokens (benchmarks)"),
+    "speculative": CHAT_REQUEST["properties"]["speculative"],
 }, keep=("prompt",)), required=("prompt",))
 
 EMBEDDING_REQUEST: Schema = _object(_optional({
@@ -380,6 +383,10 @@ LOAD_REQUEST: Schema = {**_object(_optional({
              "examples": [[0]]},
     "mmproj": {**_ADMIN_STR, "description": "a vision projector (llama.cpp mmproj GGUF) inside PANTHEON_MODEL_DIR: "
                "the model takes images", "examples": ["mmproj.gguf"]},
+    "speculative": _bool(True, description="this model's default for prompt-lookup speculative decoding "
+                                           "(default PANTHEON_SPECULATIVE); a request may still opt out"),
+    "spec_k": bound(contract.LOAD["spec_k"], description="the most drafts a verify step checks per slot "
+                                                         "(default PANTHEON_SPEC_K); 0: no verify programs"),
 })), "oneOf": _exactly_one("path", "model"), "description": "exactly one of path and model"}
 
 UNLOAD_REQUEST: Schema = {**_object(_optional({

@@ -36,6 +36,7 @@ import pickle
 import platform
 import shutil
 import tempfile
+import threading
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 
 STORE_VERSION = 1  # bump when the file layout or the key's meaning changes
 MAGIC = b"PNTHXLA1"
+# _LOAD_LOCK: held around each `deserialize_and_load`, by whichever thread loads (the compile-<model>
+# workers, a warm-up). Invariant: at most one executable is being deserialised in the process at a
+# time -- two at once in XLA:CPU (jax 0.10) segfaulted the test process (two compile workers of one
+# model). A load takes milliseconds, so the lock costs nothing measurable.
+_LOAD_LOCK = threading.Lock()
 _DIGEST = 32
 HEAD_BYTES = 16 << 20  # a GGUF's header, metadata and tensor table sit in its first bytes; hash at most this
 
@@ -195,7 +201,8 @@ class ExecStore:
                 raise ValueError("checksum mismatch")
             payload, in_tree, out_tree = pickle.loads(body)
             from jax.experimental.serialize_executable import deserialize_and_load
-            compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+            with _LOAD_LOCK:
+                compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
         except Exception as exc:  # any doubt about the file: compile instead, and rewrite it
             log.warning("executable store: dropping %s (%s: %s)", f, type(exc).__name__, exc)
             self.discard(name)

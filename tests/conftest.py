@@ -15,6 +15,12 @@ import pytest
 # the caller's environment says. Set before any Settings is read, and inherited by the servers the
 # tests start.
 os.environ["PANTHEON_NATIVE_DOT"] = "exact"
+# Programs are compiled, not read from $PANTHEON_HOME/executables, in every test but the store's own
+# (tests/test_exec_store.py passes a store directory explicitly, one model per child process): in the
+# one long pytest process, with many models compiling in the background, XLA:CPU (jax 0.10) twice
+# aborted inside `deserialize_and_load` of a stored program (test_speculative's warm-up test, even
+# with one deserialisation at a time); the note of this stop has the traces.
+os.environ["PANTHEON_EXEC_STORE"] = "0"
 
 def _find_fixtures() -> Path:
     """$PANTHEON_FIXTURES when set (another copy, e.g. while fixtures are being rebuilt), else the copy in

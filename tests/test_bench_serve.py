@@ -242,7 +242,8 @@ def test_compare_gives_ratios(capsys):
     ratio = comp["ratio"]
     for key in ("request_throughput", "output_tok_s", "ttft_ms.median", "itl_ms.median", "e2e_ms.median"):
         assert ratio[key] is not None and ratio[key] > 0, key
-    # b sleeps 20x longer per chunk (300 ms a request, above a loaded machine's hiccups): it is the slower one (an ordering; the sizes are figures, not criteria)
+    # b sleeps 20x longer per chunk (300 ms a request, above a loaded machine's hiccups): it is the
+    # slower one (an ordering; the sizes are figures, not criteria)
     print("b / a:", {k: ratio[k] for k in ("itl_ms.median", "e2e_ms.median", "output_tok_s")})
     assert ratio["itl_ms.median"] > 1 and ratio["e2e_ms.median"] > 1 and ratio["output_tok_s"] < 1
     assert ratio["goodput_req_s"] is None  # no SLO given

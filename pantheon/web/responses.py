@@ -366,7 +366,7 @@ def _reasoning(body: Mapping) -> tuple[bool | None, dict | None]:
     effort = r.get("effort")
     if effort is None:
         return None, {"effort": None, "summary": r.get("summary")}
-    if effort not in REASONING_EFFORT:
+    if not isinstance(effort, str) or effort not in REASONING_EFFORT:
         raise bad("reasoning.effort", f"must be one of {', '.join(REASONING_EFFORT)}")
     return REASONING_EFFORT[effort], {"effort": effort, "summary": r.get("summary")}
 

@@ -16,10 +16,10 @@ import pytest
 # tests start.
 os.environ["PANTHEON_NATIVE_DOT"] = "exact"
 # Programs are compiled, not read from $PANTHEON_HOME/executables, in every test but the store's own
-# (tests/test_exec_store.py passes a store directory explicitly, one model per child process): in the
-# one long pytest process, with many models compiling in the background, XLA:CPU (jax 0.10) twice
-# aborted inside `deserialize_and_load` of a stored program (test_speculative's warm-up test, even
-# with one deserialisation at a time); the note of this stop has the traces.
+# (tests/test_exec_store.py passes a store directory explicitly and reads it back only in child
+# processes, one model each, as a server's start does): in the one long pytest process, with many
+# models compiling in the background, XLA:CPU (jax 0.10) twice aborted inside `deserialize_and_load`
+# of a stored program (test_speculative's warm-up test, even with one deserialisation at a time).
 os.environ["PANTHEON_EXEC_STORE"] = "0"
 
 def _find_fixtures() -> Path:
@@ -194,6 +194,13 @@ def pytest_runtest_teardown(item, nextitem):
     import server_util
     for name in _last_users.get(item.nodeid, ()):
         _stop_shared(_server_key(**getattr(server_util, _NAMED_SERVERS[name])))
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        # A module's background compiles end with it: a `compile-<model>` thread left running would
+        # compile beside the next module's programs, in a process no server ever is (one with dozens
+        # of models), so a fault there would be charged to a test that did not cause it.
+        from pantheon.runtime import engine
+        for model in list(engine._WARMING):
+            assert model.wait_compiled(900), f"{model.name}: its background compile did not end"
 
 
 def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:

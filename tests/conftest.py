@@ -46,10 +46,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    """The test process counts compiles; it neither reads nor writes JAX's persistent cache. XLA:CPU
+    (jax 0.10) aborted reading back, inside this one long process, an executable that this process
+    had written there minutes earlier (test_speculative's warm-up test, in `compilation_cache
+    .get_executable_and_time`), as it did with the executable store above. The servers the tests
+    start keep the cache (PANTHEON_COMPILE_CACHE's default): each reads what other processes wrote."""
     from pantheon.runtime import compile_guard
-    from pantheon.config import load_settings
 
-    compile_guard.enable_persistent_cache(load_settings().home)
     compile_guard.install()
 
 

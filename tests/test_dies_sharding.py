@@ -204,7 +204,7 @@ MULTI_DIE_SCRIPT = textwrap.dedent(r"""
     from pantheon.runtime.engine import Chunk, LoadOptions, StepPlan, load_on
     from pantheon.types import GREEDY
 
-    compile_guard.enable_persistent_cache(load_settings().home)  # as conftest does: reruns are fast
+    compile_guard.enable_persistent_cache(load_settings().home)  # a child process: reruns are fast
     tiny = sys.argv[1]
     out = {"n_devices": len(jax.devices())}
     opts = LoadOptions(n_slots=1, max_seq=32, prefill_chunk=32)

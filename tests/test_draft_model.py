@@ -172,3 +172,98 @@ def test_a_draft_with_another_vocabulary_or_recurrent_state_is_refused():
         DraftModel(qwen2, load(tiny_fixture("llama")[0]))
     with pytest.raises(DraftMismatch, match="recurrent state"):
         DraftModel(qwen2, load(tiny_fixture("qwen35")[0]))
+
+
+# ---- loading: the admin load's `draft_model`, PANTHEON_DRAFT_MODEL and `pantheon serve --draft-model` ----
+ADMIN = "draft-admin"
+
+
+def real_app(tmp_path: Path, **kw):
+    """(app, registry) over the real engine on one CPU die, loading from the tiny fixtures' directory."""
+    from conftest import TINY
+    from pantheon.serving.registry import Registry
+    from pantheon.web import create_app
+    s = settings(home=tmp_path, admin_key=ADMIN, model_dir=TINY.resolve(), batch_slots=2, max_seq=128,
+                 exec_store=False, **kw)
+    reg = Registry(s, devices=lambda _: [{"die": 0, "platform": "cpu", "kind": "cpu", "budget_bytes": 10**10}])
+    app = create_app(s, registry=reg, exit_on_failure=False)
+    app.extensions["pantheon"].startup.join(120)
+    return app, reg
+
+
+def admin(client, path: str, body: dict):
+    return client.post("/admin" + path, json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+
+
+def draft_counter(client, model: str, what: str) -> float:
+    text = client.get("/metrics").get_data(as_text=True)
+    name = f"pantheon_speculative_draft_model_{what}_tokens_total"
+    line = next(ln for ln in text.splitlines() if ln.startswith(name) and f'model="{model}"' in ln)
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_the_admin_load_field_attaches_a_draft_the_scheduler_uses_and_unload_frees_it(tmp_path):
+    app, reg = real_app(tmp_path)
+    client = app.test_client()
+    r = admin(client, "/models/load", {"path": "llama.gguf", "name": "t", "draft_model": "llama.q8_0.gguf"})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    (entry,) = reg.ready_entries("t")
+    draft = entry.model.draft
+    assert draft is not None and draft.n_slots == entry.model.n_slots and draft.max_seq == entry.model.max_seq
+    assert entry.backend._drafter is not None and entry.backend._drafter.model is draft
+    prompt = tiny_fixture("llama")[1]["prompt_ids"][:9]
+    out = client.post("/v1/completions", json={"model": "t", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+    assert out.status_code == 200, out.get_data(as_text=True)
+    plain = alone(load(tiny_fixture("llama")[0]), prompt, GREEDY, 16)
+    tok = entry.model.tokenizer
+    assert out.get_json()["choices"][0]["text"] == tok.decode(plain)
+    assert draft_counter(client, "t", "drafted") > 0 and draft_counter(client, "t", "accepted") > 0
+
+    # another vocabulary: 400 naming both models, and nothing stays loaded or reserved
+    dies = admin_get(client, "/dies")
+    r = admin(client, "/models/load", {"path": "qwen2.gguf", "name": "q", "draft_model": "llama.gguf"})
+    assert r.status_code == 400, r.get_data(as_text=True)
+    err = r.get_json()["error"]
+    assert err["param"] == "draft_model" and err["code"] == "draft_model_mismatch"
+    assert "'q'" in err["message"] and "llama" in err["message"] and "vocabularies differ" in err["message"]
+    assert admin_get(client, "/dies") == dies and not reg.ready_entries("q")
+    r = admin(client, "/models/load", {"path": "llama.gguf", "name": "x", "draft_model": "nope.gguf"})
+    assert r.status_code == 404 and r.get_json()["error"]["param"] == "draft_model"
+
+    assert admin(client, "/models/unload", {"name": "t"}).status_code == 200
+    assert draft.released  # unloading the target unloads its draft
+
+
+def admin_get(client, path: str):
+    r = client.get("/admin" + path, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200
+    return r.get_json()["data"]
+
+
+def test_the_cli_flag_becomes_the_setting_every_startup_load_drafts_with(tmp_path, monkeypatch):
+    """`pantheon serve --draft-model FILE` hands PANTHEON_DRAFT_MODEL (an absolute path) to the worker,
+    whose startup loads each model with that draft, its scheduler drafting with it."""
+    from pantheon import cli
+    from pantheon.config import load_settings
+    from pantheon.web import launch
+    seen = {}
+
+    def execve(exe, argv, env):
+        seen.update(env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(launch.os, "execve", execve)
+    llama, q8 = tiny_fixture("llama")[0], tiny_fixture("llama.q8_0")[0]
+    monkeypatch.chdir(q8.parent)
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--model", f"t={llama}", "--draft-model", q8.name, "--port", "1"])
+    assert seen["PANTHEON_DRAFT_MODEL"] == str(q8.resolve())
+    env = {k: v for k, v in seen.items() if k in ("PANTHEON_DRAFT_MODEL", "PANTHEON_MODELS")}
+    from_env = load_settings(env)
+    assert from_env.draft_model == str(q8.resolve()) and from_env.models == (f"t={llama}",)
+
+    app, reg = real_app(tmp_path, models=from_env.models, draft_model=from_env.draft_model)
+    assert app.extensions["pantheon"].status == "ok", app.extensions["pantheon"].error
+    (entry,) = reg.ready_entries("t")
+    assert entry.backend._drafter is not None and entry.backend._drafter.model is entry.model.draft
+    reg.unload("t", None, 30)

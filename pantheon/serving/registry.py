@@ -198,7 +198,7 @@ def _attach_draft(model: Any, path: Path, name: str, dies: Sequence[int], settin
         raise _status_error(f"model {name!r} cannot use draft model {path.name!r}: it verifies no drafts (recurrent "
                             "state, an image model, or speculative decoding off / spec_k 0)", 400,
                             "draft_model_unsupported", "draft_model")
-    opts = dataclasses.replace(_load_options(f"{name}/draft", settings), spec_k=0)
+    opts = dataclasses.replace(_load_options(default_name(str(path)), settings), spec_k=0)
     draft = load_on(path, opts, list(dies[:1]) or None)
     try:
         check_draft(model, draft)

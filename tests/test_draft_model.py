@@ -267,3 +267,17 @@ def test_the_cli_flag_becomes_the_setting_every_startup_load_drafts_with(tmp_pat
     (entry,) = reg.ready_entries("t")
     assert entry.backend._drafter is not None and entry.backend._drafter.model is entry.model.draft
     reg.unload("t", None, 30)
+
+
+def test_warm_up_makes_the_draft_programs_too_and_nothing_compiles_after():
+    target = with_draft("llama", tiny_fixture("llama.q8_0")[0])
+    sched = BatchScheduler(target, settings(warmup=True, forbid_compile=True))
+    try:
+        assert target.wait_compiled(600) and target.draft.wait_compiled(600)
+        assert not target.compile_errors and not target.draft.compile_errors
+        plain = load(tiny_fixture("llama")[0])
+        ps = prompts("llama")[:2]
+        assert together(sched, ps, [GREEDY, SEEDED]) == [alone(plain, p, prm) for p, prm in zip(ps, (GREEDY, SEEDED))]
+        assert sched.failure is None and sched.load_info()["spec_model_accepted"] > 0
+    finally:
+        sched.close()

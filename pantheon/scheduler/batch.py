@@ -841,7 +841,7 @@ class BatchScheduler:
             return None  # (the step before was kept in flight: its tokens are not known yet)
         drafts: list[tuple[int, ...]] = []
         sources: list[str] = []
-        asks: list[tuple[int, int, int]] = []  # (index in decoders, room, k) for the draft model
+        asks: list[tuple[int, int]] = []  # (index in decoders, k) for the draft model
         for i, (sl, on) in enumerate(zip(decoders, speculating)):
             d: tuple[int, ...] = ()
             if on:  # prompt lookup first (free); where it has nothing, the draft model
@@ -851,15 +851,19 @@ class BatchScheduler:
                     d = sl.lookup.propose(min(sl.budget.k, room))
                 model_on = sl.model_budget is not None and not sl.model_budget.resting
                 if not d and model_on and room > 0:
-                    asks.append((i, room, min(sl.model_budget.k, room)))
+                    asks.append((i, min(sl.model_budget.k, room)))
                 elif not d and not sl.budget.resting:
                     sl.budget.missed()
             drafts.append(d)
             sources.append("lookup")
+        if asks:  # (its steps are spent only on a verify step that can run now)
+            most = max([k for _, k in asks] + [len(d) for d in drafts])
+            if not self.model.verify_fits(len(decoders), most, max(sl.pos for sl in decoders) + 1 + most):
+                asks = []
         if asks:
             assert self._drafter is not None
-            got = self._drafter.propose([(decoders[i].index, decoders[i].lookup.seq, k) for i, _, k in asks])
-            for (i, _, _), d in zip(asks, got):
+            got = self._drafter.propose([(decoders[i].index, decoders[i].lookup.seq, k) for i, k in asks])
+            for (i, _), d in zip(asks, got):
                 drafts[i], sources[i] = d, "model"
                 if not d:
                     decoders[i].model_budget.missed()

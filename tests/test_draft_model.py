@@ -164,6 +164,11 @@ def test_the_draft_model_proposes_its_own_greedy_continuation():
     got = dm.propose([(0, other, 3), (1, seq + full[3:6], 6)])
     assert got == [tuple(alone(m, other, GREEDY, 3)), tuple(full[6:12])]
     assert dm.propose([(1, p, 0)]) == [()]
+    # near the end of the context: only as many drafts as positions are left
+    long = alone(m, p, GREEDY, m.max_seq - len(p))
+    near = p + long[:m.max_seq - len(p) - 2]
+    assert dm.propose([(0, near, 5)]) == [tuple(long[len(near) - len(p):])]
+    assert len(long[len(near) - len(p):]) == 2
 
 
 def test_a_draft_with_another_vocabulary_or_recurrent_state_is_refused():

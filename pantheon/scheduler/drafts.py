@@ -274,8 +274,8 @@ class DraftModel:
             for i, (slot, _) in enumerate(rows):
                 if int(out[i, 1]) != decode_state.IDLE:
                     got[slot].append(int(out[i, 0]))
-        for slot, _, k in live:
-            self._held[slot] = self._held[slot] + got[slot][:k - 1]  # the inputs of the k steps
+        for slot, _, _ in live:  # each step that sampled wrote its input: the last token, then all drafts but the last
+            self._held[slot] = self._held[slot] + got[slot][:max(0, len(got[slot]) - 1)]
         result = []
         for slot, _, _ in asks:
             d = got.get(slot, [])

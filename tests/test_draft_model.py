@@ -287,7 +287,7 @@ def test_warm_up_makes_the_draft_programs_too_and_nothing_compiles_after():
 
 
 @pytest.mark.real
-def test_a_real_model_as_its_own_draft_keeps_its_tokens_and_has_every_draft_accepted(real_model_path):
+def test_a_real_model_as_its_own_draft_keeps_its_tokens_and_its_drafts_are_accepted(real_model_path):
     """SmolLM2 drafting for itself on a free-form prompt (prompt lookup finds little there): greedy
     tokens equal plain decoding's, and the draft-model tokens are accepted (all of them, measured)."""
     from conftest import real_fixture

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", default=[], help="[NAME=]MODEL[@DIE,DIE] (repeatable)")
     p.add_argument("--mmproj", default=None, metavar="GGUF",
                    help="vision projector (llama.cpp's mmproj GGUF) of the --model: the model takes images")
+    p.add_argument("--draft-model", default=None, metavar="NAME_OR_PATH",
+                   help="a draft model for speculative decoding, loaded beside every model; it must share their "
+                        "tokenizer (PANTHEON_DRAFT_MODEL)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=int, default=0, help="gunicorn worker timeout (0 = none)")

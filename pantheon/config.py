@@ -72,6 +72,7 @@ class Settings:
     speculative: bool = True
     spec_k: int = 6
     spec_gauge: bool = True
+    draft_model: str | None = None  # catalog name or file of a draft model loaded beside each model
     prefix_snapshot_mb: int = 1024
     die_budget_mb: int = 0
     warmup: bool = True
@@ -423,6 +424,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PANTHEON_SPEC_K", "spec_k", _integer(low=0),
             doc="the most draft tokens one verify step checks per slot (verify programs are made for this K "
                 "and K / 2: fewer drafts ride padded); 0 makes no verify programs"),
+    Setting("PANTHEON_DRAFT_MODEL", "draft_model", _stripped,
+            doc="a draft model (catalog name or GGUF file) loaded beside each model with its slots and context: "
+                "where prompt lookup finds nothing, it proposes greedy drafts the step verifies (same tokens "
+                "with and without, docs/speculative.md). Its tokenizer must be the model's; `pantheon serve "
+                "--draft-model`, or the admin load's `draft_model` per model"),
     # -- router registration (pantheon.serving.registration): all off unless PANTHEON_REGISTRY_URL is set
     Setting("PANTHEON_PREFIX_SNAPSHOT_MB", "prefix_snapshot_mb", _integer(low=0),
             doc="device memory per model for prefix snapshots of a recurrent model's slot state (Qwen3.5 / "

@@ -6,6 +6,10 @@ last, and the acceptance the scheduler counted. The tokens of both runs are comp
 the same: docs/speculative.md). Usage:
 
     python tools/spec_bench.py ~/.cache/pantheon/models/smollm2-135m.gguf [--streams 1] [--tokens 200]
+        [--draft-model DRAFT.gguf] [--workloads free-chat,code-edit]
+
+`--draft-model`: a draft model loaded beside it (docs/speculative.md), drafting where prompt lookup
+finds nothing; its drafted / accepted counts are printed beside prompt lookup's.
 """
 
 from __future__ import annotations
@@ -87,13 +91,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--draft-model", default=None, help="a draft model GGUF with the same tokenizer")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
     a = ap.parse_args()
     settings = load_settings()
-    m = engine.load(Path(a.gguf).expanduser(), engine.LoadOptions(n_slots=8, max_seq=2048, prefill_chunk=128))
+    opts = engine.LoadOptions(n_slots=8, max_seq=2048, prefill_chunk=128)
+    m = engine.load(Path(a.gguf).expanduser(), opts)
+    if a.draft_model:
+        m.draft = engine.load(Path(a.draft_model).expanduser(), engine.LoadOptions(**{**opts.__dict__, "spec_k": 0}))
     sched = BatchScheduler(m, settings, warmup=False)
     stops = frozenset(m.tokenizer.eot_ids)
     try:
-        for name, ask in WORKLOADS.items():
+        for name in a.workloads.split(","):
+            ask = WORKLOADS[name]
             text = m.card.template.render([{"role": "user", "content": ask}], add_generation_prompt=True)
             prompt = m.tokenizer.encode(text)
             for spec in (False, True):  # compile the shapes this workload reaches
@@ -110,11 +120,14 @@ def main() -> None:
                     if spec:
                         d = after["spec_drafted"] - before["spec_drafted"]
                         acc = after["spec_accepted"] - before["spec_accepted"]
+                        md = after["spec_model_drafted"] - before["spec_model_drafted"]
+                        macc = after["spec_model_accepted"] - before["spec_model_accepted"]
                         steps = after["spec_steps"] - before["spec_steps"]
             same = outs[False] == outs[True]
             print(f"{Path(a.gguf).stem} {name} streams={a.streams} prompt={len(prompt)} tokens={len(outs[True][0])} "
                   f"off={best[False]:.1f} tok/s on={best[True]:.1f} tok/s x{best[True] / best[False]:.2f} "
-                  f"drafted={d} accepted={acc} verify_steps={steps} same_tokens={same}", flush=True)
+                  f"lookup drafted={d} accepted={acc} model drafted={md} accepted={macc} verify_steps={steps} "
+                  f"same_tokens={same}", flush=True)
     finally:
         sched.close()
 

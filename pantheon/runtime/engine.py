@@ -328,6 +328,9 @@ class Model:
         # itself when its leaf dies (donated or dropped).
         self._states: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self.released = False
+        # A draft model for speculative decoding (`--draft-model`), loaded beside this one with its slots
+        # and sequence length; its scheduler drafts with it. Freed with this model.
+        self.draft: Model | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -377,6 +380,9 @@ class Model:
         """
         if self.released:
             return
+        draft, self.draft = self.draft, None
+        if draft is not None:
+            draft.free()
         self.stop_warmup()
         self.released = True
         _delete_arrays(list(self._states.values()))

@@ -70,7 +70,7 @@ from pantheon.runtime.engine import Chunk, Model, StepHandle, StepPlan
 from pantheon.errors import BusyError, ModelFailed, RequestError
 from pantheon.types import EmbedRequest, EmbedSink, Event, Finished, GenRequest, Sink, Started, TokenLogprob, Tokens
 from pantheon.scheduler.embed import PRESSURE_CRITICAL, Embeddings, _EmbedHandle, new_job
-from pantheon.scheduler.drafts import DraftBudget, PromptLookup, SpecGauge
+from pantheon.scheduler.drafts import DraftBudget, DraftModel, PromptLookup, SpecGauge
 from pantheon.scheduler.masks import MaskBuilder
 from pantheon.scheduler.slot import DECODE, EMBED, FORK, FORKWAIT, IDLE, PREFILL, Slot
 from pantheon.scheduler.snapshots import Snapshot, SnapshotPool, pool_bytes
@@ -122,6 +122,7 @@ class _Row:
     final: bool = False  # the prompt's last chunk: the row emits the first token
     ends_prompt: bool = False  # the last chunk of an n > 1 prompt (no token: the choices fork after it)
     draft: tuple[int, ...] = ()  # a verify step's drafts for this decode row (it may emit len + 1 tokens)
+    drafted_by: str = ""  # who proposed `draft`: "lookup" (prompt lookup) or "model" (the draft model)
 
     @property
     def emits(self) -> bool:
@@ -161,6 +162,8 @@ class SchedulerStats:
     spec_steps: int = 0  # verify steps (speculative decoding)
     spec_drafted: int = 0  # draft tokens verified (prompt lookup)
     spec_accepted: int = 0  # of them, accepted (each is a token that cost no step of its own)
+    spec_model_drafted: int = 0  # draft tokens verified (the draft model)
+    spec_model_accepted: int = 0  # of them, accepted
     snapshot_resumes: int = 0  # admissions that resumed a recurrent slot from a prefix snapshot
     snapshots_taken: int = 0
     snapshots_evicted: int = 0
@@ -196,6 +199,10 @@ class BatchScheduler:
         self.spec_k = max(getattr(model, "verify_ks", ()) or (0,))
         self.spec_slots = max(getattr(model, "verify_rows", ()) or (0,))
         self._gauge = SpecGauge(enabled=settings.spec_gauge)  # driver-only: whether verify steps pay here
+        # driver-only: the draft model loaded with this one (`--draft-model`), proposing where prompt
+        # lookup finds nothing (DraftModel checks it can: same vocabulary, attention-only)
+        draft = getattr(model, "draft", None)
+        self._drafter = DraftModel(model, draft) if draft is not None and self.spec_k else None
         self._last_read: float | None = None  # driver-only: when the last step was read (None after idling)
         # driver-only: recurrent state at prompt chunk ends (pantheon.scheduler.snapshots); the snapshots
         # need their source slot's K/V rows unless the model has no per-token state (RWKV-7)
@@ -224,6 +231,8 @@ class BatchScheduler:
             # Returns once the programs any request fits are made (loaded or compiled); the rest compile
             # in the model's compile-<model> thread while this driver serves (load_info's "compiled").
             self._state = model.warmup(self._state, mixed=self.mixed, background=settings.warmup_background)
+            if self._drafter is not None:
+                self._drafter.warm(background=settings.warmup_background)
             # compiling leaves ~150 MB of freed compiler heap in glibc's arenas (SmolLM2, measured by
             # tools/rss_breakdown.py): hand it back before serving
             memory.release_freed_memory()
@@ -634,8 +643,9 @@ class BatchScheduler:
         """A new request's prompt lookup over its prompt (None where this model does not speculate)."""
         if self.spec_k and not req.images:
             sl.lookup, sl.budget = PromptLookup(req.prompt_ids), DraftBudget(self.spec_k)
+            sl.model_budget = DraftBudget(self.spec_k) if self._drafter is not None else None
         else:
-            sl.lookup, sl.budget = None, None
+            sl.lookup, sl.budget, sl.model_budget = None, None, None
 
     def encode_images(self, pixels: list[Any]) -> Any:
         """Embeddings [N, tokens, H] (host) of preprocessed images, for a request to carry into `submit`.
@@ -792,7 +802,9 @@ class BatchScheduler:
         """Whether slot `sl` may draft now: speculation on for its request, no grammar (its mask
         could not follow drafts), and not resting after a run of misses."""
         job = sl.job
-        if job is None or sl.lookup is None or sl.matcher is not None or sl.budget is None or sl.budget.resting:
+        if job is None or sl.lookup is None or sl.matcher is not None or sl.budget is None:
+            return False
+        if sl.budget.resting and (sl.model_budget is None or sl.model_budget.resting):
             return False
         return job.req.speculative if job.req.speculative is not None else self.speculative
 
@@ -815,9 +827,10 @@ class BatchScheduler:
         if not self.spec_k:
             return None
         speculating = [self._speculates(sl) for sl in decoders]
-        for sl, on in zip(decoders, speculating):
-            if not on and sl.budget is not None and sl.budget.resting:
-                sl.budget.rested()
+        for sl in decoders:  # a resting source sits out this step
+            for b in (sl.budget, sl.model_budget):
+                if b is not None and b.resting:
+                    b.rested()
         if not any(speculating) or len(decoders) > self.spec_slots:
             return None
         if any(sl.matcher is not None for sl in decoders):
@@ -826,23 +839,41 @@ class BatchScheduler:
             return None
         if self._inflight is not None and any(r.slot in decoders for r in self._inflight.rows):
             return None  # (the step before was kept in flight: its tokens are not known yet)
-        drafts = []
-        for sl, on in zip(decoders, speculating):
+        drafts: list[tuple[int, ...]] = []
+        sources: list[str] = []
+        asks: list[tuple[int, int]] = []  # (index in decoders, k) for the draft model
+        for i, (sl, on) in enumerate(zip(decoders, speculating)):
             d: tuple[int, ...] = ()
-            if on:
+            if on:  # prompt lookup first (free); where it has nothing, the draft model
                 req = jobs[id(sl)].req
                 room = min(req.max_tokens - sl.generated - 1, self.model.max_seq - sl.pos - 2)
-                d = sl.lookup.propose(min(sl.budget.k, room))
-                if not d:
+                if not sl.budget.resting:
+                    d = sl.lookup.propose(min(sl.budget.k, room))
+                model_on = sl.model_budget is not None and not sl.model_budget.resting
+                if not d and model_on and room > 0:
+                    asks.append((i, min(sl.model_budget.k, room)))
+                elif not d and not sl.budget.resting:
                     sl.budget.missed()
             drafts.append(d)
+            sources.append("lookup")
+        if asks:  # (its steps are spent only on a verify step that can run now)
+            most = max([k for _, k in asks] + [len(d) for d in drafts])
+            if not self.model.verify_fits(len(decoders), most, max(sl.pos for sl in decoders) + 1 + most):
+                asks = []
+        if asks:
+            assert self._drafter is not None
+            got = self._drafter.propose([(decoders[i].index, decoders[i].lookup.seq, k) for i, k in asks])
+            for (i, _), d in zip(asks, got):
+                drafts[i], sources[i] = d, "model"
+                if not d:
+                    decoders[i].model_budget.missed()
         k = max(len(d) for d in drafts)
         reach = max(sl.pos + 1 + len(d) for sl, d in zip(decoders, drafts))
         if not k or not self.model.verify_fits(len(decoders), k, reach):
             return None
         rows = []
-        for sl, d in zip(decoders, drafts):
-            rows.append(_Row(sl, jobs[id(sl)], draft=d))
+        for sl, d, src in zip(decoders, drafts, sources):
+            rows.append(_Row(sl, jobs[id(sl)], draft=d, drafted_by=src if d else ""))
             sl.pos += 1 + len(d)  # an upper bound until read: the tokens it accepted set it back
         plan = StepPlan(decode=tuple(sl.index for sl in decoders), drafts=tuple(drafts), reach=reach)
         return _Planned(plan, rows, "verify")
@@ -929,7 +960,11 @@ class BatchScheduler:
                     outputs = [o for o in outputs if o[2] != decode_state.IDLE]  # (the emitted ones lead)
                     accepted = max(0, len(outputs) - 1)
                     sl.pos -= len(r.draft) - accepted  # the step's upper bound, set back to what it kept
-                    if r.draft:
+                    if r.drafted_by == "model":
+                        self.stats.spec_model_drafted += len(r.draft)
+                        self.stats.spec_model_accepted += accepted
+                        sl.model_budget.verified(len(r.draft), accepted)
+                    elif r.draft:
                         self.stats.spec_drafted += len(r.draft)
                         self.stats.spec_accepted += accepted
                         sl.budget.verified(len(r.draft), accepted)

@@ -1,4 +1,5 @@
-"""Draft tokens for speculative decoding: prompt lookup (n-gram matching), and how many to draft.
+"""Draft tokens for speculative decoding: prompt lookup (n-gram matching), a draft model, and how
+many to draft.
 
 Prompt lookup proposes, after a sequence whose last n tokens also occurred earlier in it (the prompt
 or the text generated so far), the tokens that followed that earlier occurrence. No second model:
@@ -10,11 +11,20 @@ token.
 Each slot keeps one `PromptLookup` over its sequence (built at admission from the prompt, extended
 with every emitted token) and one `DraftBudget` that adapts how many tokens it drafts to what the
 verify steps accepted. Both are the driver thread's (no lock).
+
+Where prompt lookup finds nothing, a `DraftModel` -- a second, smaller model with the same vocabulary
+(`--draft-model`) -- proposes greedy tokens from its own slots; the slot keeps a second `DraftBudget`
+for them. The draft model is stepped by the driver thread too, so it needs no lock either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+from pantheon.runtime import decode_state
+from pantheon.runtime.engine import Chunk, Model, StepPlan
+from pantheon.types import SamplingParams
 
 # n-gram lengths matched, longest first: a longer match predicts better; 1 proposes too much noise
 NGRAM_MAX, NGRAM_MIN = 3, 2
@@ -160,3 +170,125 @@ class SpecGauge:
         self.verify_s.pop(d, None)
         self.verify_tokens.pop(d, None)
         return False
+
+
+class DraftMismatch(ValueError):
+    """A draft model that cannot draft for its target: another vocabulary, or state that cannot be
+    rolled back (recurrent layers, an image model)."""
+
+
+def check_draft(target: Any, draft: Any) -> None:
+    """Raise DraftMismatch unless `draft` can propose tokens for `target`: an attention-only text model
+    (its cache is rolled back by moving a position, as the verify step's is) whose tokenizer has the
+    very tokens and end ids of the target's -- a draft id must mean the same text to both."""
+    names = f"draft model {draft.name!r} for {target.name!r}"
+    if draft.caps.recurrent_state:
+        raise DraftMismatch(f"{names}: its architecture ({draft.config.arch}) has recurrent state, which cannot be "
+                            "rolled back past rejected drafts; a draft model must be attention-only")
+    if getattr(draft, "vision", None) is not None:
+        raise DraftMismatch(f"{names}: a model loaded with a vision projector cannot draft")
+    a, b = target.tokenizer, draft.tokenizer
+    if a.vocab_size != b.vocab_size:
+        raise DraftMismatch(f"{names}: the vocabularies differ ({a.vocab_size} tokens in {target.name!r}, "
+                            f"{b.vocab_size} in {draft.name!r}); the draft must share the target's tokenizer")
+    diff = next((i for i in range(a.vocab_size) if a.token_bytes(i) != b.token_bytes(i)), None)
+    if diff is not None:
+        raise DraftMismatch(f"{names}: the vocabularies differ at token {diff} ({a.token_bytes(diff)!r} in "
+                            f"{target.name!r}, {b.token_bytes(diff)!r} in {draft.name!r}); the draft must share "
+                            "the target's tokenizer")
+    if (a.eos_id, a.eot_ids) != (b.eos_id, b.eot_ids):
+        raise DraftMismatch(f"{names}: the end-of-text ids differ ({a.eos_id}, {sorted(a.eot_ids)} in "
+                            f"{target.name!r}; {b.eos_id}, {sorted(b.eot_ids)} in {draft.name!r})")
+
+
+class DraftModel:
+    """A second model that proposes drafts for the target's slots: draft slot i shadows target slot i.
+
+    Why a model: prompt lookup drafts only text that repeats; a small model of the same family guesses
+    most of any text's easy tokens. Its drafts are greedy -- a deterministic function of the sequence --
+    so the verify step's rule (a draft is kept iff it equals the target's own sample there) stays the
+    exact one for greedy and seeded sampling alike (docs/speculative.md).
+
+    The draft's cache is attention-only, so a slot's rows are valid up to any prefix: `_held[i]` is
+    the token sequence whose K/V rows slot i holds. `propose` brings each asked slot up to its target
+    sequence -- what it holds of it is kept, the rest prefilled in chunks -- then decodes k tokens
+    greedily, the steps chained on the device and read once at the end. Rows past what the target then
+    accepts are not undone: the next `propose` finds where `_held` and the new sequence part and
+    overwrites from there. Driver thread only (it owns `_state`, donated to every verb)."""
+
+    def __init__(self, target: Any, draft: Model):
+        check_draft(target, draft)
+        self.model = draft
+        self.vocab = int(target.config.vocab)  # a draft id the target has no logit for ends the draft
+        self.max_seq = min(int(draft.max_seq), int(target.max_seq))
+        self._greedy = SamplingParams(temperature=0.0, seed=0)
+        self._state = draft.new_state()
+        self._held: list[list[int]] = [[] for _ in range(draft.n_slots)]
+
+    def warm(self, background: bool | None = None) -> None:
+        """Make the draft's step programs (decode and prefill; no mixed or verify steps are asked of it)."""
+        self._state = self.model.warmup(self._state, mixed=False, background=background)
+
+    def propose(self, asks: Sequence[tuple[int, Sequence[int], int]]) -> list[tuple[int, ...]]:
+        """For each (slot, sequence, k): up to k greedy tokens following the sequence (the target's
+        prompt and every token it emitted, the last one not yet in the target's cache). The slots'
+        decode steps are batched; each slot stops after its own k."""
+        try:
+            return self._propose(asks)
+        except BaseException:
+            # a failed verb donated the state: start over from empty slots (nothing held is valid)
+            self._held = [[] for _ in range(self.model.n_slots)]
+            self._state = self.model.new_state()
+            raise
+
+    def _propose(self, asks: Sequence[tuple[int, Sequence[int], int]]) -> list[tuple[int, ...]]:
+        m = self.model
+        live: list[tuple[int, int, int]] = []  # (slot, sequence length, k)
+        for slot, seq, k in asks:
+            seq = list(seq)
+            k = min(k, self.max_seq - len(seq))
+            if k <= 0 or not seq:
+                continue
+            held = self._held[slot]
+            n = min(len(held), len(seq) - 1)  # at least the last token is fed: its row samples the first draft
+            valid = n if held[:n] == seq[:n] else _common_prefix(held, seq, n)
+            todo = seq[valid:-1]
+            if todo:  # prefill what the slot lacks but the last token (chunks sample nothing)
+                self._state = m.insert(self._state, self._slot_insert(slot, seq[:valid], valid, 1))
+                for a in range(0, len(todo), m.chunk):
+                    part = tuple(todo[a:a + m.chunk])
+                    _, self._state = m.step(self._state, StepPlan(chunk=Chunk(slot, part, valid + a, False)))
+            # decode from the last token: k steps sample k drafts (and write the K/V of all but the last)
+            self._state = m.insert(self._state, self._slot_insert(slot, seq, len(seq) - 1, k, last=seq[-1]))
+            self._held[slot] = seq
+            live.append((slot, len(seq), k))
+        steps = []
+        for j in range(max((k for _, _, k in live), default=0)):
+            rows = [(slot, length) for slot, length, k in live if k > j]
+            plan = StepPlan(decode=tuple(slot for slot, _ in rows), reach=max(length + j for _, length in rows))
+            h, self._state = m.step(self._state, plan)
+            steps.append((rows, h))
+        got: dict[int, list[int]] = {slot: [] for slot, _, _ in live}
+        for rows, h in steps:  # (one wait: the last step's result comes after every earlier one)
+            out = m.read(h)
+            for i, (slot, _) in enumerate(rows):
+                if int(out[i, 1]) != decode_state.IDLE:
+                    got[slot].append(int(out[i, 0]))
+        for slot, _, _ in live:  # each step that sampled wrote its input: the last token, then all drafts but the last
+            self._held[slot] = self._held[slot] + got[slot][:max(0, len(got[slot]) - 1)]
+        result = []
+        for slot, _, _ in asks:
+            d = got.get(slot, [])
+            cut = next((i for i, t in enumerate(d) if not 0 <= t < self.vocab), len(d))
+            result.append(tuple(d[:cut]))
+        return result
+
+    def _slot_insert(self, slot: int, seq: Sequence[int], at: int, k: int, last: int | None = None) -> Any:
+        return decode_state.slot_insert(slot, seq, at, self._greedy, k, (), last=last)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    i = 0
+    while i < limit and a[i] == b[i]:
+        i += 1
+    return i

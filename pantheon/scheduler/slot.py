@@ -77,6 +77,7 @@ class Slot:
     matcher: Any = None  # the choice's grammar matcher (GenRequest.constraint), driver-only
     lookup: Any = None  # driver-only: the choice's sequence for prompt-lookup drafts (scheduler.drafts), or None
     budget: Any = None  # driver-only: its DraftBudget (how many tokens to draft next)
+    model_budget: Any = None  # driver-only: the DraftBudget of the draft model's proposals, or None (no draft model)
     resume: Any = None  # the prefix snapshot admission chose for it (restored by the driver's insert), driver-only
 
     @property

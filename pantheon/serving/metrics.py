@@ -64,6 +64,10 @@ _SCHED_COUNTERS = (
      "Draft tokens proposed by prompt lookup and verified; the acceptance rate is accepted / drafted."),
     ("spec_accepted", "speculative_prompt_lookup_accepted_tokens",
      "Prompt-lookup draft tokens accepted (each one a token that cost no step of its own)."),
+    ("spec_model_drafted", "speculative_draft_model_drafted_tokens",
+     "Draft tokens proposed by the draft model (--draft-model) and verified."),
+    ("spec_model_accepted", "speculative_draft_model_accepted_tokens",
+     "Draft-model tokens accepted (each one a token that cost no step of its own)."),
 )
 _SCHED_GAUGES = (
     ("running", "running_requests", "Requests holding a slot (prefilling or decoding)."),

@@ -183,6 +183,31 @@ def _load_model(path: Path, name: str, dies: Sequence[int], settings: Settings, 
     return load_on(path, _load_options(name, settings, mmproj), list(dies) or None)
 
 
+def _attach_draft(model: Any, path: Path, name: str, dies: Sequence[int], settings: Settings) -> None:
+    """Load the draft model at `path` beside `model` (its slots and sequence length, no verify programs
+    of its own) on the model's first die, check it can draft for it, and attach it (`model.draft`,
+    freed with the model). A draft that cannot serve -- another vocabulary, recurrent state, or a
+    target that verifies no drafts -- is a 400 naming both models."""
+    from pantheon.serving import distributed
+    from pantheon.runtime.engine import load_on
+    from pantheon.scheduler.drafts import DraftMismatch, check_draft
+    if distributed.leader() is not None:
+        raise _status_error("a draft model is not supported on a multi-host cluster", 400, "unsupported",
+                            "draft_model")
+    if not getattr(model, "supports_verify", False):
+        raise _status_error(f"model {name!r} cannot use draft model {path.name!r}: it verifies no drafts (recurrent "
+                            "state, an image model, or speculative decoding off / spec_k 0)", 400,
+                            "draft_model_unsupported", "draft_model")
+    opts = dataclasses.replace(_load_options(default_name(str(path)), settings), spec_k=0)
+    draft = load_on(path, opts, list(dies[:1]) or None)
+    try:
+        check_draft(model, draft)
+    except DraftMismatch as exc:
+        _release_model(draft)
+        raise _status_error(str(exc), 400, "draft_model_mismatch", "draft_model") from None
+    model.draft = draft
+
+
 def _holds_memory(model: Any) -> bool:
     """Whether `model` holds device memory of its own (an engine.Model; test fakes do not)."""
     return callable(getattr(model, "free", None))
@@ -273,7 +298,7 @@ class Registry:
         InsufficientMemoryError (507: does not fit the dies), CatalogError (404) or ModelLoadError
         (500). On failure nothing stays reserved: neither the slot nor the dies' bytes.
         `overrides`: Settings fields this model is loaded and served with instead of the server's (the
-        admin load's per-model `speculative` and `spec_k`).
+        admin load's per-model `speculative`, `spec_k` and `draft_model`).
         """
         settings = dataclasses.replace(self.settings, **overrides) if overrides else self.settings
         name = name or default_name(source)
@@ -288,13 +313,17 @@ class Registry:
         uploading = False  # past placement: a failure may leave freed gigabytes in malloc's arenas
         try:
             path = resolve(source)
+            # a draft model (PANTHEON_DRAFT_MODEL, or the admin load's `draft_model`): a catalog name or a file
+            draft = _resolve(settings.draft_model) if settings.draft_model else None
             # A damaged file fails in the estimate (pantheon.serving.dies) or the load (engine.load_on), each
             # of which turns whatever it trips over into a ModelLoadError naming the file.
-            self._place(entry, path, dies, mmproj)
+            self._place(entry, path, dies, mmproj, draft)
             with self._upload_lock:
                 uploading = True
                 extra = {"mmproj": mmproj} if mmproj else {}
                 model = self._load_model(path, name, entry.dies, settings, **extra)
+                if draft is not None:
+                    _attach_draft(model, Path(draft), name, entry.dies, settings)
             backend = self._make_backend(model, settings)
             with self._lock:
                 entry.model, entry.card, entry.backend = model, getattr(model, "card", None), backend
@@ -337,9 +366,12 @@ class Registry:
             self._entries[entry.slot] = entry
             return entry
 
-    def _place(self, entry: Entry, path: Path, dies: tuple[int, ...], mmproj: str | None = None) -> None:
+    def _place(self, entry: Entry, path: Path, dies: tuple[int, ...], mmproj: str | None = None,
+               draft: Path | None = None) -> None:
         """Phase 2: estimate the model's bytes and reserve them on `dies` (or the emptiest die).
-        A vision projector adds its file's size, held in full on the die (it is never split)."""
+        A vision projector adds its file's size, held in full on the die (it is never split); a draft
+        model adds its whole estimate (weights, cache, scratch), counted on every die (it sits on the
+        first: an over-count on several dies, exact on one)."""
         from pantheon.serving.dies import LoadEstimate
         mgr = self.die_manager()
         known = {d.id: d for d in mgr.dies}
@@ -353,6 +385,11 @@ class Registry:
             except OSError as exc:
                 raise _status_error(f"the projector file {mmproj!r} cannot be read ({exc.strerror})", 404,
                                     "model_not_found", "mmproj") from None
+            est = dataclasses.replace(est, weights_bytes=est.weights_bytes + extra,
+                                      replicated_weight_bytes=est.replicated_weight_bytes + extra)
+        if draft is not None:
+            d = self._estimate(draft, self.settings, first.platform if first is not None else mgr.dies[0].platform)
+            extra = d.total_bytes if isinstance(d, LoadEstimate) else int(d)
             est = dataclasses.replace(est, weights_bytes=est.weights_bytes + extra,
                                       replicated_weight_bytes=est.replicated_weight_bytes + extra)
         placed = tuple(mgr.reserve(entry.instance_id, entry.name, est, dies=list(dies) or None))

@@ -74,6 +74,27 @@ def _then_register(registration: Any, fn: Any, *args: Any) -> Any:
             registration.sync()
 
 
+def _draft_file(draft: str) -> str:
+    """The file an admin load's `draft_model` names: a catalog model (pulled when the load runs), else a
+    file inside PANTHEON_MODEL_DIR (as an absolute path)."""
+    from pantheon.formats.catalog import CATALOG
+    if draft in CATALOG:
+        return draft
+    try:
+        target = model_path_in_dir(server().settings, draft)
+    except RequestError as exc:  # (it names "path")
+        exc.param = "draft_model"
+        raise
+    try:
+        is_file = target.is_file()
+    except (OSError, ValueError):
+        is_file = False
+    if not is_file:
+        raise RequestError(f"no draft model file {shown(draft)!r} in the model directory", param="draft_model",
+                           status=404, code="model_not_found")
+    return str(target)
+
+
 @bp.post("/models/load")
 def load() -> Response:
     body = body_object(read_json(), LOAD_FIELDS)
@@ -88,7 +109,10 @@ def load() -> Response:
     # this model's speculative decoding (defaults: PANTHEON_SPECULATIVE, PANTHEON_SPEC_K)
     overrides = {k: v for k, v in (("speculative", boolean(body, "speculative")),
                                    ("spec_k", bounded(body, "spec_k", LOAD))) if v is not None}
+    draft = _opt_str(body, "draft_model")
     source, resolve = _resolver(body)
+    if draft is not None:  # a catalog name, else (like "path") a file inside the model directory
+        overrides["draft_model"] = _draft_file(draft)
     if mmproj is not None:  # like "path": a file inside the model directory
         target = model_path_in_dir(server().settings, mmproj)
         if not target.is_file():

@@ -75,6 +75,13 @@ def serve(args: argparse.Namespace) -> int:
             print(f"pantheon: {exc}", file=sys.stderr)
             return 1
     env = dict(os.environ, PANTHEON_MODELS=";".join(specs))
+    draft = getattr(args, "draft_model", None)
+    if draft:  # pulled here like the models; an absolute path, since the worker's directory may differ
+        try:
+            env["PANTHEON_DRAFT_MODEL"] = str(resolve_model(draft).expanduser().resolve())
+        except PantheonError as exc:
+            print(f"pantheon: --draft-model: {exc}", file=sys.stderr)
+            return 1
     for flag, var in (("coordinator", "PANTHEON_COORDINATOR"), ("num_processes", "PANTHEON_NUM_PROCESSES"),
                       ("process_id", "PANTHEON_PROCESS_ID")):
         value = getattr(args, flag, None)

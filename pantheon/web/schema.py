@@ -385,6 +385,9 @@ LOAD_REQUEST: Schema = {**_object(_optional({
                "the model takes images", "examples": ["mmproj.gguf"]},
     "speculative": _bool(True, description="this model's default for prompt-lookup speculative decoding "
                                            "(default PANTHEON_SPECULATIVE); a request may still opt out"),
+    "draft_model": {**_ADMIN_STR, "description": "a draft model (a catalog name, or a file inside "
+                    "PANTHEON_MODEL_DIR) with the model's tokenizer: it proposes the drafts prompt lookup finds "
+                    "none for (default PANTHEON_DRAFT_MODEL)", "examples": ["draft.gguf"]},
     "spec_k": bound(contract.LOAD["spec_k"], description="the most drafts a verify step checks per slot "
                                                          "(default PANTHEON_SPEC_K); 0: no verify programs"),
 })), "oneOf": _exactly_one("path", "model"), "description": "exactly one of path and model"}

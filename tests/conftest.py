@@ -49,10 +49,15 @@ def pytest_configure(config):
     """The test process counts compiles; it neither reads nor writes JAX's persistent cache. XLA:CPU
     (jax 0.10) aborted reading back, inside this one long process, an executable that this process
     had written there minutes earlier (test_speculative's warm-up test, in `compilation_cache
-    .get_executable_and_time`), as it did with the executable store above. The servers the tests
-    start keep the cache (PANTHEON_COMPILE_CACHE's default): each reads what other processes wrote."""
+    .get_executable_and_time`), as it did with the executable store above. JAX's own switch is turned
+    off, so an app started in this process (whose start-up sets the cache's directory) cannot turn the
+    cache on. The servers the tests start keep the cache (PANTHEON_COMPILE_CACHE's default): each
+    reads what other processes wrote."""
+    import jax
+
     from pantheon.runtime import compile_guard
 
+    jax.config.update("jax_enable_compilation_cache", False)
     compile_guard.install()
 
 

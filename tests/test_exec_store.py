@@ -153,19 +153,6 @@ def test_a_damaged_program_is_compiled_again_never_loaded(stored, tmp_path):
     assert victim.exists()  # written again, whole: the next start loads it
 
 
-def test_a_process_never_reads_back_a_program_it_wrote(stored, tmp_path):
-    """Every XLA:CPU deserialisation abort seen was a process reading back an executable it had
-    compiled itself (exec_store._WRITTEN): the process that filled the store compiles the model again
-    when it loads it again, with the same tokens, and what it writes is what the next process loads."""
-    store = tmp_path / "store"
-    shutil.copytree(stored["store"], store)
-    b, sb, compiles = warm(stored["path"], store)
-    assert compiles > 0 and b._exec_store().loaded == 0 and b._exec_store().saved == stored["n"]
-    assert greedy(b, sb, stored["j"]["prompt_ids"], 8)[0] == stored["ids"]
-    again = restart(stored, store)
-    assert again["loaded"] == stored["n"] and again["warmup_compiles"] == 0 and again["ids"] == stored["ids"]
-
-
 def test_the_store_keeps_its_bound_by_dropping_the_least_recently_used_models(tmp_path):
     from pantheon.runtime import exec_store
     for i, name in enumerate(("old", "mid", "new")):

@@ -53,14 +53,6 @@ MAGIC = b"PNTHXLA1"
 # time -- two at once in XLA:CPU (jax 0.10) segfaulted the test process (two compile workers of one
 # model). A load takes milliseconds, so the lock costs nothing measurable.
 _LOAD_LOCK = threading.Lock()
-# _WRITTEN: (key, program) pairs this process serialised, guarded by _WRITTEN_LOCK (taken by the saving
-# and the loading threads, nothing inside it). Invariant: a program is read back only by a process that
-# did not write it. Every XLA:CPU (jax 0.10) abort seen while deserialising -- twice from this store,
-# once from JAX's persistent cache -- was a process reading back an executable it had itself compiled
-# and written minutes before; a fresh process reading the same files never has. So a process that
-# loads a model again (an admin unload and load) compiles that model's programs again.
-_WRITTEN: set[tuple[str, str]] = set()
-_WRITTEN_LOCK = threading.Lock()
 _DIGEST = 32
 HEAD_BYTES = 16 << 20  # a GGUF's header, metadata and tensor table sit in its first bytes; hash at most this
 
@@ -194,9 +186,6 @@ class ExecStore:
         if not self._open():
             return None
         f = self.dir / _program_file(name)
-        with _WRITTEN_LOCK:
-            if (self.key, name) in _WRITTEN:
-                return None  # written by this process: compiled again, never read back (see _WRITTEN)
         try:
             blob = f.read_bytes()
         except FileNotFoundError:
@@ -231,8 +220,6 @@ class ExecStore:
             payload, in_tree, out_tree = serialize(compiled)
             body = pickle.dumps((payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
             _atomic_write(self.dir / _program_file(name), MAGIC + hashlib.sha256(body).digest() + body)
-            with _WRITTEN_LOCK:
-                _WRITTEN.add((self.key, name))
         except Exception as exc:
             log.warning("executable store: cannot save %s: %s: %s", name, type(exc).__name__, exc)
             return False

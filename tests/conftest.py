@@ -16,10 +16,9 @@ import pytest
 # tests start.
 os.environ["PANTHEON_NATIVE_DOT"] = "exact"
 # Programs are compiled, not read from $PANTHEON_HOME/executables, in every test but the store's own
-# (tests/test_exec_store.py passes a store directory explicitly and reads it back only in child
-# processes, one model each, as a server's start does): in the one long pytest process, with many
-# models compiling in the background, XLA:CPU (jax 0.10) twice aborted inside `deserialize_and_load`
-# of a stored program (test_speculative's warm-up test, even with one deserialisation at a time).
+# (tests/test_exec_store.py passes a store directory explicitly and reads it back in child processes,
+# one model each, as a server's start does): a test's outcome never depends on what an earlier test,
+# or an earlier run, left in the store, and the compile counts the tests assert are this run's own.
 os.environ["PANTHEON_EXEC_STORE"] = "0"
 
 def _find_fixtures() -> Path:
@@ -46,13 +45,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    """The test process counts compiles; it neither reads nor writes JAX's persistent cache. XLA:CPU
-    (jax 0.10) aborted reading back, inside this one long process, an executable that this process
-    had written there minutes earlier (test_speculative's warm-up test, in `compilation_cache
-    .get_executable_and_time`), as it did with the executable store above. JAX's own switch is turned
-    off, so an app started in this process (whose start-up sets the cache's directory) cannot turn the
-    cache on. The servers the tests start keep the cache (PANTHEON_COMPILE_CACHE's default): each
-    reads what other processes wrote."""
+    """The test process counts compiles and keeps no JAX persistent cache (for the reason above). JAX's
+    own switch is turned off, so an app started in this process (its start-up sets the cache's
+    directory) cannot turn the cache on. The servers the tests start keep it (PANTHEON_COMPILE_CACHE's
+    default)."""
     import jax
 
     from pantheon.runtime import compile_guard
@@ -203,12 +199,22 @@ def pytest_runtest_teardown(item, nextitem):
     for name in _last_users.get(item.nodeid, ()):
         _stop_shared(_server_key(**getattr(server_util, _NAMED_SERVERS[name])))
     if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
-        # A module's background compiles end with it: a `compile-<model>` thread left running would
-        # compile beside the next module's programs, in a process no server ever is (one with dozens
-        # of models), so a fault there would be charged to a test that did not cause it.
+        # A module's background compiles end with it (a `compile-<model>` thread left running would
+        # compile beside the next module's tests, charged to tests that did not start it) ...
         from pantheon.runtime import engine
         for model in list(engine._WARMING):
             assert model.wait_compiled(900), f"{model.name}: its background compile did not end"
+        # ... and so do its executables. Each XLA:CPU executable holds three memory mappings of its own
+        # (code, constants, data), and JAX's jit caches keep every executable a module-level function
+        # ever compiled (one per model config seen): the one process running the whole suite grew to
+        # 63,346 mappings by test_speculative (~75 %) and crashed there inside XLA, a segfault in a
+        # compile or an abort in a deserialisation, at the kernel's vm.max_map_count (65,530).
+        # Between modules the collected models' programs go and the jit caches are emptied.
+        import gc
+
+        import jax
+        gc.collect()
+        jax.clear_caches()
 
 
 def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:

@@ -3,6 +3,7 @@
 # the same load generator (`pantheon bench serve --compare`), 1 and 8 streams, greedy.
 #
 #   tools/spec_side_by_side.sh CATALOG_NAME LLAMA_SERVER [OUT_DIR]
+#   (REQUESTS=8 per level and round, WORKLOADS="code-edit free-chat", PY=python in the environment)
 #
 # Starts Pantheon (`pantheon serve`, speculation on by default) and two llama.cpp servers on the same
 # GGUF (-np 8 -t 2: plain, and --spec-type ngram-simple, its prompt-lookup mode), writes two datasets
@@ -10,7 +11,7 @@
 # for each runs Pantheon-on vs llama.cpp plain, Pantheon-on vs llama.cpp n-gram, and Pantheon with
 # `"speculative": false` vs llama.cpp plain. Each table is printed and kept in OUT_DIR.
 set -euo pipefail
-name=$1 llama=$2 out=${3:-/tmp/spec-side-by-side}
+name=$1 llama=$2 out=${3:-/tmp/spec-side-by-side} requests=${REQUESTS:-8}
 mkdir -p "$out"
 py=${PY:-python}
 gguf=$($py -c "from pantheon.formats.catalog import resolve_model; print(resolve_model('$name', progress=False))")
@@ -49,10 +50,10 @@ for port in $P $L $N; do  # ready: 200 on /health, and Pantheon's background com
 done
 bench() {  # label, dataset, compare port, extra body
     $py -m pantheon.cli bench serve --url "http://127.0.0.1:$P" --model "$name" --compare "http://127.0.0.1:$3" \
-        --dataset "$out/$2.jsonl" --concurrency 1,8 --requests 8 --gen 128 --rounds 2 --no-progress \
+        --dataset "$out/$2.jsonl" --concurrency 1,8 --requests "$requests" --gen 128 --rounds 2 --no-progress \
         --extra-body "$4" | tee "$out/$1.txt"
 }
-for w in code-edit free-chat; do
+for w in ${WORKLOADS:-code-edit free-chat}; do
     bench "$w-on-vs-plain" $w $L '{"temperature": 0}'
     bench "$w-on-vs-ngram" $w $N '{"temperature": 0}'
     bench "$w-off-vs-plain" $w $L '{"temperature": 0, "speculative": false}'

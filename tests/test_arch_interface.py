@@ -42,8 +42,7 @@ def test_module_satisfies_the_protocol(mod):
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[1])
 def test_capabilities_agree_with_the_optional_functions(mod):
     caps = registry.capabilities_of(mod)
-    assert set(interface.CAPABILITY_PROTOCOLS) | set(interface.PROPERTY_FLAGS) == set(interface.capability_names())
-    assert not set(interface.CAPABILITY_PROTOCOLS) & set(interface.PROPERTY_FLAGS)
+    assert set(interface.CAPABILITY_PROTOCOLS) == set(interface.capability_names())
     for flag, proto in interface.CAPABILITY_PROTOCOLS.items():
         if getattr(caps, flag):
             _check_functions(mod, proto)
@@ -59,8 +58,7 @@ def test_expected_capabilities():
     assert caps["llama"] == interface.Capabilities(mixed_steps=True, fused_projections=True, image_inputs=True)
     assert caps["gemma3"] == interface.Capabilities(image_inputs=True)  # the Gemma 3 VLM (issue 34)
     assert caps["rwkv7"] == interface.Capabilities(recurrent_state=True)
-    # its prefill program crashes XLA:CPU once serialised and read back (test_exec_store)
-    assert caps["qwen35"] == interface.Capabilities(recurrent_state=True, stored_programs=False)
+    assert caps["qwen35"] == interface.Capabilities(recurrent_state=True)
     assert registry.capabilities_of(None) == registry.capabilities_of(object()) == interface.Capabilities()
 
 

@@ -51,12 +51,6 @@ class Capabilities:
     """`forward_images` exists (`ImageInputs`): the forward takes input embeddings that replace the token
     embeddings at some positions (a vision projector's image rows: the design's `embd_override`)."""
 
-    stored_programs: bool = True
-    """Its compiled step programs survive `jax.experimental.serialize_executable` (the executable
-    store, pantheon.runtime.exec_store). False where a program read back crashes XLA:CPU when run: then
-    each start compiles them (tests/test_exec_store.py runs the round trip per module in a child
-    process, so a module that can store again is noticed)."""
-
     recurrent_state: bool = False
     """The state holds per-slot recurrent parts that cannot be rolled back to an earlier position
     (`RecurrentSlots`: snapshot/restore/reset of one slot). Prefix reuse must then be all or
@@ -168,10 +162,6 @@ CAPABILITY_PROTOCOLS: dict[str, type] = {
     "recurrent_state": RecurrentSlots,
     "image_inputs": ImageInputs,
 }
-
-# Capability flags that promise no functions, only a property the engine relies on.
-PROPERTY_FLAGS: tuple[str, ...] = ("stored_programs",)
-
 
 def protocol_functions(proto: type) -> tuple[str, ...]:
     """The function names `proto` itself declares (not those it inherits)."""

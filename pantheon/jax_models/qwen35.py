@@ -42,10 +42,7 @@ from pantheon.jax_models.interface import Capabilities
 ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 # No forward_groups: a mixed step would have to gather and scatter the recurrent state of two row
 # groups of different T; the engine runs prefill and decode as separate steps instead.
-# stored_programs: its prefill program, serialised and read back by jax 0.10's XLA:CPU, segfaults on
-# its first run (the tiny qwen35 and qwen35moe fixtures; rwkv7, llama and mixtral round-trip fine);
-# so a hybrid compiles its programs at each start
-CAPABILITIES = Capabilities(recurrent_state=True, stored_programs=False)
+CAPABILITIES = Capabilities(recurrent_state=True)
 DELTA_CHUNK = 64  # chunk length of the prefill delta rule (llama.cpp and HF use 64 too)
 HIGHEST = jax.lax.Precision.HIGHEST  # delta-rule matmuls must not drop to TF32/bf16 passes on GPU
 

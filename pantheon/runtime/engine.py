@@ -1262,10 +1262,6 @@ class Model:
             settings = load_settings()
             if where is None and settings.exec_store:
                 where = str(settings.home / "executables")
-            if where and not self.arch.CAPABILITIES.stored_programs:
-                log.info("%s: programs compiled at each start (%s's programs cannot be stored)", self.name,
-                         self.config.arch)
-                where = ""
             if where:
                 try:
                     self._store = exec_store.ExecStore(Path(where), self._identity(), settings.exec_store_mb << 20)

@@ -50,11 +50,23 @@ STORE_VERSION = 1  # bump when the file layout or the key's meaning changes
 MAGIC = b"PNTHXLA1"
 # _LOAD_LOCK: held around each `deserialize_and_load`, by whichever thread loads (the compile-<model>
 # workers, a warm-up). Invariant: at most one executable is being deserialised in the process at a
-# time -- two at once in XLA:CPU (jax 0.10) segfaulted the test process (two compile workers of one
-# model). A load takes milliseconds, so the lock costs nothing measurable.
+# time. Two at once were never shown safe in XLA:CPU (jax 0.10); the crash first blamed on them was the
+# test process running out of memory mappings. A load takes milliseconds, so the lock costs nothing.
 _LOAD_LOCK = threading.Lock()
 _DIGEST = 32
 HEAD_BYTES = 16 << 20  # a GGUF's header, metadata and tensor table sit in its first bytes; hash at most this
+
+
+def _prepare_runtime_libraries() -> None:
+    """Initialise what a program's custom calls need before a program is loaded without lowering.
+
+    jaxlib binds its CPU LAPACK kernels (`lapack_strsm_ffi`, the triangular solve of qwen35's chunked
+    delta rule, and the rest) to scipy's LAPACK only when a linalg op is *lowered*
+    (`jaxlib.lapack.prepare_lapack_call`). A program read back from the store is never lowered, so in a
+    fresh process its first call jumped through an unset function pointer: the segfault that made
+    qwen35 compile at every start. Initialising is idempotent and cheap."""
+    from jax._src.lax import linalg
+    linalg.initialize_lapack()
 
 
 def _sha(data: bytes) -> str:
@@ -201,6 +213,7 @@ class ExecStore:
                 raise ValueError("checksum mismatch")
             payload, in_tree, out_tree = pickle.loads(body)
             from jax.experimental.serialize_executable import deserialize_and_load
+            _prepare_runtime_libraries()
             with _LOAD_LOCK:
                 compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
         except Exception as exc:  # any doubt about the file: compile instead, and rewrite it

@@ -24,6 +24,11 @@ llama.cpp's mmap); a misaligned one (GGUF aligns tensors to 32 bytes, so in a fi
 section starts at 32 mod 64 every tensor is) is copied once, the copy awaited, and the file pages
 it read dropped from this process (`MADV_DONTNEED`), so the load's peak stays at about the file's
 size plus one tensor.
+
+Per-layer matrices are stacked over the layers (`LayerStack`, so a step's program does not grow with
+depth). Where the native kernels multiply them on one CPU die, a stack is not a copy: it is the whole
+file's mapping (aliased: the mapping starts on a page) plus where each layer's tensor starts
+(`MappedStack`), so a load copies none of its layers and a served weight is a page-cache page.
 """
 
 from __future__ import annotations
@@ -139,13 +144,15 @@ def _stacked_linear(x: jax.Array, w: QuantWeight, index: jax.Array,
     the dot (the matrix is read once); on XLA:CPU it is a copy of one matrix.
     """
     rows = math.prod(x.shape[:-1])
+    if isinstance(w, MappedStack):
+        return w.linear(x, index, skip)
     if (w.kernel in NATIVE_KERNELS and w.qtype != "F32"
             and native.stacked_matmul_applies(rows, w.cols, w.data, w.qtype)):
         return native.weight_matmul(x, w.data, w.qtype, skip, index=index, dot=NATIVE_KERNELS[w.kernel])
     return linear(x, LayerView(stack=w, index=index).matrix(), None, skip).astype(jnp.float32)
 
 
-def linear_at(x: jax.Array, w: "QuantWeight | LayerView", index: jax.Array,
+def linear_at(x: jax.Array, w: "QuantWeight | LayerView", index: Any,
               skip: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """`linear(x, w.at(index))` for a stack of matrices w [E, out, in] (an MoE layer's experts).
 
@@ -153,12 +160,69 @@ def linear_at(x: jax.Array, w: "QuantWeight | LayerView", index: jax.Array,
     (a copy of one matrix's bytes, which a dynamic slice costs in XLA). `w` may be one layer of a
     stack of expert stacks (a `LayerView` of [L, E, out, in]): expert `index` of that layer.
     """
+    if isinstance(w, LayerView) and isinstance(w.stack, MappedStack):
+        return w.stack.linear(x, w.index, skip, matrix=index).astype(x.dtype)
     if isinstance(w, LayerView):
         w, index = w.flat_experts(index)
     return _stacked_linear(x, w, index, skip).astype(x.dtype)
 
 
 # ---- weights stacked over layers ---------------------------------------------------------------------
+@struct.dataclass
+class MappedStack:
+    """n same-shaped tensors of one format that stay where they lie in the mapped model file.
+
+    Why: stacking a kind of matrix over the layers (what a depth-independent layer loop needs) by
+    copying the layers into one buffer costs a copy of the whole file at every start (8.6 of a 7B
+    file's 9.6 s load) and makes the weights anonymous memory instead of the page cache's (a 20 GB
+    file then barely fits a 24 GB machine). The native kernels need neither: they are handed the whole
+    file (`file`, uint8 [units, native.FILE_UNIT], aliased from the mapping, one buffer for every
+    stack of the model) and where member i starts (`units[i]`, in FILE_UNIT bytes; traced, so the
+    program is the same whatever the layout or depth). Only block formats multiplied by the native
+    kernels on one CPU die take this form (`layer_stack` decides); XLA's paths keep copied stacks.
+    """
+
+    file: Any
+    units: Any
+    qtype: str = struct.field(pytree_node=False)
+    cols: int = struct.field(pytree_node=False)
+    member: tuple[int, ...] = struct.field(pytree_node=False)  # one member's data shape: [..., rows, row_bytes]
+    kernel: str = struct.field(pytree_node=False, default="native")
+    compute: str = struct.field(pytree_node=False, default="float32")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape: members, then one member's leading axes, rows, cols."""
+        return (int(self.units.shape[0]),) + tuple(self.member[:-1]) + (self.cols,)
+
+    @property
+    def member_bytes(self) -> int:
+        return int(np.prod(self.member, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        """The members' bytes (the file they lie in is shared and counted by none)."""
+        return int(self.units.shape[0]) * self.member_bytes
+
+    def linear(self, x: jax.Array, index: jax.Array, skip: tuple[jax.Array, jax.Array] | None = None,
+               matrix: Any = 0) -> jax.Array:
+        """f32 x @ W.T for W matrix `matrix` (an expert; 0 for a layer's one matrix) of member `index`."""
+        return native.mapped_matmul(x, self.file, self.qtype, int(self.member[-2]),
+                                    jnp.asarray(self.units)[index], matrix, skip, dot=NATIVE_KERNELS[self.kernel])
+
+    def at(self, index: Any) -> QuantWeight:
+        """Member `index` as a weight of its own (host tests, XLA's fallbacks: a copy of its bytes)."""
+        n = self.member_bytes
+        if isinstance(self.file, np.ndarray) and isinstance(index, (int, np.integer)):
+            start = int(np.asarray(self.units)[index]) * native.FILE_UNIT
+            data = self.file.reshape(-1)[start: start + n].reshape(self.member)
+        else:
+            rows = -(-n // native.FILE_UNIT)
+            u = jnp.asarray(self.units)[index]
+            data = jax.lax.dynamic_slice_in_dim(self.file, u, rows, 0).reshape(-1)[:n].reshape(self.member)
+        return QuantWeight(data=data, qtype=self.qtype, cols=self.cols, kernel=self.kernel, compute=self.compute)
+
+
 @struct.dataclass
 class LayerView:
     """Layer `index` (traced) of a stack [n, ...] of one format: what a layer's body multiplies with.
@@ -193,6 +257,8 @@ class LayerView:
 
     def matrix(self) -> QuantWeight:
         """The layer's weight sliced out of the stack (XLA's paths: a copy on CPU, fused on GPU)."""
+        if isinstance(self.stack, MappedStack):
+            return self.stack.at(self.index)
         return self.stack.replace(data=jax.lax.dynamic_index_in_dim(self.stack.data, self.index, 0, keepdims=False))
 
     def expand(self, dtype: Any = None) -> jax.Array:
@@ -200,7 +266,9 @@ class LayerView:
 
     def flat_experts(self, expert: jax.Array) -> tuple[QuantWeight, jax.Array]:
         """The stack [n, E, out, in] seen as [n * E, out, in] (a reshape, no copy) and the flat index
-        of expert `expert` of this layer."""
+        of expert `expert` of this layer (a mapped stack: this layer's experts, sliced out)."""
+        if isinstance(self.stack, MappedStack):
+            return self.matrix(), jnp.asarray(expert, jnp.int32)
         data = self.stack.data
         n_e = int(data.shape[1])
         flat = self.stack.replace(data=data.reshape((data.shape[0] * n_e,) + tuple(data.shape[2:])))
@@ -225,7 +293,7 @@ class LayerStack:
     one branch per *format*, never per layer.
     """
 
-    groups: tuple[QuantWeight, ...]
+    groups: tuple["QuantWeight | MappedStack", ...]
     group_of: tuple[int, ...] = struct.field(pytree_node=False)
     index_in: tuple[int, ...] = struct.field(pytree_node=False)
 
@@ -246,9 +314,11 @@ class LayerStack:
         return self.groups[self.group_of[layer]].at(self.index_in[layer])
 
 
-def layer_stack(parts: Sequence[QuantWeight]) -> LayerStack:
-    """Per-layer weights (views of the file) as a LayerStack, each format's layers copied once into
-    one aligned buffer (the file pages read are dropped from this process as they are copied)."""
+def layer_stack(parts: Sequence[QuantWeight], files: dict[int, np.ndarray] | None = None) -> LayerStack:
+    """Per-layer weights (views of the file) as a LayerStack: a format's layers stay in the file
+    (`MappedStack`) where the native kernels read them, else are copied once into one aligned buffer
+    (the file pages read are dropped from this process as they are copied). `files`: the file views
+    made so far (one per mapped file, shared by every stack of a model)."""
     keys: list[tuple] = []
     members: dict[tuple, list[int]] = {}
     for i, p in enumerate(parts):
@@ -263,7 +333,8 @@ def layer_stack(parts: Sequence[QuantWeight]) -> LayerStack:
     for g, key in enumerate(keys):
         for j, i in enumerate(members[key]):
             group_of[i], index_in[i] = g, j
-        groups.append(stack([parts[i] for i in members[key]]))
+        members_ = [parts[i] for i in members[key]]
+        groups.append(mapped_stack(members_, files if files is not None else {}) or stack(members_))
     return LayerStack(groups=tuple(groups), group_of=tuple(group_of), index_in=tuple(index_in))
 
 
@@ -273,8 +344,36 @@ def _is_layer_tuple(x: Any) -> bool:
 
 def stack_layers(params: Any) -> Any:
     """Every per-layer tuple of weights in `params` as a LayerStack (the engine's form of a model)."""
-    return jax.tree.map(lambda x: layer_stack(x) if _is_layer_tuple(x) else x, params,
+    files: dict[int, np.ndarray] = {}
+    return jax.tree.map(lambda x: layer_stack(x, files) if _is_layer_tuple(x) else x, params,
                         is_leaf=lambda x: _is_layer_tuple(x) or isinstance(x, QuantWeight))
+
+
+def mapped_stack(parts: Sequence[QuantWeight], files: dict[int, np.ndarray]) -> MappedStack | None:
+    """`parts` as a MappedStack, or None where they cannot stay in the file: not multiplied by the
+    native kernels, not a block format, not views of one mapped file whose mapping the device can
+    alias (64-byte aligned), or a member not on a FILE_UNIT boundary or past the file's last whole unit."""
+    first = parts[0]
+    fmt = FORMATS.get(first.qtype)
+    if first.kernel not in NATIVE_KERNELS or fmt is None or not fmt.is_block or first.data.ndim not in (2, 3):
+        return None
+    arrays = [p.data for p in parts]
+    if not all(isinstance(a, np.ndarray) and a.dtype == np.uint8 and a.flags.c_contiguous for a in arrays):
+        return None
+    root = _root(arrays[0])
+    if (getattr(root, "_mmap", None) is None or root.ndim != 1 or root.dtype != np.uint8
+            or root.ctypes.data % _ALIGN or any(_root(a) is not root for a in arrays)):
+        return None
+    unit = native.FILE_UNIT
+    view = files.get(id(root))
+    if view is None:
+        view = files[id(root)] = root[: root.size // unit * unit].reshape(-1, unit)
+    starts = [a.ctypes.data - root.ctypes.data for a in arrays]
+    if any(s % unit or s + a.nbytes > view.size for s, a in zip(starts, arrays)):
+        return None
+    return MappedStack(file=view, units=np.asarray([s // unit for s in starts], np.int32), qtype=first.qtype,
+                       cols=first.cols, member=tuple(int(d) for d in first.data.shape), kernel=first.kernel,
+                       compute=first.compute)
 
 
 PerLayer = "LayerStack | Sequence[QuantWeight] | QuantWeight | jax.Array"
@@ -499,8 +598,19 @@ def put_leaf(a: Any, target: Any) -> Any:
 
 
 def place(params: Any, target_for: Callable[[tuple, Any], Any]) -> Any:
-    """Every leaf of host `params` onto its device (`target_for(path, leaf)` -> device or sharding)."""
-    return jax.tree_util.tree_map_with_path(lambda p, a: put_leaf(a, target_for(p, a)), params)
+    """Every leaf of host `params` onto its device (`target_for(path, leaf)` -> device or sharding).
+    A host array that is several leaves (a mapped file, shared by every MappedStack) goes once."""
+    placed: dict[tuple[int, int], Any] = {}
+
+    def one(path: tuple, a: Any) -> Any:
+        target = target_for(path, a)
+        if not isinstance(a, np.ndarray):
+            return put_leaf(a, target)
+        key = (id(a), id(target))
+        if key not in placed:
+            placed[key] = (a, put_leaf(a, target))  # the host array is kept so its id is not reused
+        return placed[key][1]
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def device_bytes(qtype: str, shape: Sequence[int], compute: str = "float32", matrix: bool = True) -> int:
@@ -521,8 +631,10 @@ def device_bytes(qtype: str, shape: Sequence[int], compute: str = "float32", mat
 
 
 def tree_bytes(params: Any) -> int:
-    """Bytes of every array in `params` (weights at their storage size)."""
-    return int(sum(int(x.nbytes) for x in jax.tree.leaves(params) if hasattr(x, "nbytes")))
+    """Bytes of every array in `params` (weights at their storage size; a mapped stack counts its
+    members' bytes, not the file they share)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, MappedStack))
+    return int(sum(int(x.nbytes) for x in leaves if hasattr(x, "nbytes")))
 
 
 def pick_linear(ws: Any, index: jax.Array | int, x: jax.Array, b: jax.Array | None = None,

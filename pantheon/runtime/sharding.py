@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pantheon.ops.weights import QuantWeight, drop_file_pages, put_leaf
+from pantheon.ops.weights import MappedStack, QuantWeight, drop_file_pages, put_leaf
 
 AXIS = "tp"
 
@@ -46,9 +46,10 @@ _EXPERTS = {"w_gate_e": -2, "w_up_e": -2, "w_down_e": -1}  # fallback FFN axis w
 _BIASES = ("bq", "bk", "bv")  # 1-D per layer: the output axis is the last one
 KV_KEYS = ("k", "v")
 # A QuantWeight's own array fields: a path into a weight is named after the weight, not "data".
-# So are a LayerStack's groups: `.layers.wq.groups[1].data` is "wq" (its arrays carry a leading layer axis).
-_WEIGHT_FIELDS = frozenset(f.name for f in dataclasses.fields(QuantWeight) if f.metadata.get("pytree_node", True)) | {
-    "groups"}
+# So are a LayerStack's groups: `.layers.wq.groups[1].data` is "wq" (its arrays carry a leading layer axis),
+# and a MappedStack's (`.layers.wq.groups[0].file`, `.units`).
+_WEIGHT_FIELDS = frozenset(f.name for cls in (QuantWeight, MappedStack) for f in dataclasses.fields(cls)
+                           if f.metadata.get("pytree_node", True)) | {"groups"}
 
 
 def make_mesh(devices: Sequence[Any]) -> Mesh:

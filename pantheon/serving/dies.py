@@ -155,12 +155,14 @@ def _param_groups(params: Any) -> tuple[int, int, int, int]:
     """(total, replicated, attention, ffn) bytes of a loaded params pytree, grouped by leaf name."""
     import jax
 
+    from pantheon.ops.weights import MappedStack
     from pantheon.runtime.sharding import leaf_name
     total = rep = attn = ffn = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(params):
+    # a MappedStack is one leaf of its members' bytes (the file it lies in is shared by all of them)
+    for path, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda v: isinstance(v, MappedStack)):
         name, b = leaf_name(path), int(x.nbytes)
         total += b
-        if getattr(x, "ndim", 0) < 2 and name not in _ATTN_LEAVES:
+        if len(getattr(x, "shape", ())) < 2 and name not in _ATTN_LEAVES:
             rep += b
         elif name in _ATTN_LEAVES:
             attn += b

@@ -310,7 +310,41 @@ def weight_matmul(x: jax.Array, data: jax.Array, qtype: str,
     which = jnp.zeros((1,), jnp.int32) if index is None else jnp.reshape(jnp.asarray(index, jnp.int32), (1,))
     y = jax.ffi.ffi_call(QUANT_TARGET, out)(x2, data, _skip_rows(x2.shape[0], skip), which,
                                             qtype=np.int32(FORMATS[qtype].type_id),
-                                            dot=np.int32(DOTS.index(dot)))
+                                            dot=np.int32(DOTS.index(dot)), mapped=np.int32(0))
+    return y.reshape(lead + (n,))
+
+
+FILE_UNIT = 32  # bytes: a mapped file is handed to the kernels as [units, FILE_UNIT] (cpu_kernels.cc kFileUnit)
+
+
+def mapped_matmul_applies(rows: int, k: int, n: int, qtype: str) -> bool:
+    """Whether `mapped_matmul` can serve `rows` rows of k inputs times an [n, k] block-format matrix."""
+    fmt = FORMATS.get(qtype)
+    return (_ready and rows > 0 and n > 0 and fmt is not None and fmt.is_block and qtype in NATIVE_FORMATS
+            and k > 0 and k % fmt.block_weights == 0)
+
+
+def mapped_matmul(x: jax.Array, file: jax.Array, qtype: str, n: int, unit: jax.Array, matrix: jax.Array | int = 0,
+                  skip: tuple[jax.Array, jax.Array] | None = None, dot: str = "exact") -> jax.Array:
+    """`weight_matmul` for a matrix read in place from a mapped file.
+
+    file: the whole file's bytes as uint8 [units, FILE_UNIT]; the matrices [.., n, row_bytes] of one
+    tensor start `unit` * FILE_UNIT bytes in (traced: a layer's tensor picked by the layer loop), and
+    the product is with matrix `matrix` of them (an expert of an MoE layer's tensor; 0 otherwise).
+    The kernel refuses (an error, never a read elsewhere) a matrix that would end past the file.
+    """
+    if dot not in DOTS:
+        raise ValueError(f"dot must be one of {DOTS}, not {dot!r}")
+    k = x.shape[-1]
+    if not mapped_matmul_applies(1, k, n, qtype) or file.dtype != jnp.uint8 or file.ndim != 2 \
+            or file.shape[1] != FILE_UNIT:
+        raise ValueError(f"{qtype} matrix [{n}, {k}] cannot be read from file data {file.dtype}{list(file.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    where = jnp.stack([jnp.asarray(unit, jnp.int32).reshape(()), jnp.asarray(matrix, jnp.int32).reshape(())])
+    y = jax.ffi.ffi_call(QUANT_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(
+        x2, file, _skip_rows(x2.shape[0], skip), where, qtype=np.int32(FORMATS[qtype].type_id),
+        dot=np.int32(DOTS.index(dot)), mapped=np.int32(1))
     return y.reshape(lead + (n,))
 
 

@@ -1153,29 +1153,50 @@ void Int8Product(ffi::ThreadPool& pool, const Int8Format& f, ffi::Buffer<ffi::S3
 // w is one matrix [N, cols], or a stack of them [E, N, cols] of which `index` picks one (an MoE
 // layer's experts): reading the chosen matrix in place spares XLA the copy a slice of the stack costs
 // (as many bytes again as the product streams).
+// mapped = 1: w is a whole mapped file as uint8 rows of kFileUnit bytes [units, kFileUnit], and
+// index is [u, e]: the matrices of a stack start u * kFileUnit bytes into it (one layer's tensor, in
+// place in the file: a stack over layers then needs no copy of the layers into one buffer) and the
+// product is with matrix e of them (an expert; 0 for a layer's one matrix); N is y's width.
 // dot: 0 the exact form (every weight widened to gguf's f32 value), 1 the int8 form where the format
 // has one (see "the int8 form"; F16 and BF16 take the exact form either way).
+constexpr int64_t kFileUnit = 32;  // GGUF aligns every tensor to 32 bytes (general.alignment's default)
 ffi::Error RowsMatmulQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                                ffi::Buffer<ffi::S32> skip, ffi::Buffer<ffi::S32> index,
-                               ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t dot) {
+                               ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t dot, int32_t mapped) {
   const StoredFormat f = StoredFormatOf(qtype);  // the format and the form are chosen once per call
   if (!f.columns) return ffi::Error::InvalidArgument("rows_matmul_q: unsupported format");
   if (w.element_type() != f.dtype) return ffi::Error::InvalidArgument("rows_matmul_q: w has the wrong dtype");
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if ((wd.size() != 2 && wd.size() != 3) || xd.size() < 1)
-    return ffi::Error::InvalidArgument("rows_matmul_q: w must be [N, cols] or [E, N, cols]");
-  const int64_t E = wd.size() == 3 ? wd[0] : 1;
-  const int64_t N = wd[wd.size() - 2], K = xd[xd.size() - 1];
+  auto yd = y->dimensions();
+  if (xd.size() < 1 || yd.size() != 2) return ffi::Error::InvalidArgument("rows_matmul_q: x or y has no rows");
+  const int64_t K = xd[xd.size() - 1];
   const int64_t cols = f.dtype == ffi::DataType::U8 ? K / f.weights * f.bytes : K;
-  if (K % f.weights != 0 || wd[wd.size() - 1] != cols)
-    return ffi::Error::InvalidArgument("rows_matmul_q: K does not match w");
-  int64_t e = index.element_count() ? index.typed_data()[0] : 0;
-  e = e < 0 ? 0 : e >= E ? E - 1 : e;  // as XLA clamps a dynamic index
   const int64_t elem = f.dtype == ffi::DataType::U8 ? 1 : 2;
+  if (K % f.weights != 0) return ffi::Error::InvalidArgument("rows_matmul_q: K does not match the format");
+  const uint8_t* wp = nullptr;
+  int64_t N = 0;
+  if (mapped) {  // [u, e] into a mapped file: bounds checked, never clamped into another tensor
+    N = yd[1];
+    if (f.dtype != ffi::DataType::U8 || wd.size() != 2 || wd[1] != kFileUnit || index.element_count() != 2)
+      return ffi::Error::InvalidArgument("rows_matmul_q: a mapped w is uint8 [units, 32] with index [u, e]");
+    const int64_t u = index.typed_data()[0], e = index.typed_data()[1];
+    const int64_t start = u * kFileUnit + e * N * cols;
+    if (u < 0 || e < 0 || start + N * cols > wd[0] * kFileUnit)
+      return ffi::Error::InvalidArgument("rows_matmul_q: the matrix lies outside the mapped file");
+    wp = static_cast<const uint8_t*>(w.untyped_data()) + start;
+  } else {
+    if (wd.size() != 2 && wd.size() != 3)
+      return ffi::Error::InvalidArgument("rows_matmul_q: w must be [N, cols] or [E, N, cols]");
+    const int64_t E = wd.size() == 3 ? wd[0] : 1;
+    N = wd[wd.size() - 2];
+    if (wd[wd.size() - 1] != cols || yd[1] != N) return ffi::Error::InvalidArgument("rows_matmul_q: K does not match w");
+    int64_t e = index.element_count() ? index.typed_data()[0] : 0;
+    e = e < 0 ? 0 : e >= E ? E - 1 : e;  // as XLA clamps a dynamic index
+    wp = static_cast<const uint8_t*>(w.untyped_data()) + e * N * cols * elem;
+  }
   const int64_t M = K ? x.element_count() / K : 0;
   const float* xp = x.typed_data();
-  const uint8_t* wp = static_cast<const uint8_t*>(w.untyped_data()) + e * N * cols * elem;
   float* yp = y->typed_data();
   if (dot == 1) {
     const Int8Format fast = Int8FormatOf(qtype);
@@ -1339,7 +1360,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonRowsMatmulQuant, RowsMatmulQuantImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
-                                  .Attr<int32_t>("dot"));
+                                  .Attr<int32_t>("dot")
+                                  .Attr<int32_t>("mapped"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 
 from conftest import Collector, tiny_fixture, wait_until
+from server_util import LLAMA, start_server
 from pantheon import osthread
-from pantheon.config import Settings
+from pantheon.config import Settings, load_settings
 from pantheon.runtime import compile_guard, engine, reference
 from pantheon.runtime.decode_state import slot_insert
 from pantheon.runtime.engine import Chunk, StepPlan
@@ -252,3 +255,43 @@ def test_a_recurrent_model_restarts_from_its_stored_programs(arch, tmp_path):
     a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (first, second))
     assert a["saved"] > 0 and a["loaded"] == 0 and b["loaded"] == a["saved"] and b["saved"] == 0
     assert a["ids"] == b["ids"] == tiny_fixture(arch)[1]["greedy_ids"][:8]
+
+
+def _compilations(url: str) -> float:
+    text = requests.get(url + "/metrics", timeout=30).text
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("pantheon_jax_compilations_total")))
+
+
+@pytest.mark.slow
+def test_a_served_restart_loads_its_stored_programs(tmp_path):
+    """Through `pantheon serve` (gunicorn's gevent worker, where `threading.Lock` is a greenlet lock and the
+    compile-<model> workers are OS threads): the second start of the same model loads what the first
+    stored, becomes ready, compiles nothing the first compiled, and answers the same. (A patched lock
+    shared by two loading workers once left the warm start waiting forever.)"""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "native").symlink_to(load_settings().home / "native")  # the kernels' build, not rebuilt
+    env = {"PANTHEON_HOME": str(home), "PANTHEON_EXEC_STORE": "1"}
+    answers, compiled, stored = [], [], []
+    for _ in ("cold", "warm"):
+        srv = start_server([f"tiny={LLAMA}"], env=env)
+        try:
+            wait_until(lambda: "progress" not in requests.get(srv.url + "/", timeout=30).json(),
+                       what="every program to be made", timeout=600)
+            r = requests.post(srv.url + "/v1/completions", timeout=120,
+                              json={"model": "tiny", "prompt": "Once upon", "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["text"])
+            compiled.append(_compilations(srv.url))
+            found = re.findall(r"executable store \S+: (\d+) programs loaded, (\d+) compiled and saved",
+                               srv.log_path.read_text())
+            assert len(found) == 1, srv.log_tail()
+            stored.append(tuple(int(v) for v in found[0]))
+        finally:
+            srv.stop()
+    (_, saved), (loaded, resaved) = stored
+    assert saved > 0 and loaded == saved and resaved == 0, stored
+    assert answers[0] == answers[1]
+    # what still lowers at a warm start is the state's eager allocation (a fill or two), no step program
+    assert compiled[1] < compiled[0] - saved + 3, (compiled, stored)

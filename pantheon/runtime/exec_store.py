@@ -44,6 +44,8 @@ from typing import Any
 
 import jax
 
+from pantheon import osthread
+
 log = logging.getLogger(__name__)
 
 STORE_VERSION = 1  # bump when the file layout or the key's meaning changes
@@ -52,7 +54,7 @@ MAGIC = b"PNTHXLA1"
 # workers, a warm-up). Invariant: at most one executable is being deserialised in the process at a
 # time. Two at once were never shown safe in XLA:CPU (jax 0.10); the crash first blamed on them was the
 # test process running out of memory mappings. A load takes milliseconds, so the lock costs nothing.
-_LOAD_LOCK = threading.Lock()
+_LOAD_LOCK = osthread.Lock()  # an OS lock: under gevent, threading.Lock is a greenlet lock
 _DIGEST = 32
 HEAD_BYTES = 16 << 20  # a GGUF's header, metadata and tensor table sit in its first bytes; hash at most this
 

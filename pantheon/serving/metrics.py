@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pantheon import osthread
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
-        self._lock = threading.Lock()  # guards _routes and _scrape_errors
+        self._lock = osthread.Lock()  # guards _routes and _scrape_errors; held for a set update, never across a yield
         self._routes: set[str] = set()
         self._scrape_errors = 0
         self._backend_source: BackendSource | None = None

@@ -247,9 +247,9 @@ def round_trip(arch: str, store: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["rwkv7", "qwen35", "qwen35moe"])
 def test_a_recurrent_model_restarts_from_its_stored_programs(arch, tmp_path):
-    """rwkv7 and the hybrids qwen35 / qwen35moe (recurrent state; the hybrids' prefill calls LAPACK's triangular solve, a
-    custom call jaxlib binds only when it lowers one): the second start, a fresh process that lowers
-    nothing, loads every program, runs them and gives the oracle's tokens."""
+    """rwkv7 and the hybrids qwen35 / qwen35moe (recurrent state; the hybrids' prefill calls LAPACK's
+    triangular solve, a custom call jaxlib binds only when it lowers one): the second start, a fresh
+    process that lowers nothing, loads every program, runs them and gives the oracle's tokens."""
     first, second = (round_trip(arch, tmp_path) for _ in range(2))
     assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
     a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (first, second))

@@ -1,6 +1,6 @@
 """Load a GGUF, then time decode steps at a few batch sizes and report RSS: the real-size proof.
 
-    python tools/decode_rss.py FILE.gguf [--batches 1,8] [--steps 3] [--no-native]
+    python tools/decode_rss.py FILE.gguf [--batches 1,8] [--steps 3] [--no-native] [--copied-stacks]
 
 Prints the load time, weight bytes on the device, peak RSS during the load, then per batch size
 the median seconds per decode step (after two warm-up steps that compile), tokens/s and RSS.
@@ -27,8 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--no-native", action="store_true")
+    ap.add_argument("--copied-stacks", action="store_true",
+                    help="copy each layer stack into one buffer instead of reading it from the file mapping "
+                         "(the form before weights.MappedStack: to compare the two)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from pantheon.ops import weights
     from pantheon.runtime import engine
     from pantheon.runtime.decode_state import slot_insert
     from pantheon.runtime.engine import Chunk, StepPlan
@@ -42,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             stop.wait(0.05)
 
     threading.Thread(target=watch, daemon=True, name="rss").start()
+    if args.copied_stacks:
+        weights.mapped_stack = lambda parts, files: None
     t0 = time.perf_counter()
     m = engine.load(args.gguf, engine.LoadOptions(native_matmul=not args.no_native, n_slots=args.slots, max_seq=512,
                                                   prefill_chunk=32))

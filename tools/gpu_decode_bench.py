@@ -7,7 +7,11 @@ inside the step in bf16), and times batch-1 and batch-8 decode steps after warm-
 JSON line per batch size: ms per step (median of `--steps`), tokens/s, and the GB/s of weights a
 step reads against the device's bandwidth.
 
-    python tools/gpu_decode_bench.py [--gguf /tmp/qwen2-7b.gguf] [--steps 20] [--layers 28]
+    python tools/gpu_decode_bench.py [--gguf /tmp/qwen2-7b.gguf] [--steps 20] [--layers 28] [--startup]
+
+--startup first times two starts of `pantheon serve` on the file with one fresh PANTHEON_HOME (cold:
+every program compiled; warm: read back from the executable store), each to ready and to every
+program made (`tools/serve_memory.py --settled`), one JSON line each, then runs the decode timing.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="write a shallower file (quick check)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--startup", action="store_true", help="time a cold and a warm `pantheon serve` first")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         write_sized_gguf(path, "qwen2-7b", **overrides)
         print(json.dumps({"wrote": str(path), "bytes": path.stat().st_size, "s": round(time.perf_counter() - t0, 1)}),
               flush=True)
+    if args.startup:
+        startup(path)
     print(json.dumps({"devices": [str(d) for d in jax.devices()]}), flush=True)
     t0 = time.perf_counter()
     model = engine.load(path, engine.LoadOptions(n_slots=8, max_seq=1024, prefill_chunk=128))
@@ -77,6 +84,27 @@ def main(argv: list[str] | None = None) -> int:
                           "weights_gb_s": round(gbs, 1), "of_hbm": round(gbs / (HBM_TB_S * 1e3), 3),
                           "finite": bool(np.all(np.isfinite(np.asarray(ids))))}), flush=True)
     return 0
+
+
+def startup(path: Path, port: int = 18499) -> None:
+    """Cold then warm start of `pantheon serve --model PATH` in a fresh PANTHEON_HOME (issue 29's table
+    on the device): serve_memory's JSON lines, labelled."""
+    import os
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    home = tempfile.mkdtemp(prefix="pantheon-home-")
+    env = {**os.environ, "PANTHEON_HOME": home, "PYTHONPATH": str(root)}
+    serve = [sys.executable, "-c", "import sys; from pantheon.cli import main; sys.exit(main(sys.argv[1:]))",
+             "serve", "--model", f"sized={path}", "--port", str(port)]
+    url = f"http://127.0.0.1:{port}/"
+    for label in ("cold", "warm"):
+        watch = [sys.executable, str(root / "tools" / "serve_memory.py"), "--ready", url, "--settled", url,
+                 "--hold", "1", "--timeout", "1800", "--"]
+        out = subprocess.run([*watch, *serve], env=env, capture_output=True, text=True)
+        for line in out.stdout.splitlines():
+            print(json.dumps({"start": label, **json.loads(line)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -317,13 +317,6 @@ def weight_matmul(x: jax.Array, data: jax.Array, qtype: str,
 FILE_UNIT = 32  # bytes: a mapped file is handed to the kernels as [units, FILE_UNIT] (cpu_kernels.cc kFileUnit)
 
 
-def mapped_matmul_applies(rows: int, k: int, n: int, qtype: str) -> bool:
-    """Whether `mapped_matmul` can serve `rows` rows of k inputs times an [n, k] block-format matrix."""
-    fmt = FORMATS.get(qtype)
-    return (_ready and rows > 0 and n > 0 and fmt is not None and fmt.is_block and qtype in NATIVE_FORMATS
-            and k > 0 and k % fmt.block_weights == 0)
-
-
 def mapped_matmul(x: jax.Array, file: jax.Array, qtype: str, n: int, unit: jax.Array, matrix: jax.Array | int = 0,
                   skip: tuple[jax.Array, jax.Array] | None = None, dot: str = "exact") -> jax.Array:
     """`weight_matmul` for a matrix read in place from a mapped file.
@@ -336,8 +329,10 @@ def mapped_matmul(x: jax.Array, file: jax.Array, qtype: str, n: int, unit: jax.A
     if dot not in DOTS:
         raise ValueError(f"dot must be one of {DOTS}, not {dot!r}")
     k = x.shape[-1]
-    if not mapped_matmul_applies(1, k, n, qtype) or file.dtype != jnp.uint8 or file.ndim != 2 \
-            or file.shape[1] != FILE_UNIT:
+    fmt = FORMATS.get(qtype)
+    matrix_spec = jax.ShapeDtypeStruct((n, fmt.row_bytes(k) if fmt and fmt.is_block else 0), jnp.uint8)
+    if not (_ready and n > 0 and fmt is not None and fmt.is_block and _fits(k, matrix_spec, qtype)) \
+            or file.dtype != jnp.uint8 or file.ndim != 2 or file.shape[1] != FILE_UNIT:
         raise ValueError(f"{qtype} matrix [{n}, {k}] cannot be read from file data {file.dtype}{list(file.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)

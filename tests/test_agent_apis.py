@@ -174,8 +174,19 @@ def test_built_in_tools_are_refused_with_a_400_naming_them(oai):
     assert err.value.body["param"] == "tools[0].type"
 
 
-def test_the_openai_agents_runner_calls_a_function_tool(srv):
+def test_the_openai_agents_runner_calls_a_function_tool_then_answers_in_its_output_type(srv):
+    """The Agents SDK's loop: a forced tool call, the tool's result sent back, a typed final answer.
+
+    The agent has an output type, so every turn carries a JSON-schema `text.format` and the first one also
+    `tool_choice: "required"`: the forced call constrains that turn and the format the answer after it (the
+    Runner resets tool_choice to auto once the tool ran). The format is also what bounds the 135M model's
+    last turn: in free text it echoes the tool's random call id back and may run past any token budget,
+    which the SDK reports as an error (`response.incomplete`)."""
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        answer: str = Field(max_length=80)
 
     set_tracing_disabled(True)
     seen = []
@@ -188,14 +199,13 @@ def test_the_openai_agents_runner_calls_a_function_tool(srv):
 
     client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=SMOL_KEY, max_retries=0, timeout=300)
     agent = Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
-                  model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                  # forced on the first turn (the 135M model follows the grammar); the Runner resets it to
-                  # auto after the tool ran, so the second turn answers in text
+                  output_type=Weather, model=OpenAIResponsesModel(model=MODEL, openai_client=client),
                   model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
                                                max_tokens=160))
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
-    assert len(seen) == 1 and isinstance(seen[0], str)
-    assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert seen == ["Paris"]  # called once, with the city the grammar let the model write
+    assert [type(i).__name__ for i in result.new_items] == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert isinstance(result.final_output, Weather) and result.final_output.answer.strip()
 
 
 # ---- Anthropic Messages ------------------------------------------------------------------------------------------

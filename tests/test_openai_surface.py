@@ -261,6 +261,23 @@ def test_a_named_tool_choice_yields_that_call(client, stream):
         assert isinstance(json.loads(c["tool_calls"][0][1]), dict)
 
 
+def test_a_forced_call_with_a_response_format_is_the_call_and_a_bad_format_is_still_refused(client):
+    """An agent with a typed answer sends its format with every turn, a forced tool with the first (the
+    OpenAI Agents SDK does): the call constrains that turn; the format is still checked."""
+    person = {"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+        "additionalProperties": False}}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    (c,) = chat(client, False, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                tools=[WEATHER, TIME], tool_choice=named, response_format=person, temperature=0, max_tokens=120)
+    assert c["finish"] == "tool_calls" and [n for n, _ in c["tool_calls"]] == ["get_weather"] and not c["text"], c
+    assert isinstance(json.loads(c["tool_calls"][0][1]), dict)
+    broken = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object", "minProperties": "x"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, False, tools=[WEATHER], tool_choice="required", response_format=broken, max_tokens=8)
+    assert err.value.body["param"].startswith("response_format")
+
+
 # ---- logit_bias ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True])
 def test_logit_bias_bans_and_forces_a_first_token(client, srv, stream):

@@ -78,7 +78,6 @@ BAD_CHAT = [
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
      "response_format.json_schema.x"),
-    ({"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"}, "response_format"),
     # issue 32: a tool call in the history whose arguments are not a JSON object names its message
     ({"messages": HELLO + [{"role": "assistant", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": "}}]}]},
@@ -121,6 +120,10 @@ def test_response_format_and_forced_tools_become_the_constraint(client, fake, st
         assert grammar[-1] == ("tools", ["get_weather", "get_time"], choice, True)
     assert chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).status_code == 200
     assert grammar[-1] == ("tools", ["get_weather", "get_time"], "required", False)
+    # both: the forced call constrains the turn; the format is compiled too, so a bad one is refused now
+    assert chat(client, response_format=schema, tools=TOOLS, tool_choice="required").status_code == 200
+    assert fake.last_request.constraint == ("grammar", "tools")
+    assert grammar[-2:] == [("response_format", schema), ("tools", ["get_weather", "get_time"], "required", True)]
     calls = len(grammar)
     for plain in ({"response_format": {"type": "text"}}, {"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "none"}):
         assert chat(client, **plain).status_code == 200 and fake.last_request.constraint is None

@@ -443,9 +443,6 @@ def parse_chat_request(body: Any, headers: Mapping[str, str]) -> ChatRequest:
                        user=user, cache_salt=cache_salt, truncate_oldest=truncate == "oldest",
                        n=n, logprobs=logprobs, logit_bias=bias, response_format=rf,
                        parallel_tool_calls=parallel is not False)
-    if rf is not None and creq.forces_tool_call:
-        raise _bad("response_format", "cannot be combined with tool_choice \"required\" or a named function "
-                                      "(each constrains the whole output)")
     return creq
 
 
@@ -595,7 +592,13 @@ class Generation(GenerationCore):
         self.launch(req, emitters, reservation=reservation)
 
     def _constraint(self, tok: Any) -> Any:
-        """The grammar the output must follow: a response_format's JSON, or a forced tool call; None."""
+        """The grammar the output must follow: a forced tool call, or a response_format's JSON; None.
+
+        Both may be given (an agent with a typed final answer forces a tool on its first turn and keeps
+        its output format on every turn: the OpenAI Agents SDK sends exactly that). A forced call's
+        output is the call, so the call's grammar constrains this turn; the format, which shapes a text
+        answer, is still compiled so a bad schema is refused now rather than on the turn that uses it.
+        """
         creq = self.creq
         if creq.response_format is None and not creq.forces_tool_call:
             return None
@@ -603,8 +606,11 @@ class Generation(GenerationCore):
 
         st = self.registry.settings
         limits = structured.SchemaLimits(max_nodes=st.grammar_max_nodes, max_properties=st.grammar_max_properties)
+        answer = None
         if creq.response_format is not None:
-            return structured.Grammar.from_response_format(creq.response_format, tok, limits=limits)
+            answer = structured.Grammar.from_response_format(creq.response_format, tok, limits=limits)
+        if not creq.forces_tool_call:
+            return answer
         return structured.Grammar.for_tools(creq.tools, creq.tool_choice, tok, parallel=creq.parallel_tool_calls,
                                             limits=limits)
 

@@ -297,9 +297,6 @@ def parse_messages_request(body: Any, headers: Mapping[str, str]) -> ChatRequest
     creq.params = sampling_params(body, MESSAGES)
     creq.stop = stop_list(body, "stop_sequences")
     creq.response_format = _output_format(body)
-    if creq.response_format is not None and creq.forces_tool_call:
-        raise bad("output_config.format", "cannot be combined with tool_choice any or tool (each constrains the "
-                                          "whole output)")
     cc = body.get("cache_control")
     if cc is not None and (not isinstance(cc, dict) or cc.get("type") != "ephemeral" or set(cc) - {"type", "ttl"}
                            or cc.get("ttl") not in (None, "5m", "1h")):

@@ -436,9 +436,6 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
                 raise bad(header, f"must be at most {ID_CHARS} characters")
             creq.session_id = hdr
             break
-    if rf is not None and creq.forces_tool_call:
-        raise bad("text.format", "cannot be combined with tool_choice \"required\" or a named function "
-                                 "(each constrains the whole output)")
     return creq
 
 

@@ -234,6 +234,12 @@ def test_the_admin_load_field_attaches_a_draft_the_scheduler_uses_and_unload_fre
     assert admin_get(client, "/dies") == dies and not reg.ready_entries("q")
     r = admin(client, "/models/load", {"path": "llama.gguf", "name": "x", "draft_model": "nope.gguf"})
     assert r.status_code == 404 and r.get_json()["error"]["param"] == "draft_model"
+    # a file outside the model directory is refused before anything is read, naming the field that gave it
+    for field in ("draft_model", "mmproj"):
+        r = admin(client, "/models/load", {"path": "llama.gguf", "name": "x", field: "../outside.gguf"})
+        err = r.get_json()["error"]
+        assert r.status_code == 403 and err["param"] == field and err["code"] == "path_not_allowed", err
+        assert err["message"].startswith(f"{field} '../outside.gguf' is outside the model directory")
 
     assert admin(client, "/models/unload", {"name": "t"}).status_code == 200
     assert draft.released  # unloading the target unloads its draft

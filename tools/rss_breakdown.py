@@ -7,6 +7,11 @@ new_state, warmup) and prints the resident set after each stage, split into anon
 /proc/self/status.
 
     python tools/rss_breakdown.py ~/.cache/pantheon/models/smollm2-135m.gguf
+    python tools/rss_breakdown.py --by-kind ~/.cache/pantheon/models/smollm2-135m.gguf
+
+`--by-kind` makes the programs one at a time, in one thread (the engine's own `_obtain`: read from the
+executable store when it holds them, else compiled), and prints what each kind of program adds to the
+resident set: the cost of a program, not of the compiler, once the store is warm.
 """
 
 from __future__ import annotations
@@ -27,10 +32,33 @@ def rss() -> dict[str, int]:
     return out
 
 
+def by_kind(model, state) -> None:
+    """Make every warm-up program in turn and print the anonymous memory each kind adds (after a trim,
+    so freed compiler heap is not counted)."""
+    import ctypes
+    from collections import defaultdict
+
+    from pantheon.runtime import engine
+    trim = ctypes.CDLL(None).malloc_trim
+    model._abstract = (engine._abstract(model.params), engine._abstract(state.cache), engine._abstract(state.slots))
+    kinds: dict[str, list[float]] = defaultdict(list)
+    for key in model.program_keys():
+        trim(0)
+        before = rss()["RssAnon"]
+        model._obtain(key)
+        trim(0)
+        kinds[key[1] if key[0] == "serve" else key[0]].append(rss()["RssAnon"] - before)
+    total = sum(sum(v) for v in kinds.values())
+    for kind, mb in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{kind:10s} {len(mb):3d} programs  {sum(mb):6.0f} MB  ({sum(mb) / len(mb):.1f} MB each)")
+    print(f"{'all':10s} {sum(len(v) for v in kinds.values()):3d} programs  {total:6.0f} MB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--slots", type=int, default=None, help="n_slots (default: the serving default)")
+    ap.add_argument("--by-kind", action="store_true", help="each program's RSS, summed by kind")
     args = ap.parse_args()
     rows = [("start", rss())]
     import jax  # noqa: F401
@@ -45,6 +73,9 @@ def main() -> None:
     state = model.new_state()
     jax.block_until_ready(state)
     rows.append(("decode state (KV cache) allocated", rss()))
+    if args.by_kind:
+        by_kind(model, state)
+        return
     plans = model.warmup_plans()
     state = model.warmup(state)
     gc.collect()

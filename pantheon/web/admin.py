@@ -74,25 +74,30 @@ def _then_register(registration: Any, fn: Any, *args: Any) -> Any:
             registration.sync()
 
 
-def _draft_file(draft: str) -> str:
-    """The file an admin load's `draft_model` names: a catalog model (pulled when the load runs), else a
-    file inside PANTHEON_MODEL_DIR (as an absolute path)."""
-    from pantheon.formats.catalog import CATALOG
-    if draft in CATALOG:
-        return draft
+def _file_in_dir(name: str, param: str, what: str) -> str:
+    """The absolute path of file `name` inside PANTHEON_MODEL_DIR (like a load's "path"); a 400 or 404
+    naming `param` (the body field that gave it) when it is outside the directory or no such file."""
     try:
-        target = model_path_in_dir(server().settings, draft)
-    except RequestError as exc:  # (it names "path")
-        exc.param = "draft_model"
-        raise
+        target = model_path_in_dir(server().settings, name)
+    except RequestError as exc:  # it names "path": name the field that gave the file instead
+        text = str(exc)
+        raise RequestError(param + text[len("path"):] if text.startswith("path") else text, param=param,
+                           status=exc.status, code=exc.code) from None
     try:
         is_file = target.is_file()
     except (OSError, ValueError):
         is_file = False
     if not is_file:
-        raise RequestError(f"no draft model file {shown(draft)!r} in the model directory", param="draft_model",
+        raise RequestError(f"no {what} file {shown(name)!r} in the model directory", param=param,
                            status=404, code="model_not_found")
     return str(target)
+
+
+def _draft_file(draft: str) -> str:
+    """The file an admin load's `draft_model` names: a catalog model (pulled when the load runs), else a
+    file inside PANTHEON_MODEL_DIR (as an absolute path)."""
+    from pantheon.formats.catalog import CATALOG
+    return draft if draft in CATALOG else _file_in_dir(draft, "draft_model", "draft model")
 
 
 @bp.post("/models/load")
@@ -114,11 +119,7 @@ def load() -> Response:
     if draft is not None:  # a catalog name, else (like "path") a file inside the model directory
         overrides["draft_model"] = _draft_file(draft)
     if mmproj is not None:  # like "path": a file inside the model directory
-        target = model_path_in_dir(server().settings, mmproj)
-        if not target.is_file():
-            raise RequestError(f"no projector file {shown(mmproj)!r} in the model directory", param="mmproj",
-                               status=404, code="model_not_found")
-        mmproj = str(target)
+        mmproj = _file_in_dir(mmproj, "mmproj", "projector")
     registry = server().registry
     load_fn = registry.load if mmproj is None and not overrides else (
         lambda *a: registry.load(*a, mmproj=mmproj, overrides=overrides))  # noqa: E731

@@ -4,7 +4,7 @@ Why (issue 22): a server's worker went 3.06 GB -> 2.18 GB after an unload -> 3.7
 and plateaued near 4.7 GB two cycles later, so every admin reload leaked about a model's worth of RAM.
 The freed weights and caches stayed in glibc's arenas and the next load's allocations stacked on top.
 `Registry.unload` now releases the model (engine.Model.release: params and cache buffers deleted,
-its jitted functions' compiled programs dropped) and trims the C heap (memory.release_freed_memory).
+its jitted functions' compiled programs dropped) and trims the C heap (heap.release_freed_memory).
 
 The cycles run in a fresh interpreter so the figures are this model's alone (not whatever the test
 session loaded before), through `Registry.load` / `Registry.unload`, the path the admin routes take,

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pantheon.runtime import compile_guard, decode_state, exec_store, memory
+from pantheon.runtime import compile_guard, decode_state, exec_store, heap
 from pantheon.ops import native, weights
 from pantheon import osthread
 from pantheon.config import load_settings
@@ -1130,8 +1130,8 @@ class Model:
                      time.perf_counter() - t0)
             self._store_done()
             # what compiling (or reading the store, 4 threads: 4 more malloc arenas) freed stays in glibc's
-            # arenas until trimmed: ~0.3 GB for SmolLM2's 101 programs (tools/rss_breakdown.py --served)
-            memory.release_freed_memory()
+            # arenas until trimmed: ~0.3 GB for SmolLM2's 101 programs (tools/rss_breakdown.py)
+            heap.release_freed_memory()
         except BaseException as exc:  # noqa: BLE001 - the thread never dies quietly
             self.warm_failure = f"{type(exc).__name__}: {exc}"
             log.critical("%s: the compile thread failed: %s", self.name, self.warm_failure, exc_info=True)

@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from pantheon.runtime import compile_guard, decode_state, memory
+from pantheon.runtime import compile_guard, decode_state, heap
 from pantheon import osthread
 from pantheon.config import Settings
 from pantheon.runtime.engine import Chunk, Model, StepHandle, StepPlan
@@ -235,7 +235,7 @@ class BatchScheduler:
                 self._drafter.warm(background=settings.warmup_background)
             # compiling leaves ~150 MB of freed compiler heap in glibc's arenas (SmolLM2, measured by
             # tools/rss_breakdown.py): hand it back before serving
-            memory.release_freed_memory()
+            heap.release_freed_memory()
         self._thread = osthread.start_thread(self._drive, name=f"driver-{model.name}")
 
     # ---- called from request greenlets --------------------------------------------------------

@@ -21,7 +21,7 @@ entries UNLOADING (no new acquires), waits until their refs drain (optionally wi
 nothing is freed, the entries become READY again and the caller gets 409), then closes the backend,
 frees the model (engine.Model.free: its params, caches and compiled programs are freed at once,
 not whenever the last reference happens to go), trims the C heap so the freed bytes leave the
-process (memory.release_freed_memory), and gives its dies' reservation back, outside the lock. A
+process (heap.release_freed_memory), and gives its dies' reservation back, outside the lock. A
 failed load is cleaned up the same way.
 
 Thread affinity: `acquire`, `release`, `snapshot`, `models`, `dies` are brief and non-blocking, safe
@@ -48,7 +48,7 @@ from pantheon import osthread
 from pantheon.config import Settings
 from pantheon.errors import RequestError
 from pantheon.errors import clear_exception_frames
-from pantheon.runtime.memory import release_freed_memory
+from pantheon.runtime.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 

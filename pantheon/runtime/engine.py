@@ -1129,8 +1129,8 @@ class Model:
             log.info("%s: %d/%d programs ready after %.1f s in the background", self.name, done, n,
                      time.perf_counter() - t0)
             self._store_done()
-            # what compiling (or reading the store, 4 threads: 4 more malloc arenas) freed stays in glibc's
-            # arenas until trimmed: ~0.3 GB for SmolLM2's 101 programs (tools/rss_breakdown.py)
+            # what compiling freed stays in glibc's arenas until trimmed (SmolLM2: ~0.07 GB after a cold
+            # start's 101 compiles; nothing measurable when every program was read from the store)
             heap.release_freed_memory()
         except BaseException as exc:  # noqa: BLE001 - the thread never dies quietly
             self.warm_failure = f"{type(exc).__name__}: {exc}"

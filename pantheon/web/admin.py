@@ -77,12 +77,7 @@ def _then_register(registration: Any, fn: Any, *args: Any) -> Any:
 def _file_in_dir(name: str, param: str, what: str) -> str:
     """The absolute path of file `name` inside PANTHEON_MODEL_DIR (like a load's "path"); a 400 or 404
     naming `param` (the body field that gave it) when it is outside the directory or no such file."""
-    try:
-        target = model_path_in_dir(server().settings, name)
-    except RequestError as exc:  # it names "path": name the field that gave the file instead
-        text = str(exc)
-        raise RequestError(param + text[len("path"):] if text.startswith("path") else text, param=param,
-                           status=exc.status, code=exc.code) from None
+    target = model_path_in_dir(server().settings, name, field=param)
     try:
         is_file = target.is_file()
     except (OSError, ValueError):

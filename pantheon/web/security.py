@@ -100,22 +100,23 @@ def add_cors_headers(settings: Settings, resp: Response) -> Response:
     return resp
 
 
-def model_path_in_dir(settings: Settings, raw: str) -> Path:
+def model_path_in_dir(settings: Settings, raw: str, field: str = "path") -> Path:
     """Resolve an admin-supplied path inside PANTHEON_MODEL_DIR; anything outside it is refused (403).
+    `field` is the body field that gave it (`path`, `draft_model`, `mmproj`): errors name it.
 
     Symlinks are resolved before the check, so a link out of the directory does not get out either.
     """
     if settings.model_dir is None:
         raise RequestError("loading by path is disabled (set PANTHEON_MODEL_DIR); use a catalog name",
-                           param="path", status=403, code="path_not_allowed")
+                           param=field, status=403, code="path_not_allowed")
     if "\x00" in raw:
-        raise RequestError("path contains a NUL byte", param="path")
+        raise RequestError(f"{field} contains a NUL byte", param=field)
     try:
         raw.encode("utf-8")
     except UnicodeEncodeError:
-        raise RequestError("path is not valid Unicode (a lone surrogate)", param="path") from None
+        raise RequestError(f"{field} is not valid Unicode (a lone surrogate)", param=field) from None
     if any(len(part.encode("utf-8")) > NAME_MAX_BYTES for part in Path(raw).parts):
-        raise RequestError(f"path has a component longer than {NAME_MAX_BYTES} bytes", param="path")
+        raise RequestError(f"{field} has a component longer than {NAME_MAX_BYTES} bytes", param=field)
     root = settings.model_dir
     try:
         candidate = Path(raw).expanduser()
@@ -123,9 +124,9 @@ def model_path_in_dir(settings: Settings, raw: str) -> Path:
             candidate = root / candidate
         resolved = candidate.resolve()
     except (OSError, RuntimeError, ValueError) as exc:  # ~user that does not exist, a symlink loop, ...
-        raise RequestError(f"path cannot be resolved ({type(exc).__name__})", param="path") from None
+        raise RequestError(f"{field} cannot be resolved ({type(exc).__name__})", param=field) from None
     if resolved != root and root not in resolved.parents:
-        raise RequestError(f"path {shown(raw)!r} is outside the model directory", param="path", status=403,
+        raise RequestError(f"{field} {shown(raw)!r} is outside the model directory", param=field, status=403,
                            code="path_not_allowed")
     return resolved
 

@@ -80,7 +80,7 @@ class Settings:
     exec_store: bool = True
     exec_store_mb: int = 4096
     native_matmul: bool = True
-    native_dot: str = "exact"
+    native_dot: str = "int8"
     kv_dtype: str = "auto"
     registry_url: str | None = None
     registry_key: str | None = None
@@ -373,11 +373,13 @@ SETTINGS: tuple[Setting, ...] = (
                 "chunks, in-place decode attention), built with `g++` on first use; 0 expands the blocks "
                 "inside the step with XLA instead"),
     Setting("PANTHEON_NATIVE_DOT", "native_dot", _native_dot,
-            doc="how the native kernels multiply a quantized weight: `exact` widens every weight to gguf's f32 "
-                "value (bit-identical to the f32 product: the oracle tests' form); `int8` quantizes each "
-                "activation row to 8 bits per block and uses integer dot products, as llama.cpp does (~3x less "
-                "work per weight; the activation's rounding changes logits by ~1e-1 in log-probability, and "
-                "greedy tokens where the top two are that close). F16/BF16 weights are exact either way"),
+            doc="how the native kernels multiply a quantized weight: `int8` (the default) quantizes each "
+                "activation row to 8 bits per block (power-of-two finer steps for sub-blocks of smaller "
+                "values) and uses integer dot products, as llama.cpp does (~3x less work per weight; logits "
+                "within llama.cpp's own distance from the f32 model, greedy tokens HF's or llama.cpp's where "
+                "HF's top two are 0.5 apart or more); `exact` widens every weight to gguf's f32 value "
+                "(bit-identical to the f32 product: the oracle tests' form). F16/BF16 weights are exact "
+                "either way"),
     Setting("PANTHEON_FORBID_COMPILE", "forbid_compile", _flag,
             doc="1: a JAX compile in a serving driver after warm-up is an error"),
     Setting("PANTHEON_COMPILE_CACHE", "compile_cache", _flag,

@@ -44,13 +44,26 @@ def product(fmt: str, dot: str = "int8"):
 
 
 # ---- the reference: the kernel's arithmetic in numpy ---------------------------------------------
-def quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows x [m, K] -> q int64 [m, K/block, block], d f32 [m, K/block]: d = amax/127, q = rint(x*127/amax)."""
+def quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows x [m, K] -> q int64 [m, K/block, block] in units u, u f32 [m, K/block], each value's step
+    f32 [m, K/block, block]: the block's step amax/127, made 2^e finer (e <= 3) for a sub-block (16 of a
+    32-block, 32 of a 256-block) whose largest |x| times 2^e is still <= amax; q = rint(x * (127/amax)
+    * 2^e), counted in units u = amax/127/8 (q * 2^(3-e))."""
+    sub = 16 if block == 32 else 32
     xb = x.astype(F32).reshape(x.shape[0], -1, block)
+    xs = xb.reshape(x.shape[0], -1, block // sub, sub)
     amax = np.abs(xb).max(-1)
-    d = amax / F32(127)
+    smax = np.abs(xs).max(-1)
+    e = np.zeros(smax.shape, np.int64)
+    for t in (1, 2, 3):
+        e += (smax * F32(2 ** t) <= amax[..., None]) & (e == t - 1)
     inv = np.where(amax > 0, F32(127) / np.where(amax > 0, amax, F32(1)), F32(0)).astype(F32)
-    return np.rint(xb * inv[..., None]).astype(np.int64), d
+    mul = (inv[..., None] * np.exp2(e).astype(F32)).astype(F32)
+    q = np.rint(xs * mul[..., None]).astype(np.int64)
+    d = (amax / F32(127)).astype(F32)
+    step = (d[..., None] / np.exp2(e).astype(F32)).astype(F32)
+    units = (q << (3 - e)[..., None]).reshape(xb.shape)
+    return units, (d * F32(0.125)).astype(F32), np.repeat(step, sub, -1).reshape(xb.shape)
 
 
 def _half(raw: np.ndarray, at: int) -> np.ndarray:
@@ -163,7 +176,7 @@ def int8_reference(fmt: str, data: np.ndarray, x: np.ndarray) -> np.ndarray:
     f = FORMATS[fmt]
     block = f.block_weights
     nb = k // block
-    q, dx = quantize(x, block)  # [m, nb, B], [m, nb]
+    q, dx, _ = quantize(x, block)  # [m, nb, B] in units dx [m, nb]
     wd = decode(fmt, np.asarray(data), k)
     n = wd["w"].shape[0]
     # lane l of a 32-weight run: weights 4l .. 4l + 3; integer sums exact (int64 here)
@@ -248,8 +261,8 @@ def test_the_int8_product_is_within_the_activation_rounding_of_the_exact_product
     x = rng.standard_normal((4, k)).astype(F32) * rng.uniform(0.01, 3.0, (4, 1)).astype(F32)
     fast = np.asarray(product(fmt)(jnp.asarray(x), data))
     exact = np.asarray(product(fmt, "exact")(jnp.asarray(x), data))
-    _, dx = quantize(x, FORMATS[fmt].block_weights)
-    step = np.repeat(dx, FORMATS[fmt].block_weights, -1)  # [m, K]
+    _, _, step = quantize(x, FORMATS[fmt].block_weights)
+    step = step.reshape(x.shape)  # [m, K]: each activation's step
     bound = 0.5 * np.abs(w)[None] @ step[..., None]  # [m, n, 1]
     bound = bound[..., 0] * 1.001 + 1e-5 * (np.abs(x) @ np.abs(w).T)
     err = np.abs(fast - exact)

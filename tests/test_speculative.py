@@ -374,3 +374,31 @@ def test_a_real_model_through_the_scheduler_drafts_and_keeps_its_tokens(load_rea
         assert sched.load_info()["spec_accepted"] > 0
     finally:
         sched.close()
+
+
+def test_the_int8_products_keep_batching_and_speculation_invisible():
+    """The serving default on a quantized file: the int8 products give a row the same bits whatever rows
+    share the call (a verify step of K + 1 rows, a prefill chunk, 8 decode rows), so streams batched,
+    joined mid-way and speculated equal each request decoded alone without drafts."""
+    path, _, _ = tiny_fixture("llama.q8_0")
+    m = engine.load(path, engine.LoadOptions(n_slots=8, max_seq=128, prefill_chunk=16, native_dot="int8"))
+    assert m.kernels.dot == "int8" and m.kernels.matmul
+    s = BatchScheduler(m, settings())
+    try:
+        ps = spec_prompts()
+        params = [GREEDY if i % 2 else SamplingParams(temperature=0.8, seed=11 + i) for i in range(len(ps))]
+        cs = [submit(s, p, prm) for p, prm in zip(ps[:3], params)]
+        for c in cs:
+            assert c.done.wait(120)
+        first = submit(s, ps[3], params[3], n=40)
+        while len(first.ids) < 5 and not first.done.is_set():
+            first.done.wait(0.01)
+        late = submit(s, ps[4], params[4], n=20)
+        for c in (first, late):
+            assert c.done.wait(120)
+        assert s.load_info()["spec_steps"] > 0
+        assert [c.ids for c in cs] == [alone(m, p, prm) for p, prm in zip(ps[:3], params)]
+        assert first.ids == alone(m, ps[3], params[3], 40)
+        assert late.ids == alone(m, ps[4], params[4], 20)
+    finally:
+        s.close()

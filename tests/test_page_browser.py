@@ -103,6 +103,12 @@ def test_a_tool_call_is_shown_as_a_call_and_its_arguments_as_text(scripted, brow
     d = browser
     reset(d, url)
     pick_model(d, "m")
+    set_field(d, "tools", '{"type": "function"}')  # not a list: said so, and nothing is sent
+    before = backend(reg, "m").last_request
+    send(d, "Weather?")
+    wait_for(lambda: "Tools: must be a JSON list" in by_id(d, "notice").text, 5, "the tools box's error")
+    assert backend(reg, "m").last_request is before and not d.find_elements(By.CSS_SELECTOR, ".msg")
+    assert by_id(d, "prompt").get_attribute("value") == "Weather?"  # the message is kept to send again
     set_field(d, "tools", json.dumps(TOOLS))
     args = {"city": f"Paris {IMG}"}
     backend(reg, "m").script = ('<tool_call>{"name": "get_weather", "arguments": ' + json.dumps(args) + "}</tool_call>",
@@ -116,7 +122,7 @@ def test_a_tool_call_is_shown_as_a_call_and_its_arguments_as_text(scripted, brow
     stats = msg.find_element(By.CSS_SELECTOR, ".stats").text
     assert re.search(r"\d+ tokens · answer after [\d.]+ s · [\d.]+ tok/s overall · prompt \d+ · 0 cached · tool_calls",
                      stats), stats  # the call came in one piece: its total time; the finish reason
-    assert backend(reg, "m").last_request is not None
+    assert backend(reg, "m").last_request is not before  # this time it went out
     no_markup_ran(d)
     assert not page_errors(d)
 

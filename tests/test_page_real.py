@@ -116,7 +116,7 @@ def test_a_message_streams_in_with_its_speed_line(srv, browser):
     m = STATS.search(msg.find_element(By.CSS_SELECTOR, ".stats").text)
     assert m, msg.find_element(By.CSS_SELECTOR, ".stats").text
     tokens, ttft, tps, prompt = int(m.group(1)), float(m.group(2)), float(m.group(3)), int(m.group(4))
-    assert 1 < tokens <= 48 and 0 < ttft < 60 and tps > 0 and prompt > 10
+    assert 1 < tokens <= 48 and ttft > 0 and tps > 0 and prompt > 10
     # a second turn re-sends the first: its prompt is served from the cached prefix
     send(d, "And of Italy?")
     msg = answered(d, 120)

@@ -96,6 +96,18 @@ def _num(value: Any) -> float | None:
     return float(value)
 
 
+def _gauge_pair(rows: list[tuple[str, float | None, float | None]], label: str, first: tuple[str, str],
+                second: tuple[str, str]) -> Iterable[Any]:
+    """Two gauge families (name suffix, help) over `rows` of (label value, first value, second value); a
+    None value leaves its sample out."""
+    fams = [GaugeMetricFamily(f"{PREFIX}_{suffix}", doc, labels=[label]) for suffix, doc in (first, second)]
+    for key, *values in rows:
+        for fam, v in zip(fams, values):
+            if v is not None:
+                fam.add_metric([key], v)
+    yield from fams
+
+
 class _ScrapeCollector:
     """Reads the callbacks' state once per scrape. A failing callback drops its families, not the scrape."""
 
@@ -164,16 +176,8 @@ class _ScrapeCollector:
         except Exception:
             self._failed("die")
             return
-        budget = GaugeMetricFamily(f"{PREFIX}_die_budget_bytes", "Memory budget of each die.", labels=["die"])
-        used = GaugeMetricFamily(f"{PREFIX}_die_used_bytes", "Bytes reserved on each die by resident models.",
-                                 labels=["die"])
-        for die, b, u in rows:
-            if b is not None:
-                budget.add_metric([die], b)
-            if u is not None:
-                used.add_metric([die], u)
-        yield budget
-        yield used
+        yield from _gauge_pair(rows, "die", ("die_budget_bytes", "Memory budget of each die."),
+                               ("die_used_bytes", "Bytes reserved on each die by resident models."))
 
     def _memory_families(self) -> Iterable[Any]:
         fn = self._owner._memory_source
@@ -185,17 +189,10 @@ class _ScrapeCollector:
         except Exception:
             self._failed("memory")
             return
-        total = GaugeMetricFamily(f"{PREFIX}_memory_total_bytes", "Size of each memory pool the memory watch "
-                                  "measures (the host, each die with memory statistics).", labels=["pool"])
-        used = GaugeMetricFamily(f"{PREFIX}_memory_used_bytes", "Bytes in use in each memory pool, as the memory "
-                                 "watch last read them.", labels=["pool"])
-        for pool, t, u in rows:
-            if t is not None:
-                total.add_metric([pool], t)
-            if u is not None:
-                used.add_metric([pool], u)
-        yield total
-        yield used
+        yield from _gauge_pair(rows, "pool", ("memory_total_bytes", "Size of each memory pool the memory watch "
+                                              "measures (the host, each die with memory statistics)."),
+                               ("memory_used_bytes", "Bytes in use in each memory pool, as the memory watch last "
+                                                     "read them."))
 
     def _compile_family(self) -> Any:
         fam = CounterMetricFamily(f"{PREFIX}_jax_compilations", "JAX lowerings counted by the compile guard.")

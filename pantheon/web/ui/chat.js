@@ -414,33 +414,30 @@ function numberSetting(id, integer) {
   return v;
 }
 
+// The JSON typed into a settings box (undefined when empty); `check(value)` holds for what it must be.
+function jsonSetting(id, label, check, what) {
+  const raw = $(id).value.trim();
+  if (!raw) return undefined;
+  let value;
+  try {
+    value = JSON.parse(raw);
+  } catch (e) {
+    throw new Error(`${label}: not valid JSON (${e.message})`);
+  }
+  if (!check(value)) throw new Error(`${label}: must be ${what}`);
+  return value;
+}
+
 function requestBody(c) {
   const body = {};
-  const extra = $("extra").value.trim();
-  if (extra) {
-    let obj;
-    try {
-      obj = JSON.parse(extra);
-    } catch (e) {
-      throw new Error("Extra request fields: not valid JSON (" + e.message + ")");
-    }
-    if (!obj || typeof obj !== "object" || Array.isArray(obj)) throw new Error("Extra request fields: must be a JSON object");
-    Object.assign(body, obj);
-  }
+  const extra = jsonSetting("extra", "Extra request fields", (v) => v && typeof v === "object" && !Array.isArray(v),
+    "a JSON object");
+  if (extra) Object.assign(body, extra);
   const num = { temperature: numberSetting("temperature"), top_p: numberSetting("top_p"),
     max_tokens: numberSetting("max_tokens", true), seed: numberSetting("seed", true) };
   for (const [k, v] of Object.entries(num)) if (v !== undefined) body[k] = v;
-  const tools = $("tools").value.trim();
-  if (tools) {
-    let list;
-    try {
-      list = JSON.parse(tools);
-    } catch (e) {
-      throw new Error("Tools: not valid JSON (" + e.message + ")");
-    }
-    if (!Array.isArray(list)) throw new Error("Tools: must be a JSON list of {\"type\": \"function\", \"function\": {...}}");
-    body.tools = list;
-  }
+  const tools = jsonSetting("tools", "Tools", Array.isArray, "a JSON list of {\"type\": \"function\", \"function\": {...}}");
+  if (tools) body.tools = tools;
   const choice = $("tool_choice").value.trim();
   if (choice) {
     body.tool_choice = ["auto", "none", "required"].includes(choice) ? choice : { type: "function", function: { name: choice } };
@@ -624,6 +621,12 @@ function submit() {
   if (state.controller) return;
   const text = $("prompt").value;
   if (!text.trim() && !state.pending.length) return;
+  try {
+    requestBody({ model: null, messages: [] }); // a settings box that does not parse: say so, keep the message
+  } catch (e) {
+    notice(e.message);
+    return;
+  }
   const c = conv();
   c.model = $("model").value || c.model;
   c.messages.push({ role: "user", text, images: state.pending.map((a) => a.url) });

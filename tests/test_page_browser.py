@@ -185,7 +185,7 @@ def test_stored_markup_is_rendered_as_text_after_a_reload(scripted, browser):
     d = browser
     reset(d, url)
     conv = {"id": "x", "title": f"title {IMG}", "model": "m", "updated": 0, "messages": [
-        {"role": "user", "text": f"user {SCRIPT}", "images": []},
+        {"role": "user", "text": f"user {SCRIPT}", "images": ["javascript:window.pwned = 1", "http://127.0.0.1:9/x.png"]},
         {"role": "assistant", "model": f"m{IMG}", "content": f"answer {IMG}", "reasoning": f"why {SCRIPT}",
          "tool_calls": [{"id": "c1", "name": f"f{IMG}", "arguments": f"{{\"a\": \"{SCRIPT}\"}}"}],
          "error": f"err {IMG}", "stats": None}]}
@@ -198,7 +198,7 @@ def test_stored_markup_is_rendered_as_text_after_a_reload(scripted, browser):
         assert piece in text
     assert f"title {IMG}" in d.execute_script("return document.getElementById('conversations').textContent")
     no_markup_ran(d)
-    assert not d.find_elements(By.CSS_SELECTOR, "#conversations img")
+    assert not d.find_elements(By.CSS_SELECTOR, "#conversations img, #messages img")  # only data:image/ URLs are shown
     assert not page_errors(d)
 
 

@@ -213,8 +213,9 @@ function messageNode(m, index, last) {
     if (m.images && m.images.length) {
       const imgs = el("div", { class: "images" });
       for (const url of m.images) {
+        if (typeof url !== "string" || !url.startsWith("data:image/")) continue; // only what the person attached
         const img = el("img", { alt: "attached image" });
-        img.src = url; // a data: URL the person attached
+        img.src = url;
         imgs.appendChild(img);
       }
       node.appendChild(imgs);

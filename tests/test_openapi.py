@@ -110,10 +110,11 @@ def client(app):
 
 
 def served(app: Any) -> set[tuple[str, str]]:
-    """(method, OpenAPI path) of every route of the app's URL map (HEAD/OPTIONS are Flask's own)."""
+    """(method, OpenAPI path) of every route of the app's URL map (HEAD/OPTIONS are Flask's own). The
+    browser pages (pantheon.web.page: `/dashboard`, `/ui/...`) are not API operations."""
     out = set()
     for rule in app.url_map.iter_rules():
-        if rule.endpoint == "static":
+        if rule.endpoint == "static" or rule.endpoint.startswith("page."):
             continue
         path = rule.rule
         for arg in rule.arguments:

@@ -334,6 +334,11 @@ class BatchScheduler:
                      reserved=self._reserved,
                      running=sum(1 for sl in self._slots if sl.state != IDLE),
                      native_kernels=int(bool(getattr(self.model, "native_matmul", False))),
+                     # positions held in the slots' caches (busy slots, and idle slots' reusable prefixes):
+                     # `hist` is the driver's, but its length is read whole (a gauge, one step stale at most)
+                     kv_tokens=sum(len(sl.hist) for sl in self._slots),
+                     kv_capacity=self.n_slots * int(self.model.max_seq),
+                     vision=int(getattr(self.model, "vision", None) is not None),
                      failure=self.failure)
         progress = getattr(self.model, "compile_progress", None)
         if callable(progress):  # (a test's fake model has none)

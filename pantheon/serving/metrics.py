@@ -49,6 +49,7 @@ PREFIX_REUSED_TOKENS_TOTAL = f"{PREFIX}_prefix_cache_reused_tokens_total"
 
 BackendSource = Callable[[], Iterable[tuple[str, dict]]]
 DieSource = Callable[[], Iterable[dict]]
+MemorySource = Callable[[], Any]  # -> the memory watch's latest snapshot (pantheon.runtime.memory.MemSnapshot) or None
 
 # load_info key -> (metric suffix, help) for the scheduler's monotonic counters.
 _SCHED_COUNTERS = (
@@ -78,17 +79,33 @@ _SCHED_GAUGES = (
     ("programs", "planned_programs", "Step programs warm-up makes in all (the rest compile in the background)."),
     ("native_kernels", "native_kernels", "1 when the model's steps use pantheon.ops.native's CPU kernels, "
                                          "0 on XLA's dot and attention (the maximum over its replicas)."),
+    ("kv_tokens", "kv_cache_tokens", "Positions held in the slots' KV caches (busy slots and idle slots' "
+                                     "reusable prefixes)."),
+    ("kv_capacity", "kv_cache_capacity_tokens", "Positions the slots' KV caches hold in all (slots x context)."),
+    ("vision", "model_vision", "1 when the model takes images (loaded with a vision projector), else 0."),
 )
 # load_info keys whose per-model figure is the maximum over the replicas, not their sum: flags, where
 # a sum of 2 would read as nonsense. Replicas of a model usually agree; where they differ (one spans
 # several dies, where XLA's forms run) 1 says the kernels serve at least one of them.
-_SCHED_MAX = frozenset({"native_kernels"})
+_SCHED_MAX = frozenset({"native_kernels", "vision"})
 
 
 def _num(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
+
+
+def _gauge_pair(rows: list[tuple[str, float | None, float | None]], label: str, first: tuple[str, str],
+                second: tuple[str, str]) -> Iterable[Any]:
+    """Two gauge families (name suffix, help) over `rows` of (label value, first value, second value); a
+    None value leaves its sample out."""
+    fams = [GaugeMetricFamily(f"{PREFIX}_{suffix}", doc, labels=[label]) for suffix, doc in (first, second)]
+    for key, *values in rows:
+        for fam, v in zip(fams, values):
+            if v is not None:
+                fam.add_metric([key], v)
+    yield from fams
 
 
 class _ScrapeCollector:
@@ -103,6 +120,7 @@ class _ScrapeCollector:
     def collect(self) -> Iterable[Any]:
         yield from self._backend_families()
         yield from self._die_families()
+        yield from self._memory_families()
         yield self._compile_family()
         errors = CounterMetricFamily(f"{PREFIX}_scrape_errors", "Scrape-time callbacks that raised.")
         errors.add_metric([], self._owner._scrape_errors)
@@ -158,16 +176,23 @@ class _ScrapeCollector:
         except Exception:
             self._failed("die")
             return
-        budget = GaugeMetricFamily(f"{PREFIX}_die_budget_bytes", "Memory budget of each die.", labels=["die"])
-        used = GaugeMetricFamily(f"{PREFIX}_die_used_bytes", "Bytes reserved on each die by resident models.",
-                                 labels=["die"])
-        for die, b, u in rows:
-            if b is not None:
-                budget.add_metric([die], b)
-            if u is not None:
-                used.add_metric([die], u)
-        yield budget
-        yield used
+        yield from _gauge_pair(rows, "die", ("die_budget_bytes", "Memory budget of each die."),
+                               ("die_used_bytes", "Bytes reserved on each die by resident models."))
+
+    def _memory_families(self) -> Iterable[Any]:
+        fn = self._owner._memory_source
+        if fn is None:
+            return
+        try:
+            snap = fn()
+            rows = [] if snap is None else [(p.name, _num(p.total_bytes), _num(p.used_bytes)) for p in snap.pools()]
+        except Exception:
+            self._failed("memory")
+            return
+        yield from _gauge_pair(rows, "pool", ("memory_total_bytes", "Size of each memory pool the memory watch "
+                                              "measures (the host, each die with memory statistics)."),
+                               ("memory_used_bytes", "Bytes in use in each memory pool, as the memory watch last "
+                                                     "read them."))
 
     def _compile_family(self) -> Any:
         fam = CounterMetricFamily(f"{PREFIX}_jax_compilations", "JAX lowerings counted by the compile guard.")
@@ -187,6 +212,7 @@ class Metrics:
         self._scrape_errors = 0
         self._backend_source: BackendSource | None = None
         self._die_source: DieSource | None = None
+        self._memory_source: MemorySource | None = None
         self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests answered, by route and status.",
                                 ["route", "status"], registry=reg)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
@@ -222,6 +248,12 @@ class Metrics:
     def set_die_source(self, fn: DieSource | None) -> None:
         """`fn()` -> iterable of {"id" (or "die"), "budget_bytes", "used_bytes"}; called once per scrape."""
         self._die_source = fn
+
+    def set_memory_source(self, fn: MemorySource | None) -> None:
+        """`fn()` -> the memory watch's latest snapshot, or None; once per scrape. Its measured pools
+        (the host, and each die whose backend reports memory statistics) are exported; a die without
+        them is already in pantheon_die_used_bytes."""
+        self._memory_source = fn
 
     # ---- events from the web layer ------------------------------------------------------------------
     def _route_label(self, route: str | None) -> str:

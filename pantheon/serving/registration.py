@@ -345,6 +345,18 @@ class RouterClient:
             raise RouterError(f"DELETE /workers/{worker_id} answered {status}: {body}")
 
 
+def local_base() -> str | None:
+    """The URL a browser on this machine opens this server at (a wildcard bind is reached through the
+    loopback address); None while nothing is bound (an app outside gunicorn)."""
+    if not _bound:
+        return None
+    host, port = _bound[0]
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 def advertised_base(settings: Settings) -> str | None:
     """The URL the router reaches this server at: PANTHEON_ADVERTISE_URL, else the bound address
     (a wildcard bind is advertised under this machine's host name). None while nothing is bound."""

@@ -117,6 +117,10 @@ def _load_startup_models(state: ServerState, exit_on_failure: bool) -> None:
                 state.registration.sync()  # each model is registered as soon as it is ready
         state.status = "ok"
         log.info("ready: %d model instance(s) loaded", state.registry.ready_count())
+        from pantheon.serving.registration import local_base
+        base = local_base()
+        if base is not None:  # under gunicorn: where a person on this machine opens the pages
+            log.info("chat page: %s/  dashboard: %s/dashboard", base, base)
     except BaseException as exc:  # noqa: BLE001 - any failure ends startup with a message
         state.error = f"{type(exc).__name__}: {exc}"
         state.status = "failed"
@@ -167,11 +171,13 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     metrics.set_backend_source(state.registry.load_infos)
     # dies() imports JAX on its first call: only once the startup thread has loaded the models
     metrics.set_die_source(lambda: state.registry.dies() if state.status == "ok" else [])
+    metrics.set_memory_source(lambda: state.memwatch.snapshot() if state.memwatch is not None else None)
 
-    from pantheon.web import admin, errors, openapi, router_api, routes, security, tokens
+    from pantheon.web import admin, errors, openapi, page, router_api, routes, security, tokens
     errors.init_app(app)
     security.init_app(app, settings)
     app.register_blueprint(routes.bp)
+    app.register_blueprint(page.bp)
     app.register_blueprint(router_api.bp)
     app.register_blueprint(admin.bp)
     app.register_blueprint(tokens.bp)

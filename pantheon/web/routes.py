@@ -21,7 +21,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from pantheon.serving import distributed
 from pantheon.errors import RequestError
 from pantheon.web.body import parse_json, read_body
-from pantheon.web import bridge
+from pantheon.web import bridge, page
 from pantheon.web.chat import Generation, cache_scope, parse_chat_request
 from pantheon.web.completions import make_completion, parse_completion_request
 from pantheon.web.generation import ClientGone, GenerationCore, SSEStream, json_text
@@ -94,10 +94,15 @@ def compile_progress(infos: Any) -> dict:
 def health() -> Response:
     """200 once every configured model is loaded and no model's driver (or cluster peer) has failed;
     503 while loading, after a failed start or while a model has failed (the body says which).
-    `/health` is the path routers probe (SMG's default)."""
+    `/health` is the path routers probe (SMG's default). A browser asking for `/` gets the chat page
+    instead (pantheon.web.page: content negotiation); every other client gets this JSON, unchanged."""
+    if request.path == "/" and page.wants_page(request.accept_mimetypes):
+        return page.chat_page()
     body, code = health_body()
     resp = jsonify(body)
     resp.status_code = code
+    if request.path == "/":
+        resp.vary.add("Accept")  # the same URL answers a browser with the page
     return resp
 
 

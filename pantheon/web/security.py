@@ -1,7 +1,8 @@
 """API keys, the admin gate, CORS and the request-body limit: checks that run before any route.
 
 * `PANTHEON_API_KEY` set: every route but the health probes (`GET /`, `/health`, `/m/<model>/health`),
-  the API's description (`GET /openapi.json`) and CORS preflights needs it, as
+  the API's description (`GET /openapi.json`), the browser pages' static files (`/dashboard`, `/ui/...`;
+  pantheon.web.page) and CORS preflights needs it, as
   `Authorization: Bearer KEY` or `X-Api-Key: KEY` (compared in constant time).
 * `PANTHEON_REGISTRY_WORKER_KEY` set: it is accepted besides the API key on the model roots
   (`/m/<model>/...`), which are all a router calls; it is the key registered with the router for it to
@@ -48,6 +49,13 @@ def is_probe(path: str) -> bool:
     return path in ("/", "/health") or (path.startswith("/m/") and path.endswith("/health"))
 
 
+def is_page(path: str, method: str) -> bool:
+    """The browser pages and their files (pantheon.web.page: `/dashboard`, `/ui/...`; the chat page is
+    `/`, a probe). They are static code and hold no data: the page asks the person for the key and
+    sends it with each API call it makes, so the page itself must open without one."""
+    return method in ("GET", "HEAD") and (path == "/dashboard" or path.startswith("/ui/"))
+
+
 # Paths anyone may read: the API's description is the same for every server of this version (it
 # tells only whether keys are required, as any 401 does); clients and tools fetch it before they
 # have a key.
@@ -56,7 +64,8 @@ PUBLIC_PATHS = ("/openapi.json",)
 
 def check_access(settings: Settings) -> None:
     """Raise 401/403 unless the request may use the route it targets."""
-    if request.method == "OPTIONS" or is_probe(request.path) or request.path in PUBLIC_PATHS:
+    if request.method == "OPTIONS" or is_probe(request.path) or request.path in PUBLIC_PATHS or \
+            is_page(request.path, request.method):
         return
     key = presented_key()
     if request.path.startswith("/admin/") or request.path == "/admin":

@@ -292,8 +292,10 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     # -- where things live, what is served
     Setting("PANTHEON_HOME", "home", _home, default_factory=_default_home, shown_default="`~/.cache/pantheon`",
-            doc="model downloads (`models/`), JAX's persistent compilation cache (`xla-cache/`) and the built "
-                "CPU kernels (`native/`)"),
+            doc="model downloads (`models/`), JAX's persistent compilation cache (`xla-cache/`), the built "
+                "CPU kernels (`native/`) and the stored step programs (`executables/`, authenticated with the "
+                "install's key `executables/.mac-key`); code is loaded from here, so it must not be writable "
+                "by other users"),
     Setting("PANTHEON_MODELS", "models", split_model_specs,
             doc="models loaded at start: `[NAME=]MODEL[@DIE,DIE]` items separated by `;` (what "
                 "`pantheon serve --model` sets)"),

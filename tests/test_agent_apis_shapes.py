@@ -4,13 +4,17 @@ official SDKs on the real model are tests/test_agent_apis.py."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import tracemalloc
+from pathlib import Path
 
 import pytest
 
 from fake_backend import SLOTS, ChoicesBackend
 from pantheon.config import Settings
-from pantheon.web.responses import ResponseStore, Stored
+from pantheon.web.responses import ResponseStore, Stored, key_hash, parse_responses_request
 from test_web_app import FakeModel, backend, in_flight, registry_app
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -143,13 +147,98 @@ def test_get_and_delete_only_with_the_key_that_stored_it(client, fake):
 
 
 def test_the_store_is_bounded_in_entries_and_size():
-    store = ResponseStore(max_entries=2, max_chars=10_000)
+    store = ResponseStore(max_entries=2, max_bytes=20_000)
     for i in range(3):
         store.put(f"r{i}", Stored("k", "s", {"id": f"r{i}"}, [{"role": "user", "content": "x"}]))
     assert len(store) == 2 and store.get("r0", "k") is None and store.get("r2", "k") is not None
-    store.put("big", Stored("k", "s", {}, [{"role": "user", "content": "y" * 9_000}]))
-    store.put("big2", Stored("k", "s", {}, [{"role": "user", "content": "z" * 9_000}]))
+    store.put("big", Stored("k", "s", {}, [{"role": "user", "content": "y" * 12_000}]))
+    store.put("big2", Stored("k", "s", {}, [{"role": "user", "content": "z" * 12_000}]))
     assert store.get("big", "k") is None and store.get("big2", "k") is not None and len(store) == 1
+
+
+# ---- the store holds what it counts (issue 43, row 5) ------------------------------------------------------------
+def one_char_conversation(n: int) -> list[dict]:
+    """A conversation of `n` one-character user messages, as a request's parse leaves it: the case where
+    the JSON text says least about the memory (3.4 M characters, 18 MB of objects at 100,000)."""
+    body = json.loads(json.dumps({"input": [{"type": "message", "role": "user", "content": "x"}] * n}))
+    return parse_responses_request(body, {}).messages
+
+
+@contextlib.contextmanager
+def traced():
+    """tracemalloc running; yields a function giving the bytes allocated since the start and still held."""
+    tracemalloc.start()
+    try:
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+
+        def held() -> int:
+            gc.collect()
+            return tracemalloc.get_traced_memory()[0] - base
+        yield held
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_store_counts_the_memory_its_objects_hold_not_their_json_characters():
+    """What the store counts for an entry is what the entry's objects hold, as tracemalloc measures it
+    (within 5 %), where the JSON text is less than a fifth of it."""
+    with traced() as held:
+        store = ResponseStore()
+        store.put("r", Stored("k", "s", {"id": "r"}, one_char_conversation(20_000)))
+        measured = held()
+        assert abs(store.nbytes - measured) <= 0.05 * measured, (store.nbytes, measured)
+        assert len(json.dumps(store.get("r", "k").messages)) < measured / 5
+
+
+def test_the_bound_bounds_the_memory_held_and_eviction_gives_it_back():
+    """Filled past its bound with the worst case (one-character messages), a store holds no more memory
+    than the bound, as tracemalloc measures it; once its entries go, the memory is back. The bound
+    the settings give is PANTHEON_RESPONSES_STORE_MB in MiB, 64 by default."""
+    bound = 2 << 20
+    with traced() as held:
+        store = ResponseStore(max_bytes=bound)
+        for i in range(8):  # each ~0.96 MB: the store keeps the newest two
+            store.put(f"r{i}", Stored("k", "s", {"id": f"r{i}"}, one_char_conversation(5_000)))
+        assert held() <= bound and store.nbytes <= bound and len(store) == 2
+        assert store.get("r7", "k") is not None and store.get("r5", "k") is None
+        for rid in ("r6", "r7"):
+            assert store.delete(rid, "k")
+        assert store.nbytes == 0 and held() < 64 << 10
+    assert ResponseStore().max_bytes == int(Settings(home=Path("/")).responses_store_mb * (1 << 20)) == 64 << 20
+
+
+def test_a_continued_conversation_holds_its_history_once():
+    """A turn stored with `previous` holds its own messages and points at the turns before it: the
+    store grows by the new turn only, the conversation reads whole (the same message objects), and the
+    earlier turns are kept while a stored response needs them, then given back."""
+    with traced() as held:
+        store = ResponseStore()
+        first = Stored("k", "s", {"id": "r1"}, one_char_conversation(5_000))
+        store.put("r1", first)
+        after_first, counted = held(), store.nbytes
+        new = [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "more"}]
+        second = Stored("k", "s", {"id": "r2"}, new, previous=first)
+        store.put("r2", second)
+        assert held() - after_first < 4096 and store.nbytes - counted < 4096
+        history = store.get("r2", "k").messages
+        assert history == first.messages + new and all(a is b for a, b in zip(history, first.messages))
+        assert store.delete("r1", "k")  # r2 still needs r1's turn: its conversation stays whole
+        assert store.get("r2", "k").messages == history and store.nbytes > 0.95 * counted
+        del first, second, history
+        assert store.delete("r2", "k") and store.nbytes == 0 and held() < 64 << 10
+
+
+def test_previous_response_id_stores_a_link_to_the_turns_before_not_a_copy(surface_app, client, fake):
+    fake.script = ("A1.", "stop")
+    first = respond(client, key="alice", input="Q1.").get_json()["id"]
+    fake.script = ("A2.", "stop")
+    second = respond(client, key="alice", input="Q2.", previous_response_id=first).get_json()["id"]
+    store = surface_app[0].extensions["pantheon"].responses
+    one, two = store.get(first, key_hash("alice")), store.get(second, key_hash("alice"))
+    assert two.turns.parent is one.turns
+    assert [m["content"] for m in two.turns.own] == ["Q2.", "A2."]
+    assert [m["content"] for m in two.messages] == ["Q1.", "A1.", "Q2.", "A2."]
 
 
 BAD_RESPONSES = [

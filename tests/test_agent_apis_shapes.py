@@ -4,6 +4,7 @@ official SDKs on the real model are tests/test_agent_apis.py."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gc
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FIXTURES
 from fake_backend import SLOTS, ChoicesBackend
 from pantheon.config import Settings
 from pantheon.web.responses import ResponseStore, Stored, key_hash, parse_responses_request
@@ -133,6 +135,40 @@ def test_previous_response_id_prepends_the_stored_conversation_and_needs_its_sco
         assert r.status_code == 404 and r.get_json()["error"]["param"] == "previous_response_id", (key, extra)
 
 
+ASK = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+USER = {"role": "user", "content": "Weather?"}
+
+
+def answer(call_id: str) -> dict:
+    return {"type": "function_call_output", "call_id": call_id, "output": "Sunny."}
+
+
+@pytest.mark.parametrize("items, index", [
+    ([USER, answer("call_9")], 1),  # no call at all
+    ([USER, ASK, answer("call_9")], 2),  # a call with another id
+    ([USER, answer("call_1"), ASK], 1),  # the answer before its call
+], ids=["no-call", "other-id", "answer-first"])
+def test_a_function_call_output_must_answer_a_call_in_the_input(client, surface_app, items, index):
+    r = respond(client, input=items)
+    assert r.status_code == 400, r.get_data(as_text=True)
+    err = r.get_json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == f"input[{index}].call_id", err
+    assert err["message"].startswith(f"input[{index}].call_id: no function_call with call_id 'call_")
+    assert in_flight(surface_app[1]) == 0
+
+
+def test_a_function_call_output_may_answer_a_call_of_the_previous_response(client, fake):
+    fake.texts, fake.script = [CALL], ("", "stop")
+    first = respond(client, key="alice", tools=[FN], max_output_tokens=200).get_json()
+    (call,) = [o for o in first["output"] if o["type"] == "function_call"]
+    fake.texts, fake.script = None, ("Sunny it is.", "stop")
+    assert respond(client, key="alice", input=[USER, ASK, answer("call_1")]).status_code == 200
+    ok = respond(client, key="alice", tools=[FN], input=[answer(call["call_id"])], previous_response_id=first["id"])
+    assert ok.status_code == 200, ok.get_data(as_text=True)
+    r = respond(client, key="alice", tools=[FN], input=[answer("call_other")], previous_response_id=first["id"])
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "input[0].call_id"
+
+
 def test_get_and_delete_only_with_the_key_that_stored_it(client, fake):
     rid = respond(client, key="alice").get_json()["id"]
     assert client.get(f"/v1/responses/{rid}", headers={"Authorization": "Bearer bob"}).status_code == 404
@@ -166,7 +202,8 @@ def one_char_conversation(n: int) -> list[dict]:
 
 @contextlib.contextmanager
 def traced():
-    """tracemalloc running; yields a function giving the bytes allocated since the start and still held."""
+    """tracemalloc running; yields a function giving the bytes allocated since the start and still held
+    (by the whole process: other tests' idle threads may add a few kilobytes, which the bounds allow)."""
     tracemalloc.start()
     try:
         gc.collect()
@@ -200,11 +237,11 @@ def test_the_bound_bounds_the_memory_held_and_eviction_gives_it_back():
         store = ResponseStore(max_bytes=bound)
         for i in range(8):  # each ~0.96 MB: the store keeps the newest two
             store.put(f"r{i}", Stored("k", "s", {"id": f"r{i}"}, one_char_conversation(5_000)))
-        assert held() <= bound and store.nbytes <= bound and len(store) == 2
+        assert held() <= 1.05 * bound and store.nbytes <= bound and len(store) == 2
         assert store.get("r7", "k") is not None and store.get("r5", "k") is None
         for rid in ("r6", "r7"):
             assert store.delete(rid, "k")
-        assert store.nbytes == 0 and held() < 64 << 10
+        assert store.nbytes == 0 and held() < 256 << 10
     assert ResponseStore().max_bytes == int(Settings(home=Path("/")).responses_store_mb * (1 << 20)) == 64 << 20
 
 
@@ -220,13 +257,13 @@ def test_a_continued_conversation_holds_its_history_once():
         new = [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "more"}]
         second = Stored("k", "s", {"id": "r2"}, new, previous=first)
         store.put("r2", second)
-        assert held() - after_first < 4096 and store.nbytes - counted < 4096
+        assert held() - after_first < 64 << 10 and store.nbytes - counted < 4096  # a copy: +960 kB
         history = store.get("r2", "k").messages
         assert history == first.messages + new and all(a is b for a, b in zip(history, first.messages))
         assert store.delete("r1", "k")  # r2 still needs r1's turn: its conversation stays whole
         assert store.get("r2", "k").messages == history and store.nbytes > 0.95 * counted
         del first, second, history
-        assert store.delete("r2", "k") and store.nbytes == 0 and held() < 64 << 10
+        assert store.delete("r2", "k") and store.nbytes == 0 and held() < 256 << 10
 
 
 def test_previous_response_id_stores_a_link_to_the_turns_before_not_a_copy(surface_app, client, fake):
@@ -333,6 +370,7 @@ def test_messages_map_onto_the_chat_turns(client, fake):
     assert count.get_json() == {"input_tokens": len("S.U1.A1.Sunny.U2.")}
 
 
+ASKED = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]}
 BAD_MESSAGES = [
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": []}, "messages"),
@@ -351,6 +389,18 @@ BAD_MESSAGES = [
     ({"stop_sequences": ["a"] * 5}, "stop_sequences"),
     ({"thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    # issue 43 row 9: a tool_result answers a tool_use of the message just before it; max_tokens within reach
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]},
+     "messages[0].content[0].tool_use_id"),
+    ({"messages": [{"role": "user", "content": "Weather?"}, ASKED,
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "x"}]}]},
+     "messages[2].content[0].tool_use_id"),
+    ({"messages": [{"role": "user", "content": "Weather?"}, ASKED, {"role": "user", "content": "Well?"},
+                   {"role": "assistant", "content": "Checking."},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]},
+     "messages[4].content[0].tool_use_id"),
+    ({"max_tokens": 10**9}, "max_tokens"),
+    ({"max_tokens": RoomyModel.max_seq + 1}, "max_tokens"),
 ]
 
 
@@ -362,6 +412,19 @@ def test_messages_fields_are_checked_and_errors_are_anthropics_shape(client, sur
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert err["error"]["message"].startswith(param + ":"), err
     assert in_flight(surface_app[1]) == 0
+
+
+def test_count_tokens_refuses_what_messages_refuses(client):
+    """An orphan tool_result is as much a 400 on count_tokens as on /v1/messages (one parser)."""
+    orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]
+    r = client.post("/v1/messages/count_tokens", json={"messages": orphan})
+    assert r.status_code == 400 and r.get_json()["error"]["type"] == "invalid_request_error"
+    assert r.get_json()["error"]["message"].startswith("messages[0].content[0].tool_use_id:")
+
+
+def test_max_tokens_up_to_the_models_context_is_taken(client, fake):
+    fake.script = ("ok", "length")
+    assert message(client, max_tokens=RoomyModel.max_seq).status_code == 200
 
 
 def test_anthropic_shape_for_route_errors_too(client):
@@ -390,3 +453,41 @@ def test_the_store_bound_is_a_setting(tmp_path):
     first, second = (respond(c, key="k").get_json()["id"] for _ in range(2))
     assert c.get(f"/v1/responses/{first}", headers={"X-Api-Key": "k"}).status_code == 404  # evicted
     assert c.get(f"/v1/responses/{second}", headers={"X-Api-Key": "k"}).status_code == 200
+
+
+# ---- count_tokens takes images on a vision model (issue 43, row 10) ---------------------------------------------
+VLM = FIXTURES / "tiny-vlm"
+
+
+@pytest.fixture(params=["gemma3-vlm", "idefics3-vlm"])
+def vlm(request, tmp_path):
+    """(client, scripted backend, card) over a tiny vision model of each family, really loaded with its
+    projector (its tokenizer, template and image geometry are the real ones); the backend only records."""
+    from pantheon.runtime import engine
+    from test_web_app import ScriptBackend
+    model = engine.load(VLM / f"{request.param}.gguf",
+                        engine.LoadOptions(n_slots=1, max_seq=192, prefill_chunk=32, store_dir="",
+                                           mmproj=str(VLM / f"{request.param}.mmproj.gguf")))
+    settings = Settings(home=tmp_path, max_seq=192, batch_slots=1, prefill_chunk=32)
+    app, reg = registry_app(settings, lambda p, n, d, s: model, lambda m, s: ScriptBackend(m))
+    yield app.test_client(), backend(reg), model.card
+    reg.close()
+
+
+def test_count_tokens_counts_an_image_as_messages_runs_it(vlm):
+    """An image block to count_tokens on a vision model: the count is the prompt /v1/messages runs for
+    the same body, the image's tokens included (for Idefics3, as many tiles as the image's size gives)."""
+    client, fake, card = vlm
+    png = base64.b64encode((VLM / "image-a.png").read_bytes()).decode()
+    content = [{"type": "text", "text": "What is in this image?"},
+               {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]
+    body = {"messages": [{"role": "user", "content": content}]}
+    count = client.post("/v1/messages/count_tokens", json=body)
+    assert count.status_code == 200, count.get_data(as_text=True)
+    fake.script = ("ok", "length")
+    r = client.post("/v1/messages", json={**body, "max_tokens": 2})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    assert count.get_json() == {"input_tokens": len(fake.last_request.prompt_ids)}
+    text_only = client.post("/v1/messages/count_tokens",
+                            json={"messages": [{"role": "user", "content": content[:1]}]}).get_json()
+    assert count.get_json()["input_tokens"] - text_only["input_tokens"] >= card.vision.n_tokens

@@ -41,6 +41,7 @@ from pantheon.errors import RequestError
 from pantheon.text.emitter import Delta
 from pantheon.web.chat import REASONING_EFFORT, ChatRequest, Generation, check_arguments
 from pantheon.contract import ID_CHARS, PROMPT_CACHE_KEY_CHARS, RESPONSES
+from pantheon.web.body import shown
 from pantheon.web.fields import bad, body_object, boolean, bounded, metadata, sampling_params, string, tool_name
 from pantheon.web.generation import new_id
 from pantheon.web.schema import RESPONSES_REQUEST, fields
@@ -223,6 +224,9 @@ class ResponsesRequest(ChatRequest):
     max_output_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    # (input index, call_id) of each function_call_output no function_call of the input made: the
+    # previous_response_id conversation must have made it (checked once that is looked up)
+    orphan_outputs: list = field(default_factory=list)
 
 
 def _text_of(content: Any, where: str, allowed: tuple[str, ...] = TEXT_PARTS, images: bool = False) -> Any:
@@ -267,15 +271,20 @@ def _text_of(content: Any, where: str, allowed: tuple[str, ...] = TEXT_PARTS, im
     return "\n".join(out)
 
 
-def _input_messages(value: Any) -> list[dict]:
+def _input_messages(value: Any, orphans: list[tuple[int, str]] | None = None) -> list[dict]:
     """`input` as chat messages: a string is one user turn; items map to turns, function calls join the
-    assistant turn they belong to, reasoning items become the next assistant turn's reasoning."""
+    assistant turn they belong to, reasoning items become the next assistant turn's reasoning.
+
+    A `function_call_output` answers a call: one whose `call_id` no earlier `function_call` item of the
+    input made is appended to `orphans` as (its index, the call_id), for the caller to look up in the
+    `previous_response_id` conversation (`unanswerable`)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
         raise bad("input", "must be a string or a list of input items")
     out: list[dict] = []
     reasoning: list[str] = []
+    calls: set[str] = set()  # the call_ids of the function_call items so far
 
     def assistant() -> dict:
         """The assistant turn a function call joins: the last turn when it is one, else a new one."""
@@ -318,6 +327,7 @@ def _input_messages(value: Any) -> list[dict]:
                     raise bad(f"{where}.{key}", "is required (a string)")
             if item["arguments"].strip():
                 check_arguments(item["arguments"], f"{where}.arguments")
+            calls.add(item["call_id"])
             msg = assistant()
             msg.setdefault("tool_calls", []).append(
                 {"id": item["call_id"], "type": "function",
@@ -330,6 +340,8 @@ def _input_messages(value: Any) -> list[dict]:
                 raise bad(f"{where}.call_id", "is required (a string)")
             if "output" not in item:
                 raise bad(f"{where}.output", "is required")
+            if item["call_id"] not in calls and orphans is not None:
+                orphans.append((i, item["call_id"]))
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _text_of(item["output"], f"{where}.output")})
         elif kind == "reasoning":
@@ -356,6 +368,22 @@ def _input_messages(value: Any) -> list[dict]:
     if not out:
         raise bad("input", "holds no message")
     return out
+
+
+def unanswerable(orphans: list[tuple[int, str]], earlier: list[dict]) -> RequestError | None:
+    """The 400 for the first function_call_output whose call no function_call made, neither in the input
+    nor in `earlier` (the previous_response_id conversation); None when every output answers a call.
+    OpenAI refuses such an output too (`invalid_request_error`): the template would show the model a
+    tool result for a call it never made."""
+    if not orphans:
+        return None
+    made = {c.get("id") for m in earlier for c in m.get("tool_calls") or ()}
+    for i, call_id in orphans:
+        if call_id not in made:
+            where = f"input[{i}].call_id"
+            return bad(where, f"no function_call with call_id {shown(call_id)!r} precedes this "
+                              "function_call_output (in the input, or in the previous_response_id conversation)")
+    return None
 
 
 def _tools(body: Mapping) -> tuple[list[dict] | None, list]:
@@ -478,7 +506,8 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
     model = string(body, "model")
     if "input" not in body or body["input"] is None:
         raise bad("input", "is required")
-    messages = _input_messages(body["input"])
+    orphans: list[tuple[int, str]] = []
+    messages = _input_messages(body["input"], orphans)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("instructions", "must be a string")
@@ -502,6 +531,8 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
     thinking, reasoning = _reasoning(body)
     store = boolean(body, "store")
     prev = string(body, "previous_response_id")
+    if prev is None and (err := unanswerable(orphans, [])) is not None:
+        raise err
     include = body.get("include")
     if include is not None:
         if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
@@ -529,7 +560,7 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
         user=user, truncate_oldest=truncation == "auto", response_format=rf, parallel_tool_calls=parallel is not False,
         instructions=instructions, previous_response_id=prev, store=store is not False, text_format=text_echo,
         reasoning=reasoning, metadata=metadata(body), tools_echo=tools_echo, tool_choice_echo=tc_echo,
-        max_output_tokens=max_output, temperature=params.temperature, top_p=params.top_p)
+        max_output_tokens=max_output, temperature=params.temperature, top_p=params.top_p, orphan_outputs=orphans)
     for header in ("X-Session-Id", "X-SMG-Routing-Key"):
         hdr = headers.get(header)
         if hdr:
@@ -677,6 +708,8 @@ class ResponsesGeneration(Generation):
                                    "cache scope)", param="previous_response_id", status=404, code="not_found")
             self.previous = prev
             self.history = [dict(m) for m in prev.messages]
+        if (err := unanswerable(creq.orphan_outputs, self.history)) is not None:
+            raise err
         self.turn = turn
         system = [{"role": "system", "content": creq.instructions}] if creq.instructions is not None else []
         creq.messages = system + self.history + turn

@@ -422,6 +422,16 @@ def test_count_tokens_refuses_what_messages_refuses(client):
     assert r.get_json()["error"]["message"].startswith("messages[0].content[0].tool_use_id:")
 
 
+def test_a_tool_result_may_follow_its_tool_use_across_user_messages_in_a_row(client, fake):
+    """Anthropic joins user messages in a row into one turn: a tool_result in the second still answers
+    the assistant message before the first."""
+    fake.script = ("ok", "length")
+    msgs = [{"role": "user", "content": "Weather?"}, ASKED, {"role": "user", "content": "Here it is."},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny."}]}]
+    r = message(client, messages=msgs)
+    assert r.status_code == 200, r.get_data(as_text=True)
+
+
 def test_max_tokens_up_to_the_models_context_is_taken(client, fake):
     fake.script = ("ok", "length")
     assert message(client, max_tokens=RoomyModel.max_seq).status_code == 200

@@ -104,14 +104,14 @@ def _turns(msgs: Any) -> list[dict]:
     """Anthropic's messages as chat turns: a user message's tool_result blocks become tool turns (before
     its text), an assistant message's tool_use blocks its tool calls and thinking blocks its reasoning.
 
-    A tool_result answers a tool_use of the message just before it (Anthropic's rule, and a 400 there
-    too): one with no such tool_use would show the model a result of a call it never made."""
+    A tool_result answers a tool_use of the assistant message just before it (Anthropic's rule, and a
+    400 there too; user messages in a row count as one turn, as Anthropic joins them): one with no such
+    tool_use would show the model a result of a call it never made."""
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list")
     out: list[dict] = []
-    uses: set[str] = set()  # the tool_use ids of the message before this one
+    asked: set[str] = set()  # the tool_use ids of the last assistant message
     for i, m in enumerate(msgs):
-        asked, uses = uses, set()
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(where, "must be an object")
@@ -122,6 +122,8 @@ def _turns(msgs: Any) -> list[dict]:
         if role not in ("user", "assistant"):
             raise bad(f"{where}.role", f"must be user or assistant; got {json.dumps(role)[:40]}")
         content = m.get("content")
+        if role == "assistant":
+            asked = set()
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -144,8 +146,8 @@ def _turns(msgs: Any) -> list[dict]:
                     raise bad(f"{p}.tool_use_id", "is required (a string)")
                 if b["tool_use_id"] not in asked:
                     raise bad(f"{p}.tool_use_id", f"{shown(b['tool_use_id'])!r} answers no tool_use block of the "
-                                                  "previous message: each tool_result must answer a tool_use of "
-                                                  "the assistant message just before it")
+                                                  "assistant message before it: each tool_result must answer a "
+                                                  "tool_use of the assistant message just before it")
                 if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
                     raise bad(f"{p}.is_error", "must be true or false")
                 result = _texts(b.get("content", ""), f"{p}.content")
@@ -174,7 +176,7 @@ def _turns(msgs: Any) -> list[dict]:
                 args = json.dumps(b["input"], ensure_ascii=False)
                 check_arguments(args, f"{p}.input")
                 calls.append({"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": args}})
-                uses.add(b["id"])
+                asked.add(b["id"])
         msg["content"] = "".join(texts) if texts or not calls else None
         if calls:
             msg["tool_calls"] = calls

@@ -245,6 +245,22 @@ def test_the_bound_bounds_the_memory_held_and_eviction_gives_it_back():
     assert ResponseStore().max_bytes == int(Settings(home=Path("/")).responses_store_mb * (1 << 20)) == 64 << 20
 
 
+@pytest.mark.slow  # ~80 MB of small objects made under tracemalloc: several seconds on 2 cores
+def test_the_default_bound_holds_the_store_to_64_mib():
+    """The default store (PANTHEON_RESPONSES_STORE_MB's 64) filled past its bound with small messages
+    holds at most 64 MiB, as tracemalloc measures it, and gives it all back when its entries go."""
+    with traced() as held:
+        store = ResponseStore()
+        for i in range(7):  # each ~11.6 MB of dicts
+            store.put(f"r{i}", Stored("k", "s", {"id": f"r{i}"}, [{"role": "user", "content": "x"}
+                                                                  for _ in range(50_000)]))
+        assert store.max_bytes == 64 << 20 and len(store) < 7
+        assert held() <= 1.05 * store.max_bytes
+        for i in range(7):
+            store.delete(f"r{i}", "k")
+        assert len(store) == 0 and store.nbytes == 0 and held() < 256 << 10
+
+
 def test_a_continued_conversation_holds_its_history_once():
     """A turn stored with `previous` holds its own messages and points at the turns before it: the
     store grows by the new turn only, the conversation reads whole (the same message objects), and the

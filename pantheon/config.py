@@ -292,8 +292,10 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     # -- where things live, what is served
     Setting("PANTHEON_HOME", "home", _home, default_factory=_default_home, shown_default="`~/.cache/pantheon`",
-            doc="model downloads (`models/`), JAX's persistent compilation cache (`xla-cache/`) and the built "
-                "CPU kernels (`native/`)"),
+            doc="model downloads (`models/`), JAX's persistent compilation cache (`xla-cache/`), the built "
+                "CPU kernels (`native/`) and the stored step programs (`executables/`, authenticated with the "
+                "install's key `executables/.mac-key`); code is loaded from here, so it must not be writable "
+                "by other users"),
     Setting("PANTHEON_MODELS", "models", split_model_specs,
             doc="models loaded at start: `[NAME=]MODEL[@DIE,DIE]` items separated by `;` (what "
                 "`pantheon serve --model` sets)"),
@@ -327,7 +329,9 @@ SETTINGS: tuple[Setting, ...] = (
             doc="stored `/v1/responses` answers kept for `previous_response_id` and `GET` (the oldest go first; "
                 "0 keeps none)"),
     Setting("PANTHEON_RESPONSES_STORE_MB", "responses_store_mb", _number(low=0.0),
-            doc="and the size of their conversations together, in MB of JSON text"),
+            doc="and the memory they hold together, in MB (MiB): the Python objects of the stored answers and "
+                "their conversations, each counted by its measured size, a turn shared by a continued "
+                "conversation once; past it the oldest go"),
     # -- structured outputs (pantheon.text.structured, pantheon.web.bridge.WorkPool, pantheon.scheduler.masks)
     Setting("PANTHEON_GRAMMAR_THREADS", "grammar_threads", _integer(low=1),
             doc="structured-output grammars compiling at once (OS threads started on demand, `pantheon-grammar-<i>`)"),

@@ -17,14 +17,21 @@ class PantheonError(Exception):
 
 
 class ModelLoadError(PantheonError):
-    """A model file could not be loaded: names the file and the problem. Nothing is left half-loaded."""
+    """A model file could not be loaded: names the file and the problem. Nothing is left half-loaded.
+
+    `in_file`: the problem is the file's content (not a GGUF, a header that lies, an unsupported
+    architecture), so loading the same file again fails the same way; False for what the server
+    or the request's other choices caused (an upload the device refused, a die that does not exist).
+    An admin load answers the first with a 400 naming the body field that gave the file
+    (pantheon.web.admin); a start-up load logs either as it is."""
 
     status = 500
     code = "model_load_error"
 
-    def __init__(self, path: object, problem: str):
+    def __init__(self, path: object, problem: str, in_file: bool = True):
         self.path = str(path)
         self.problem = problem
+        self.in_file = in_file
         super().__init__(f"cannot load model {self.path}: {problem}")
 
 

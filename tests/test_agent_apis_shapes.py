@@ -4,13 +4,19 @@ official SDKs on the real model are tests/test_agent_apis.py."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import gc
 import json
+import tracemalloc
+from pathlib import Path
 
 import pytest
 
+from conftest import FIXTURES
 from fake_backend import SLOTS, ChoicesBackend
 from pantheon.config import Settings
-from pantheon.web.responses import ResponseStore, Stored
+from pantheon.web.responses import ResponseStore, Stored, key_hash, parse_responses_request
 from test_web_app import FakeModel, backend, in_flight, registry_app
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -129,6 +135,40 @@ def test_previous_response_id_prepends_the_stored_conversation_and_needs_its_sco
         assert r.status_code == 404 and r.get_json()["error"]["param"] == "previous_response_id", (key, extra)
 
 
+ASK = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+USER = {"role": "user", "content": "Weather?"}
+
+
+def answer(call_id: str) -> dict:
+    return {"type": "function_call_output", "call_id": call_id, "output": "Sunny."}
+
+
+@pytest.mark.parametrize("items, index", [
+    ([USER, answer("call_9")], 1),  # no call at all
+    ([USER, ASK, answer("call_9")], 2),  # a call with another id
+    ([USER, answer("call_1"), ASK], 1),  # the answer before its call
+], ids=["no-call", "other-id", "answer-first"])
+def test_a_function_call_output_must_answer_a_call_in_the_input(client, surface_app, items, index):
+    r = respond(client, input=items)
+    assert r.status_code == 400, r.get_data(as_text=True)
+    err = r.get_json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == f"input[{index}].call_id", err
+    assert err["message"].startswith(f"input[{index}].call_id: no function_call with call_id 'call_")
+    assert in_flight(surface_app[1]) == 0
+
+
+def test_a_function_call_output_may_answer_a_call_of_the_previous_response(client, fake):
+    fake.texts, fake.script = [CALL], ("", "stop")
+    first = respond(client, key="alice", tools=[FN], max_output_tokens=200).get_json()
+    (call,) = [o for o in first["output"] if o["type"] == "function_call"]
+    fake.texts, fake.script = None, ("Sunny it is.", "stop")
+    assert respond(client, key="alice", input=[USER, ASK, answer("call_1")]).status_code == 200
+    ok = respond(client, key="alice", tools=[FN], input=[answer(call["call_id"])], previous_response_id=first["id"])
+    assert ok.status_code == 200, ok.get_data(as_text=True)
+    r = respond(client, key="alice", tools=[FN], input=[answer("call_other")], previous_response_id=first["id"])
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "input[0].call_id"
+
+
 def test_get_and_delete_only_with_the_key_that_stored_it(client, fake):
     rid = respond(client, key="alice").get_json()["id"]
     assert client.get(f"/v1/responses/{rid}", headers={"Authorization": "Bearer bob"}).status_code == 404
@@ -143,13 +183,115 @@ def test_get_and_delete_only_with_the_key_that_stored_it(client, fake):
 
 
 def test_the_store_is_bounded_in_entries_and_size():
-    store = ResponseStore(max_entries=2, max_chars=10_000)
+    store = ResponseStore(max_entries=2, max_bytes=20_000)
     for i in range(3):
         store.put(f"r{i}", Stored("k", "s", {"id": f"r{i}"}, [{"role": "user", "content": "x"}]))
     assert len(store) == 2 and store.get("r0", "k") is None and store.get("r2", "k") is not None
-    store.put("big", Stored("k", "s", {}, [{"role": "user", "content": "y" * 9_000}]))
-    store.put("big2", Stored("k", "s", {}, [{"role": "user", "content": "z" * 9_000}]))
+    store.put("big", Stored("k", "s", {}, [{"role": "user", "content": "y" * 12_000}]))
+    store.put("big2", Stored("k", "s", {}, [{"role": "user", "content": "z" * 12_000}]))
     assert store.get("big", "k") is None and store.get("big2", "k") is not None and len(store) == 1
+
+
+# ---- the store holds what it counts (issue 43, row 5) ------------------------------------------------------------
+def one_char_conversation(n: int) -> list[dict]:
+    """A conversation of `n` one-character user messages, as a request's parse leaves it: the case where
+    the JSON text says least about the memory (3.4 M characters, 18 MB of objects at 100,000)."""
+    body = json.loads(json.dumps({"input": [{"type": "message", "role": "user", "content": "x"}] * n}))
+    return parse_responses_request(body, {}).messages
+
+
+@contextlib.contextmanager
+def traced():
+    """tracemalloc running; yields a function giving the bytes allocated since the start and still held
+    (by the whole process: other tests' idle threads may add a few kilobytes, which the bounds allow)."""
+    tracemalloc.start()
+    try:
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+
+        def held() -> int:
+            gc.collect()
+            return tracemalloc.get_traced_memory()[0] - base
+        yield held
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_store_counts_the_memory_its_objects_hold_not_their_json_characters():
+    """What the store counts for an entry is what the entry's objects hold, as tracemalloc measures it
+    (within 5 %), where the JSON text is less than a fifth of it."""
+    with traced() as held:
+        store = ResponseStore()
+        store.put("r", Stored("k", "s", {"id": "r"}, one_char_conversation(20_000)))
+        measured = held()
+        assert abs(store.nbytes - measured) <= 0.05 * measured, (store.nbytes, measured)
+        assert len(json.dumps(store.get("r", "k").messages)) < measured / 5
+
+
+def test_the_bound_bounds_the_memory_held_and_eviction_gives_it_back():
+    """Filled past its bound with the worst case (one-character messages), a store holds no more memory
+    than the bound, as tracemalloc measures it; once its entries go, the memory is back. The bound
+    the settings give is PANTHEON_RESPONSES_STORE_MB in MiB, 64 by default."""
+    bound = 2 << 20
+    with traced() as held:
+        store = ResponseStore(max_bytes=bound)
+        for i in range(8):  # each ~0.96 MB: the store keeps the newest two
+            store.put(f"r{i}", Stored("k", "s", {"id": f"r{i}"}, one_char_conversation(5_000)))
+        assert held() <= 1.05 * bound and store.nbytes <= bound and len(store) == 2
+        assert store.get("r7", "k") is not None and store.get("r5", "k") is None
+        for rid in ("r6", "r7"):
+            assert store.delete(rid, "k")
+        assert store.nbytes == 0 and held() < 256 << 10
+    assert ResponseStore().max_bytes == int(Settings(home=Path("/")).responses_store_mb * (1 << 20)) == 64 << 20
+
+
+@pytest.mark.slow  # ~80 MB of small objects made under tracemalloc: several seconds on 2 cores
+def test_the_default_bound_holds_the_store_to_64_mib():
+    """The default store (PANTHEON_RESPONSES_STORE_MB's 64) filled past its bound with small messages
+    holds at most 64 MiB, as tracemalloc measures it, and gives it all back when its entries go."""
+    with traced() as held:
+        store = ResponseStore()
+        for i in range(7):  # each ~11.6 MB of dicts
+            store.put(f"r{i}", Stored("k", "s", {"id": f"r{i}"}, [{"role": "user", "content": "x"}
+                                                                  for _ in range(50_000)]))
+        assert store.max_bytes == 64 << 20 and len(store) < 7
+        assert held() <= 1.05 * store.max_bytes
+        for i in range(7):
+            store.delete(f"r{i}", "k")
+        assert len(store) == 0 and store.nbytes == 0 and held() < 256 << 10
+
+
+def test_a_continued_conversation_holds_its_history_once():
+    """A turn stored with `previous` holds its own messages and points at the turns before it: the
+    store grows by the new turn only, the conversation reads whole (the same message objects), and the
+    earlier turns are kept while a stored response needs them, then given back."""
+    with traced() as held:
+        store = ResponseStore()
+        first = Stored("k", "s", {"id": "r1"}, one_char_conversation(5_000))
+        store.put("r1", first)
+        after_first, counted = held(), store.nbytes
+        new = [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "more"}]
+        second = Stored("k", "s", {"id": "r2"}, new, previous=first)
+        store.put("r2", second)
+        assert held() - after_first < 64 << 10 and store.nbytes - counted < 4096  # a copy: +960 kB
+        history = store.get("r2", "k").messages
+        assert history == first.messages + new and all(a is b for a, b in zip(history, first.messages))
+        assert store.delete("r1", "k")  # r2 still needs r1's turn: its conversation stays whole
+        assert store.get("r2", "k").messages == history and store.nbytes > 0.95 * counted
+        del first, second, history
+        assert store.delete("r2", "k") and store.nbytes == 0 and held() < 256 << 10
+
+
+def test_previous_response_id_stores_a_link_to_the_turns_before_not_a_copy(surface_app, client, fake):
+    fake.script = ("A1.", "stop")
+    first = respond(client, key="alice", input="Q1.").get_json()["id"]
+    fake.script = ("A2.", "stop")
+    second = respond(client, key="alice", input="Q2.", previous_response_id=first).get_json()["id"]
+    store = surface_app[0].extensions["pantheon"].responses
+    one, two = store.get(first, key_hash("alice")), store.get(second, key_hash("alice"))
+    assert two.turns.parent is one.turns
+    assert [m["content"] for m in two.turns.own] == ["Q2.", "A2."]
+    assert [m["content"] for m in two.messages] == ["Q1.", "A1.", "Q2.", "A2."]
 
 
 BAD_RESPONSES = [
@@ -244,6 +386,7 @@ def test_messages_map_onto_the_chat_turns(client, fake):
     assert count.get_json() == {"input_tokens": len("S.U1.A1.Sunny.U2.")}
 
 
+ASKED = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]}
 BAD_MESSAGES = [
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": []}, "messages"),
@@ -262,6 +405,18 @@ BAD_MESSAGES = [
     ({"stop_sequences": ["a"] * 5}, "stop_sequences"),
     ({"thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    # issue 43 row 9: a tool_result answers a tool_use of the message just before it; max_tokens within reach
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]},
+     "messages[0].content[0].tool_use_id"),
+    ({"messages": [{"role": "user", "content": "Weather?"}, ASKED,
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "x"}]}]},
+     "messages[2].content[0].tool_use_id"),
+    ({"messages": [{"role": "user", "content": "Weather?"}, ASKED, {"role": "user", "content": "Well?"},
+                   {"role": "assistant", "content": "Checking."},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]},
+     "messages[4].content[0].tool_use_id"),
+    ({"max_tokens": 10**9}, "max_tokens"),
+    ({"max_tokens": RoomyModel.max_seq + 1}, "max_tokens"),
 ]
 
 
@@ -273,6 +428,29 @@ def test_messages_fields_are_checked_and_errors_are_anthropics_shape(client, sur
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert err["error"]["message"].startswith(param + ":"), err
     assert in_flight(surface_app[1]) == 0
+
+
+def test_count_tokens_refuses_what_messages_refuses(client):
+    """An orphan tool_result is as much a 400 on count_tokens as on /v1/messages (one parser)."""
+    orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]
+    r = client.post("/v1/messages/count_tokens", json={"messages": orphan})
+    assert r.status_code == 400 and r.get_json()["error"]["type"] == "invalid_request_error"
+    assert r.get_json()["error"]["message"].startswith("messages[0].content[0].tool_use_id:")
+
+
+def test_a_tool_result_may_follow_its_tool_use_across_user_messages_in_a_row(client, fake):
+    """Anthropic joins user messages in a row into one turn: a tool_result in the second still answers
+    the assistant message before the first."""
+    fake.script = ("ok", "length")
+    msgs = [{"role": "user", "content": "Weather?"}, ASKED, {"role": "user", "content": "Here it is."},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny."}]}]
+    r = message(client, messages=msgs)
+    assert r.status_code == 200, r.get_data(as_text=True)
+
+
+def test_max_tokens_up_to_the_models_context_is_taken(client, fake):
+    fake.script = ("ok", "length")
+    assert message(client, max_tokens=RoomyModel.max_seq).status_code == 200
 
 
 def test_anthropic_shape_for_route_errors_too(client):
@@ -301,3 +479,41 @@ def test_the_store_bound_is_a_setting(tmp_path):
     first, second = (respond(c, key="k").get_json()["id"] for _ in range(2))
     assert c.get(f"/v1/responses/{first}", headers={"X-Api-Key": "k"}).status_code == 404  # evicted
     assert c.get(f"/v1/responses/{second}", headers={"X-Api-Key": "k"}).status_code == 200
+
+
+# ---- count_tokens takes images on a vision model (issue 43, row 10) ---------------------------------------------
+VLM = FIXTURES / "tiny-vlm"
+
+
+@pytest.fixture(params=["gemma3-vlm", "idefics3-vlm"])
+def vlm(request, tmp_path):
+    """(client, scripted backend, card) over a tiny vision model of each family, really loaded with its
+    projector (its tokenizer, template and image geometry are the real ones); the backend only records."""
+    from pantheon.runtime import engine
+    from test_web_app import ScriptBackend
+    model = engine.load(VLM / f"{request.param}.gguf",
+                        engine.LoadOptions(n_slots=1, max_seq=192, prefill_chunk=32, store_dir="",
+                                           mmproj=str(VLM / f"{request.param}.mmproj.gguf")))
+    settings = Settings(home=tmp_path, max_seq=192, batch_slots=1, prefill_chunk=32)
+    app, reg = registry_app(settings, lambda p, n, d, s: model, lambda m, s: ScriptBackend(m))
+    yield app.test_client(), backend(reg), model.card
+    reg.close()
+
+
+def test_count_tokens_counts_an_image_as_messages_runs_it(vlm):
+    """An image block to count_tokens on a vision model: the count is the prompt /v1/messages runs for
+    the same body, the image's tokens included (for Idefics3, as many tiles as the image's size gives)."""
+    client, fake, card = vlm
+    png = base64.b64encode((VLM / "image-a.png").read_bytes()).decode()
+    content = [{"type": "text", "text": "What is in this image?"},
+               {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]
+    body = {"messages": [{"role": "user", "content": content}]}
+    count = client.post("/v1/messages/count_tokens", json=body)
+    assert count.status_code == 200, count.get_data(as_text=True)
+    fake.script = ("ok", "length")
+    r = client.post("/v1/messages", json={**body, "max_tokens": 2})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    assert count.get_json() == {"input_tokens": len(fake.last_request.prompt_ids)}
+    text_only = client.post("/v1/messages/count_tokens",
+                            json={"messages": [{"role": "user", "content": content[:1]}]}).get_json()
+    assert count.get_json()["input_tokens"] - text_only["input_tokens"] >= card.vision.n_tokens

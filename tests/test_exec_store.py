@@ -8,10 +8,12 @@ whose bucket is not compiled yet runs padded in a larger one with the same token
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +26,7 @@ from conftest import Collector, tiny_fixture, wait_until
 from server_util import LLAMA, start_server
 from pantheon import osthread
 from pantheon.config import Settings, load_settings
-from pantheon.runtime import compile_guard, engine, reference
+from pantheon.runtime import compile_guard, engine, exec_store, reference
 from pantheon.runtime.decode_state import slot_insert
 from pantheon.runtime.engine import Chunk, StepPlan
 from pantheon.types import GREEDY
@@ -165,6 +167,85 @@ def test_the_store_keeps_its_bound_by_dropping_the_least_recently_used_models(tm
     removed = exec_store.prune(tmp_path, 2500, keep="old")
     assert [p.name for p in removed] == ["mid"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "old"]
+
+
+class _Planted:
+    """What an attacker who can write the store's directory plants: a pickle whose loading runs code
+    (here, harmlessly, writing a marker file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def _small_store(root: Path) -> exec_store.ExecStore:
+    return exec_store.ExecStore(root, {"test": "exec-store-mac"}, 1 << 30)
+
+
+def _small_program():
+    import jax
+    import jax.numpy as jnp
+    return jax.jit(lambda x: x * 2 + 1).lower(jnp.arange(4, dtype=jnp.float32)).compile()
+
+
+@pytest.mark.parametrize("magic", [b"PNTHXLA1", exec_store.MAGIC], ids=["old-format", "current-magic"])
+def test_a_planted_pickle_with_a_valid_checksum_is_never_unpickled(tmp_path, caplog, magic):
+    """A file with the right magic and a correct SHA-256 of its body (all the old check asked) is not
+    authenticated: it is skipped with a log line, deleted, and its pickle never runs."""
+    import jax
+    import pickle
+    marker = tmp_path / "marker"
+    store = _small_store(tmp_path / "executables")
+    assert store.has("serve-decode") is False  # opens the store: the key file and the key directory
+    body = pickle.dumps(_Planted(marker))
+    planted = store.dir / "serve-decode.xla"
+    planted.write_bytes(magic + hashlib.sha256(body).digest() + body)
+    with caplog.at_level("WARNING", logger="pantheon.runtime.exec_store"):
+        assert store.load("serve-decode", jax.devices()) is None
+    assert not marker.exists(), "the planted pickle ran"
+    assert store.skipped == 1 and store.loaded == 0 and not planted.exists()
+    assert "skipping" in caplog.text and "not unpickled" in caplog.text
+
+
+def test_a_program_loads_back_under_the_install_key_and_nowhere_else(tmp_path, caplog):
+    """What this install saves, a second store on the same directory (another start) loads and runs;
+    the key is one private file beside the key directories; the same bytes under another program's
+    name, or a store whose key was replaced, are refused before unpickling."""
+    import jax
+    import jax.numpy as jnp
+    root = tmp_path / "executables"
+    first = _small_store(root)
+    assert first.save("double", _small_program())
+    key = root / exec_store.KEY_FILE
+    assert key.is_file() and stat.S_IMODE(key.stat().st_mode) == 0o600 and len(key.read_bytes()) == 32
+
+    again = _small_store(root)
+    program = again.load("double", jax.devices())
+    assert program is not None and again.loaded == 1
+    assert np.asarray(program(jnp.arange(4, dtype=jnp.float32))).tolist() == [1.0, 3.0, 5.0, 7.0]
+
+    shutil.copy(first.dir / "double.xla", first.dir / "other.xla")  # a valid file under another name
+    with caplog.at_level("WARNING", logger="pantheon.runtime.exec_store"):
+        assert again.load("other", jax.devices()) is None
+    assert "MAC mismatch" in caplog.text
+
+    key.write_bytes(os.urandom(32))  # another install's key: what the old one signed does not verify
+    assert _small_store(root).load("double", jax.devices()) is None
+
+
+def test_a_key_file_others_can_read_or_write_is_not_trusted(tmp_path, caplog):
+    """A key another user can read is a key they can forge with: the store is not used (a miss
+    compiles), and the log says why."""
+    import jax
+    root = tmp_path / "executables"
+    assert _small_store(root).save("double", _small_program())
+    (root / exec_store.KEY_FILE).chmod(0o644)
+    store = _small_store(root)
+    with caplog.at_level("WARNING", logger="pantheon.runtime.exec_store"):
+        assert store.load("double", jax.devices()) is None and not store.save("double", _small_program())
+    assert "not used" in caplog.text and "open to other users" in caplog.text
 
 
 def test_ready_before_every_bucket_compiles_and_a_request_runs_padded_in_a_larger_one(tmp_path):

@@ -222,7 +222,8 @@ class BodyRoute:
 
 
 # Fields the model bounds below the field's own range (a 400 naming the field at the field's edge): n by
-# its batch slots (best_of must equal n or 1), dimensions by its embedding size.
+# its batch slots (best_of must equal n or 1), dimensions by its embedding size, Messages' max_tokens by
+# its context (Anthropic refuses a max_tokens past the model's maximum; the others clamp it).
 BY_MODEL = {"n": {200, 400}, "best_of": {200, 400}, "dimensions": {200, 400}}
 
 BODY_ROUTES = {
@@ -245,7 +246,8 @@ BODY_ROUTES = {
                            {"stream_options": {"stream": True}},
                            # no stored response has the example's id: a 404 naming it is the valid answer
                            at_edge={"previous_response_id": {404}}),
-    "messages": BodyRoute("/v1/messages", schema.MESSAGES_REQUEST, {"messages": HELLO, "max_tokens": 1}, 200),
+    "messages": BodyRoute("/v1/messages", schema.MESSAGES_REQUEST, {"messages": HELLO, "max_tokens": 1}, 200,
+                          at_edge={"max_tokens": {200, 400}}),
     "count_tokens": BodyRoute("/v1/messages/count_tokens", schema.COUNT_TOKENS_REQUEST, {"messages": HELLO}, 200),
 }
 

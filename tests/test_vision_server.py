@@ -200,13 +200,18 @@ def test_anthropic_and_responses_image_blocks(srv, client):
     url = data_url(j["image_files"][0])
     want = chat(client, one_image(url)).choices[0].message.content
     b64 = url.split(",", 1)[1]
-    r = srv.post("/v1/messages", {"model": "vlm", "max_tokens": 8, "temperature": 0, "messages": [{
-        "role": "user", "content": [{"type": "text", "text": "What is in this image?"},
-                                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                                 "data": b64}},
-                                    {"type": "text", "text": "Describe it."}]}]})
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this image?"},
+                                             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                          "data": b64}},
+                                             {"type": "text", "text": "Describe it."}]}]
+    r = srv.post("/v1/messages", {"model": "vlm", "max_tokens": 8, "temperature": 0, "messages": messages})
     assert r.status_code == 200, r.text
     assert "".join(b["text"] for b in r.json()["content"] if b["type"] == "text") == want
+    # count_tokens takes the same image block and counts the prompt the answer ran (issue 43, row 10)
+    count = srv.post("/v1/messages/count_tokens", {"model": "vlm", "messages": messages})
+    usage = r.json()["usage"]
+    assert count.status_code == 200, count.text
+    assert count.json() == {"input_tokens": usage["input_tokens"] + usage["cache_read_input_tokens"]}
     r = srv.post("/v1/responses", {"model": "vlm", "max_output_tokens": 8, "temperature": 0, "input": [{
         "role": "user", "content": [{"type": "input_text", "text": "What is in this image?"},
                                     {"type": "input_image", "image_url": url},

@@ -1467,7 +1467,7 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
     if dies:
         bad = [d for d in dies if d < 0 or d >= len(all_devices)]
         if bad:
-            raise ModelLoadError(path, f"no such die(s) {bad}; this host has {len(all_devices)}")
+            raise ModelLoadError(path, f"no such die(s) {bad}; this host has {len(all_devices)}", in_file=False)
         devices = [all_devices[d] for d in dies]
     else:
         devices = [all_devices[0]]
@@ -1481,7 +1481,14 @@ def load_on(path: str | Path, opts: LoadOptions | None = None, dies: Sequence[in
         clear_exception_frames(exc)
         if isinstance(exc, ModelLoadError):
             raise
-        raise ModelLoadError(p, f"{stage[0]} failed: {type(exc).__name__}: {exc}") from exc
+        # reading and building from the file fail because of the file; the upload and the model's
+        # construction fail because of the device or the host (memory), whatever file it was
+        raise ModelLoadError(p, f"{stage[0]} failed: {type(exc).__name__}: {exc}",
+                             in_file=stage[0] not in _RUNTIME_STAGES) from exc
+
+
+# load_on's stages whose unexpected failures are the runtime's, not the file's (ModelLoadError.in_file)
+_RUNTIME_STAGES = ("placing the weights on the device", "building the model")
 
 
 def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]) -> Model:
@@ -1527,7 +1534,7 @@ def _load_files(p: Path, opts: LoadOptions, devices: list[Any], stage: list[str]
         if opts.mmproj:
             if len(devices) > 1:
                 raise ModelLoadError(Path(opts.mmproj), "a vision projector is supported on one die only (the "
-                                                        "tensor-parallel steps take no image rows yet)")
+                                                        "tensor-parallel steps take no image rows yet)", in_file=False)
             stage[0] = "loading the vision projector"
             vision, vparams, vcard = _load_vision(Path(opts.mmproj).expanduser(), cfg, tokenizer, kernels, devices)
             if opts.prefill_chunk < vision.tokens_per_image:

@@ -21,20 +21,29 @@ program, written to a temporary name and renamed into place (a reader never sees
 processes writing the same program write the same bytes). The store is bounded: past `max_bytes` the
 least recently used key directories go first (the open one is kept).
 
-The files are pickles (the serialised executable and its argument trees): the store is trusted like
-the rest of $PANTHEON_HOME (the compilation cache, the native library): do not point it at a
-directory others can write.
+The files are pickles (the serialised executable and its argument trees), and unpickling runs code,
+so a file is authenticated before a byte of it is unpickled: each carries an HMAC-SHA256 under a
+per-install key (`KEY_FILE`, 32 random bytes beside the key directories, created 0600 once and never
+rewritten), over the key directory's name, the program's name and the body. A SHA-256 digest alone is
+a checksum anyone who can write the directory can recompute; the MAC needs the key. A file without a
+valid MAC (the old checksummed format, a damaged file, a file planted by someone else) is dropped with
+a log line and compiled again, never unpickled. A key file readable or writable by another user is
+not trusted: the store is not used at all. The rest of $PANTHEON_HOME (the compilation cache, the
+native library) is still trusted as it is, so it must not be writable by others either.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
 import pickle
 import platform
+import secrets
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -49,7 +58,11 @@ from pantheon import osthread
 log = logging.getLogger(__name__)
 
 STORE_VERSION = 1  # bump when the file layout or the key's meaning changes
-MAGIC = b"PNTHXLA1"
+# version 2 of the file: MAGIC, HMAC-SHA256 (32 bytes), pickle. Version 1 (b"PNTHXLA1": a plain SHA-256
+# where the MAC is) is never read: a program from before the change compiles again.
+MAGIC = b"PNTHXLA2"
+KEY_FILE = ".mac-key"  # in the store's root, beside the key directories (prune() only removes directories)
+_KEY_BYTES = 32
 # _LOAD_LOCK: held around each `deserialize_and_load`, by whichever thread loads (the compile-<model>
 # workers, a warm-up). Invariant: at most one executable is being deserialised in the process at a
 # time. Two at once were never shown safe in XLA:CPU (jax 0.10); the crash first blamed on them was the
@@ -73,6 +86,65 @@ def _prepare_runtime_libraries() -> None:
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+class UntrustedKey(Exception):
+    """The store's MAC key cannot be trusted (another user may read or change it) or read."""
+
+
+def install_key(root: Path) -> bytes:
+    """The store's per-install MAC key, `root/KEY_FILE`, created on first use.
+
+    Created whole or not at all: the bytes go to a private (0600) temporary file which is then
+    hard-linked to the final name, so a reader never sees a short key and two processes creating it
+    at once agree (the link of the second fails, and it reads the first's). A key another user could
+    read (and forge with) or replace is refused, and so is a short one."""
+    root = Path(root)
+    path = root / KEY_FILE
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not path.exists():
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-key-", dir=root)  # mkstemp creates it 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(_KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:  # another process made it first: use theirs
+                pass
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise UntrustedKey(f"cannot open {path}: {exc}") from exc
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise UntrustedKey(f"{path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise UntrustedKey(f"{path} belongs to another user (uid {st.st_uid})")
+        if st.st_mode & 0o077:
+            raise UntrustedKey(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}; want 600)")
+        key = f.read(_KEY_BYTES + 1)
+    if len(key) != _KEY_BYTES:
+        raise UntrustedKey(f"{path} holds {len(key)} bytes, not {_KEY_BYTES}")
+    return key
+
+
+def _mac(key: bytes, key_dir: str, name: str, body: bytes) -> bytes:
+    """The MAC of one program file: bound to its key directory and program name, so a valid file
+    copied under another name or key is refused as well."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for part in (key_dir.encode(), name.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    h.update(body)
+    return h.digest()
 
 
 def file_identity(path: Path) -> dict[str, Any]:
@@ -165,12 +237,20 @@ class ExecStore:
         self.max_bytes = max(0, int(max_bytes))
         self.loaded = 0  # programs loaded / saved by this process (for logs and tests)
         self.saved = 0
+        self.skipped = 0  # files refused before unpickling (no or a wrong MAC)
         self._opened = False
+        self._mac_key: bytes | None = None
 
     def _open(self) -> bool:
-        """Create the key directory (with its key.json) or check the one there; False if unusable."""
+        """Read the install's MAC key and create the key directory (with its key.json) or check the
+        one there; False if unusable (logged)."""
         if self._opened:
             return True
+        try:
+            self._mac_key = install_key(self.root)
+        except (UntrustedKey, OSError) as exc:
+            log.warning("executable store %s not used: %s", self.root, exc)
+            return False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             kj = self.dir / "key.json"
@@ -207,12 +287,20 @@ class ExecStore:
         except OSError as exc:
             log.warning("executable store: cannot read %s: %s", f, exc)
             return None
+        # Authenticate before anything is unpickled: unpickling a file is running it.
+        mac, body = blob[len(MAGIC):len(MAGIC) + _DIGEST], blob[len(MAGIC) + _DIGEST:]
+        if blob[:len(MAGIC)] != MAGIC or len(mac) != _DIGEST:
+            why = "no MAC (an older or foreign format)"
+        elif not hmac.compare_digest(mac, _mac(self._mac_key, self.key, name, body)):
+            why = "MAC mismatch (damaged, or not written by this install)"
+        else:
+            why = None
+        if why is not None:
+            log.warning("executable store: skipping %s, not unpickled: %s", f, why)
+            self.skipped += 1
+            self.discard(name)
+            return None
         try:
-            if blob[:len(MAGIC)] != MAGIC:
-                raise ValueError("not an executable file")
-            digest, body = blob[len(MAGIC):len(MAGIC) + _DIGEST], blob[len(MAGIC) + _DIGEST:]
-            if hashlib.sha256(body).digest() != digest:
-                raise ValueError("checksum mismatch")
             payload, in_tree, out_tree = pickle.loads(body)
             from jax.experimental.serialize_executable import deserialize_and_load
             _prepare_runtime_libraries()
@@ -234,7 +322,7 @@ class ExecStore:
             from jax.experimental.serialize_executable import serialize
             payload, in_tree, out_tree = serialize(compiled)
             body = pickle.dumps((payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
-            _atomic_write(self.dir / _program_file(name), MAGIC + hashlib.sha256(body).digest() + body)
+            _atomic_write(self.dir / _program_file(name), MAGIC + _mac(self._mac_key, self.key, name, body) + body)
         except Exception as exc:
             log.warning("executable store: cannot save %s: %s: %s", name, type(exc).__name__, exc)
             return False

@@ -385,6 +385,10 @@ class Registry:
             except OSError as exc:
                 raise _status_error(f"the projector file {mmproj!r} cannot be read ({exc.strerror})", 404,
                                     "model_not_found", "mmproj") from None
+            # Its header and config read now, before the text model uploads: a file that is no projector
+            # fails in milliseconds with nothing placed (ModelLoadError naming it), not after the upload.
+            from pantheon.formats.mmproj import open_mmproj
+            open_mmproj(mmproj)
             est = dataclasses.replace(est, weights_bytes=est.weights_bytes + extra,
                                       replicated_weight_bytes=est.replicated_weight_bytes + extra)
         if draft is not None:

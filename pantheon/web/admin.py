@@ -3,6 +3,10 @@
 Loads and unloads block for seconds to minutes (weight upload, draining in-flight requests), so each
 runs in its own OS thread via `bridge.call_in_thread`; the request greenlet waits cooperatively and
 every other route keeps answering. Paths are confined to PANTHEON_MODEL_DIR (see `security`).
+
+A file the client named that turns out not to be a loadable model (not a GGUF, a header that lies, a
+projector that is none) is the client's mistake: a 400 naming the body field that gave it, with the
+name as the client gave it. The server's absolute paths are never in an admin answer.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
-from pantheon.errors import CatalogError, RequestError
+from pantheon.errors import CatalogError, ModelLoadError, RequestError
 from pantheon.web import bridge
 from pantheon.web.body import shown
 from pantheon.contract import ADMIN_DIES_MAX, ADMIN_NAME_CHARS, LOAD, UNLOAD
@@ -35,8 +39,9 @@ def _opt_str(body: dict, key: str) -> str | None:
     return v
 
 
-def _resolver(body: dict) -> tuple[str, Any]:
-    """(source, resolve) for a load body: catalog names pull from the catalog; paths stay in the model dir."""
+def _resolver(body: dict) -> tuple[str, Any, str | None]:
+    """(source, resolve, field) for a load body: catalog names pull from the catalog (field None); paths
+    stay in the model dir (field: the body field that named the file)."""
     from pantheon.formats.catalog import CATALOG, pull
 
     path, model = _opt_str(body, "path"), _opt_str(body, "model")
@@ -45,7 +50,7 @@ def _resolver(body: dict) -> tuple[str, Any]:
                            "(a catalog name)", param="path" if path else "model")
     settings = server().settings
     if model is not None and model in CATALOG:
-        return model, lambda src: pull(src, progress=False)
+        return model, lambda src: pull(src, progress=False), None
     raw = path if path is not None else model
     if model is not None and settings.model_dir is None:
         raise CatalogError(f"{shown(model)!r} is not a catalog model; the catalog has: {', '.join(sorted(CATALOG))}")
@@ -59,7 +64,35 @@ def _resolver(body: dict) -> tuple[str, Any]:
     if not is_file:
         raise RequestError(f"no model file {shown(raw)!r} in the model directory", param="path" if path else "model",
                            status=404, code="model_not_found")
-    return str(target), lambda src: Path(src)
+    return str(target), lambda src: Path(src), "path" if path is not None else "model"
+
+
+def _not_loadable(exc: ModelLoadError, named: dict[str, tuple[str, str]]) -> Exception:
+    """What the client is told when a load failed on a file: `named` maps each body field that gave a
+    file in the model directory to (the name as the client gave it, the absolute path it resolved to).
+
+    A failure of that file's content is a 400 naming the field (`invalid_model_file`); any other
+    failure on it (the device refused the upload) stays a 500 `model_load_error`. Either way the
+    message shows the client's name, and no absolute path of the server; a failure on a file the
+    client did not name (a catalog download) is left as it is."""
+    try:
+        failed = Path(exc.path).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return exc
+    field = next((f for f, (_, where) in named.items() if Path(where) == failed), None)
+    if field is None:
+        return exc
+    given = shown(named[field][0])
+    problem = exc.problem
+    for name, where in named.values():  # an OSError's text may carry a path: the client's names instead
+        problem = problem.replace(where, shown(name))
+    root = server().settings.model_dir
+    if root is not None:
+        problem = problem.replace(str(root), "<model directory>")
+    if not exc.in_file:
+        return ModelLoadError(given, problem, in_file=False)
+    return RequestError(f"{field} {given!r} is not a loadable model file: {problem}", param=field,
+                        code="invalid_model_file")
 
 
 def _then_register(registration: Any, fn: Any, *args: Any) -> Any:
@@ -88,11 +121,15 @@ def _file_in_dir(name: str, param: str, what: str) -> str:
     return str(target)
 
 
+def _in_catalog(name: str) -> bool:
+    from pantheon.formats.catalog import CATALOG
+    return name in CATALOG
+
+
 def _draft_file(draft: str) -> str:
     """The file an admin load's `draft_model` names: a catalog model (pulled when the load runs), else a
     file inside PANTHEON_MODEL_DIR (as an absolute path)."""
-    from pantheon.formats.catalog import CATALOG
-    return draft if draft in CATALOG else _file_in_dir(draft, "draft_model", "draft model")
+    return draft if _in_catalog(draft) else _file_in_dir(draft, "draft_model", "draft model")
 
 
 @bp.post("/models/load")
@@ -110,16 +147,25 @@ def load() -> Response:
     overrides = {k: v for k, v in (("speculative", boolean(body, "speculative")),
                                    ("spec_k", bounded(body, "spec_k", LOAD))) if v is not None}
     draft = _opt_str(body, "draft_model")
-    source, resolve = _resolver(body)
+    source, resolve, field = _resolver(body)
+    named = {}  # body field -> (the client's name, the file it is) for each file from the model directory
+    if field is not None:
+        named[field] = (body[field], source)
     if draft is not None:  # a catalog name, else (like "path") a file inside the model directory
         overrides["draft_model"] = _draft_file(draft)
+        if not _in_catalog(draft):
+            named["draft_model"] = (draft, overrides["draft_model"])
     if mmproj is not None:  # like "path": a file inside the model directory
-        mmproj = _file_in_dir(mmproj, "mmproj", "projector")
+        named["mmproj"] = (mmproj, _file_in_dir(mmproj, "mmproj", "projector"))
+        mmproj = named["mmproj"][1]
     registry = server().registry
     load_fn = registry.load if mmproj is None and not overrides else (
         lambda *a: registry.load(*a, mmproj=mmproj, overrides=overrides))  # noqa: E731
-    info = bridge.call_in_thread(_then_register, server().registration, load_fn, source, name, dies, resolve,
-                                 name="pantheon-admin-load")
+    try:
+        info = bridge.call_in_thread(_then_register, server().registration, load_fn, source, name, dies, resolve,
+                                     name="pantheon-admin-load")
+    except ModelLoadError as exc:
+        raise _not_loadable(exc, named) from None
     return jsonify(status="loaded", **info)
 
 

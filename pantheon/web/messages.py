@@ -29,6 +29,8 @@ from flask import Blueprint, Response, jsonify
 from pantheon.errors import RequestError
 from pantheon.text.emitter import Delta
 from pantheon.web import bridge
+from pantheon.web import images as web_images
+from pantheon.web.body import shown
 from pantheon.web.chat import BIG_PROMPT_CHARS, ChatRequest, Generation, check_arguments, prompt_ids, render_prompt
 from pantheon.web.errors import anthropic_body, from_exception
 from pantheon.contract import ID_CHARS, MESSAGES, THINKING
@@ -100,10 +102,15 @@ def _texts(content: Any, where: str) -> str:
 
 def _turns(msgs: Any) -> list[dict]:
     """Anthropic's messages as chat turns: a user message's tool_result blocks become tool turns (before
-    its text), an assistant message's tool_use blocks its tool calls and thinking blocks its reasoning."""
+    its text), an assistant message's tool_use blocks its tool calls and thinking blocks its reasoning.
+
+    A tool_result answers a tool_use of the assistant message just before it (Anthropic's rule, and a
+    400 there too; user messages in a row count as one turn, as Anthropic joins them): one with no such
+    tool_use would show the model a result of a call it never made."""
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list")
     out: list[dict] = []
+    asked: set[str] = set()  # the tool_use ids of the last assistant message
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -115,6 +122,8 @@ def _turns(msgs: Any) -> list[dict]:
         if role not in ("user", "assistant"):
             raise bad(f"{where}.role", f"must be user or assistant; got {json.dumps(role)[:40]}")
         content = m.get("content")
+        if role == "assistant":
+            asked = set()
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -135,6 +144,10 @@ def _turns(msgs: Any) -> list[dict]:
                 p = f"{where}.content[{j}]"
                 if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
                     raise bad(f"{p}.tool_use_id", "is required (a string)")
+                if b["tool_use_id"] not in asked:
+                    raise bad(f"{p}.tool_use_id", f"{shown(b['tool_use_id'])!r} answers no tool_use block of the "
+                                                  "assistant message before it: each tool_result must answer a "
+                                                  "tool_use of the assistant message just before it")
                 if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
                     raise bad(f"{p}.is_error", "must be true or false")
                 result = _texts(b.get("content", ""), f"{p}.content")
@@ -163,6 +176,7 @@ def _turns(msgs: Any) -> list[dict]:
                 args = json.dumps(b["input"], ensure_ascii=False)
                 check_arguments(args, f"{p}.input")
                 calls.append({"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": args}})
+                asked.add(b["id"])
         msg["content"] = "".join(texts) if texts or not calls else None
         if calls:
             msg["tool_calls"] = calls
@@ -331,6 +345,12 @@ class MessagesGeneration(Generation):
         self._open: dict | None = None
 
     def start(self) -> None:
+        # max_tokens is required here and past the model's reach a 400, as Anthropic answers it (chat
+        # completions, where max_tokens is optional, caps it to the context instead)
+        most = self.entry.card.context_length
+        if self.creq.max_tokens is not None and self.creq.max_tokens > most:
+            raise RequestError(f"max_tokens: {self.creq.max_tokens} is more than model {self.model_name!r} "
+                               f"can generate (its context is {most} tokens)", param="max_tokens")
         try:
             super().start()
         except RequestError as exc:  # chat's advice names a field this route does not have
@@ -479,8 +499,18 @@ def handle_count(root_model: str | None = None) -> Response:
     entry = registry.acquire(creq.model)
     try:
         card = entry.card
-        count = lambda: len(prompt_ids(card, render_prompt(card, creq)))  # noqa: E731
-        n = bridge.call_in_thread(count, name="pantheon-tokenize") if len(raw) > BIG_PROMPT_CHARS else count()
+        with_images = bool(web_images.image_parts(creq.messages))
+
+        def count() -> int:
+            """The prompt /v1/messages would run: each image's marker expanded to the image tokens the
+            model's processor gives it (which, for a tiling model, takes the image's size)."""
+            if not with_images:
+                return len(prompt_ids(card, render_prompt(card, creq)))
+            msgs, _, texts = web_images.load_images(creq.messages, card, registry.settings)
+            return len(prompt_ids(card, web_images.expand(render_prompt(card, creq, msgs), card, texts)))
+
+        big = with_images or len(raw) > BIG_PROMPT_CHARS  # images are decoded: never on the hub
+        n = bridge.call_in_thread(count, name="pantheon-tokenize") if big else count()
     finally:
         registry.release(entry)
     return jsonify(input_tokens=n)

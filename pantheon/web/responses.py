@@ -11,8 +11,9 @@ metrics and the model roots are the chat route's, unchanged.
 
 Conversation state. With `store` (the default, as OpenAI's) a finished response is kept in a bounded
 in-process store (`ResponseStore`: the oldest go first past PANTHEON_RESPONSES_STORE responses or
-PANTHEON_RESPONSES_STORE_MB of conversation)
-together with the conversation it ended; `previous_response_id` continues that conversation, so its
+PANTHEON_RESPONSES_STORE_MB of the memory their objects hold) together with the conversation it ended,
+each turn held once (a continued conversation points at the turns before it instead of copying them);
+`previous_response_id` continues that conversation, so its
 prompt starts with the same tokens and the prefix cache serves them (`cached_tokens`). A stored response
 belongs to the API key that made it (its hash; the key is never kept) and to the request's cache scope
 (pantheon.web.chat.cache_scope: key, user, session, cache_salt): `previous_response_id` needs the same
@@ -27,6 +28,7 @@ import functools
 import hashlib
 import json
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ from pantheon.errors import RequestError
 from pantheon.text.emitter import Delta
 from pantheon.web.chat import REASONING_EFFORT, ChatRequest, Generation, check_arguments
 from pantheon.contract import ID_CHARS, PROMPT_CACHE_KEY_CHARS, RESPONSES
+from pantheon.web.body import shown
 from pantheon.web.fields import bad, body_object, boolean, bounded, metadata, sampling_params, string, tool_name
 from pantheon.web.generation import new_id
 from pantheon.web.schema import RESPONSES_REQUEST, fields
@@ -49,37 +52,136 @@ TOP_FIELDS = fields(RESPONSES_REQUEST)
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 STORE_MAX_ENTRIES = 1024  # stored responses kept per server process (PANTHEON_RESPONSES_STORE)
-STORE_MAX_CHARS = 64 << 20  # and the characters of their conversations (PANTHEON_RESPONSES_STORE_MB)
+STORE_MAX_BYTES = 64 << 20  # and the bytes their objects hold (PANTHEON_RESPONSES_STORE_MB)
 
 
 # ---- the store ----------------------------------------------------------------------------------------------
-@dataclass
+def retained_bytes(obj: Any) -> int:
+    """The bytes the Python objects of `obj` hold: `sys.getsizeof` of every object reachable through
+    dicts, lists, tuples and sets, each object once (a key string shared by many dicts counts once).
+
+    Why not the JSON text's length: a conversation of 100,000 one-character messages is 3.4 M
+    characters of JSON but 18 MB of dicts and strings (the objects' headers, hash tables and pointer
+    arrays dwarf one character), so a bound in characters held several times what it said. This is
+    deterministic for the same objects and agrees with tracemalloc's count of their allocations within
+    a few percent (tests/test_agent_apis_shapes.py); objects shared with the rest of the process (the
+    interned strings, None, small integers) are counted too, which errs on the side of the bound."""
+    seen: set[int] = set()
+    stack = [obj]
+    total = 0
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        total += sys.getsizeof(o)
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+    return total
+
+
+class Turns:
+    """One stored turn's own messages (its input and the answer's message), and the turns before it.
+
+    A conversation continued by `previous_response_id` is a chain: each turn holds only what it added
+    and points at the turn it continued, so a store of N turns of one conversation holds each message
+    once, not N growing copies. A turn lives while a stored response ends with it or a live turn
+    continues it (`refs`, kept by the store under its lock); its bytes are counted exactly that long."""
+
+    __slots__ = ("parent", "own", "nbytes", "refs")
+
+    def __init__(self, parent: Turns | None, own: list[dict]):
+        self.parent = parent
+        self.own = own
+        self.nbytes = 0  # set by the store when it first holds the turn
+        self.refs = 0
+
+    def conversation(self) -> list[dict]:
+        """The whole conversation to this turn, oldest first (a new list; the messages are shared)."""
+        chain = []
+        node: Turns | None = self
+        while node is not None:
+            chain.append(node.own)
+            node = node.parent
+        return [m for own in reversed(chain) for m in own]
+
+
 class Stored:
-    key_hash: str  # sha256 of the API key that created it ("" without one)
-    scope: str  # the cache scope of the request that created it
-    response: dict  # the response object as returned
-    messages: list[dict]  # the whole conversation in chat form, its output included
-    chars: int = 0
+    """A stored response: the answer as returned, whom it belongs to, and the conversation it ended.
+    `messages` is this turn's own (its input and its output message); `previous`, the stored response
+    it continued, gives the rest, shared rather than copied."""
+
+    __slots__ = ("key_hash", "scope", "response", "turns", "nbytes")
+
+    def __init__(self, key_hash: str, scope: str, response: dict, messages: list[dict],
+                 previous: Stored | None = None):
+        self.key_hash = key_hash  # sha256 of the API key that created it ("" without one)
+        self.scope = scope  # the cache scope of the request that created it
+        self.response = response
+        self.turns = Turns(previous.turns if previous is not None else None, messages)
+        self.nbytes = 0  # the response's bytes and this object's, set by the store
+
+    @property
+    def messages(self) -> list[dict]:
+        """The whole conversation in chat form, its output included."""
+        return self.turns.conversation()
 
 
 class ResponseStore:
-    """Stored responses by id, bounded in count and size; any thread (one lock, held briefly)."""
+    """Stored responses by id, bounded in count and in the bytes their objects hold (`retained_bytes`:
+    each stored answer, and each conversation turn once while some stored response needs it); the
+    oldest go first. Any thread: one lock, held briefly (sizing a new entry happens before it)."""
 
-    def __init__(self, max_entries: int = STORE_MAX_ENTRIES, max_chars: int = STORE_MAX_CHARS):
+    def __init__(self, max_entries: int = STORE_MAX_ENTRIES, max_bytes: int = STORE_MAX_BYTES):
         self._lock = osthread.Lock()
         self._items: OrderedDict[str, Stored] = OrderedDict()
-        self._chars = 0
+        self._bytes = 0
         self.max_entries = max_entries
-        self.max_chars = max_chars
+        self.max_bytes = max_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the store holds now, as it counts them."""
+        return self._bytes
 
     def put(self, rid: str, item: Stored) -> None:
-        item.chars = len(json.dumps(item.messages)) + len(json.dumps(item.response))
+        turns = item.turns
+        item.nbytes = retained_bytes(item.response) + sys.getsizeof(item) + sys.getsizeof(rid)
+        turns.nbytes = retained_bytes(turns.own) + sys.getsizeof(turns)
         with self._lock:
+            old = self._items.pop(rid, None)
+            if old is not None:
+                self._drop(old)
             self._items[rid] = item
-            self._chars += item.chars
-            while self._items and (len(self._items) > self.max_entries or self._chars > self.max_chars):
+            self._bytes += item.nbytes
+            self._hold(turns)
+            while self._items and (len(self._items) > self.max_entries or self._bytes > self.max_bytes):
                 _, old = self._items.popitem(last=False)
-                self._chars -= old.chars
+                self._drop(old)
+
+    def _hold(self, turns: Turns | None) -> None:
+        """One more holder of `turns`; a turn not held before (new, or one whose holders all went while
+        a request was continuing it) counts its bytes and holds its parent in turn. Under the lock."""
+        while turns is not None:
+            turns.refs += 1
+            if turns.refs > 1:
+                return
+            self._bytes += turns.nbytes
+            turns = turns.parent
+
+    def _drop(self, item: Stored) -> None:
+        """Forget `item`: its bytes go, and each turn of its conversation no one else holds. Under the lock."""
+        self._bytes -= item.nbytes
+        turns: Turns | None = item.turns
+        while turns is not None:
+            turns.refs -= 1
+            if turns.refs > 0:
+                return
+            self._bytes -= turns.nbytes
+            turns = turns.parent
 
     def get(self, rid: str, key_hash: str, scope: str | None = None) -> Stored | None:
         """The stored response if `key_hash` (and `scope`, when given) own it; else None."""
@@ -95,7 +197,7 @@ class ResponseStore:
             if item is None or item.key_hash != key_hash:
                 return False
             del self._items[rid]
-            self._chars -= item.chars
+            self._drop(item)
             return True
 
     def __len__(self) -> int:
@@ -122,6 +224,9 @@ class ResponsesRequest(ChatRequest):
     max_output_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    # (input index, call_id) of each function_call_output no function_call of the input made: the
+    # previous_response_id conversation must have made it (checked once that is looked up)
+    orphan_outputs: list = field(default_factory=list)
 
 
 def _text_of(content: Any, where: str, allowed: tuple[str, ...] = TEXT_PARTS, images: bool = False) -> Any:
@@ -166,15 +271,20 @@ def _text_of(content: Any, where: str, allowed: tuple[str, ...] = TEXT_PARTS, im
     return "\n".join(out)
 
 
-def _input_messages(value: Any) -> list[dict]:
+def _input_messages(value: Any, orphans: list[tuple[int, str]] | None = None) -> list[dict]:
     """`input` as chat messages: a string is one user turn; items map to turns, function calls join the
-    assistant turn they belong to, reasoning items become the next assistant turn's reasoning."""
+    assistant turn they belong to, reasoning items become the next assistant turn's reasoning.
+
+    A `function_call_output` answers a call: one whose `call_id` no earlier `function_call` item of the
+    input made is appended to `orphans` as (its index, the call_id), for the caller to look up in the
+    `previous_response_id` conversation (`unanswerable`)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
         raise bad("input", "must be a string or a list of input items")
     out: list[dict] = []
     reasoning: list[str] = []
+    calls: set[str] = set()  # the call_ids of the function_call items so far
 
     def assistant() -> dict:
         """The assistant turn a function call joins: the last turn when it is one, else a new one."""
@@ -217,6 +327,7 @@ def _input_messages(value: Any) -> list[dict]:
                     raise bad(f"{where}.{key}", "is required (a string)")
             if item["arguments"].strip():
                 check_arguments(item["arguments"], f"{where}.arguments")
+            calls.add(item["call_id"])
             msg = assistant()
             msg.setdefault("tool_calls", []).append(
                 {"id": item["call_id"], "type": "function",
@@ -229,6 +340,8 @@ def _input_messages(value: Any) -> list[dict]:
                 raise bad(f"{where}.call_id", "is required (a string)")
             if "output" not in item:
                 raise bad(f"{where}.output", "is required")
+            if item["call_id"] not in calls and orphans is not None:
+                orphans.append((i, item["call_id"]))
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _text_of(item["output"], f"{where}.output")})
         elif kind == "reasoning":
@@ -255,6 +368,22 @@ def _input_messages(value: Any) -> list[dict]:
     if not out:
         raise bad("input", "holds no message")
     return out
+
+
+def unanswerable(orphans: list[tuple[int, str]], earlier: list[dict]) -> RequestError | None:
+    """The 400 for the first function_call_output whose call no function_call made, neither in the input
+    nor in `earlier` (the previous_response_id conversation); None when every output answers a call.
+    OpenAI refuses such an output too (`invalid_request_error`): the template would show the model a
+    tool result for a call it never made."""
+    if not orphans:
+        return None
+    made = {c.get("id") for m in earlier for c in m.get("tool_calls") or ()}
+    for i, call_id in orphans:
+        if call_id not in made:
+            where = f"input[{i}].call_id"
+            return bad(where, f"no function_call with call_id {shown(call_id)!r} precedes this "
+                              "function_call_output (in the input, or in the previous_response_id conversation)")
+    return None
 
 
 def _tools(body: Mapping) -> tuple[list[dict] | None, list]:
@@ -377,7 +506,8 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
     model = string(body, "model")
     if "input" not in body or body["input"] is None:
         raise bad("input", "is required")
-    messages = _input_messages(body["input"])
+    orphans: list[tuple[int, str]] = []
+    messages = _input_messages(body["input"], orphans)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("instructions", "must be a string")
@@ -401,6 +531,8 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
     thinking, reasoning = _reasoning(body)
     store = boolean(body, "store")
     prev = string(body, "previous_response_id")
+    if prev is None and (err := unanswerable(orphans, [])) is not None:
+        raise err
     include = body.get("include")
     if include is not None:
         if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
@@ -428,7 +560,7 @@ def parse_responses_request(body: Any, headers: Mapping[str, str]) -> ResponsesR
         user=user, truncate_oldest=truncation == "auto", response_format=rf, parallel_tool_calls=parallel is not False,
         instructions=instructions, previous_response_id=prev, store=store is not False, text_format=text_echo,
         reasoning=reasoning, metadata=metadata(body), tools_echo=tools_echo, tool_choice_echo=tc_echo,
-        max_output_tokens=max_output, temperature=params.temperature, top_p=params.top_p)
+        max_output_tokens=max_output, temperature=params.temperature, top_p=params.top_p, orphan_outputs=orphans)
     for header in ("X-Session-Id", "X-SMG-Routing-Key"):
         hdr = headers.get(header)
         if hdr:
@@ -558,7 +690,8 @@ class ResponsesGeneration(Generation):
         self.store = store
         self.key_hash = key
         self.creq: ResponsesRequest
-        self.history: list[dict] = []  # the stored conversation this one continues
+        self.previous: Stored | None = None  # the stored response this one continues
+        self.history: list[dict] = []  # its conversation (shallow copies of the messages, for the prompt)
         self.turn: list[dict] = []  # this request's own input turns
         self.out = OutputItems()
         self.status = "in_progress"
@@ -573,7 +706,10 @@ class ResponsesGeneration(Generation):
                 raise RequestError(f"previous_response_id: no stored response {creq.previous_response_id[:64]!r} "
                                    "(it was never stored, was deleted or evicted, or belongs to another key or "
                                    "cache scope)", param="previous_response_id", status=404, code="not_found")
+            self.previous = prev
             self.history = [dict(m) for m in prev.messages]
+        if (err := unanswerable(creq.orphan_outputs, self.history)) is not None:
+            raise err
         self.turn = turn
         system = [{"role": "system", "content": creq.instructions}] if creq.instructions is not None else []
         creq.messages = system + self.history + turn
@@ -626,7 +762,7 @@ class ResponsesGeneration(Generation):
         out = self.response(final=True)
         if self.creq.store:
             self.store.put(self.id, Stored(self.key_hash, self.creq.cache_scope, out,
-                                           self.history + self.turn + [self.out.chat_message()]))
+                                           self.turn + [self.out.chat_message()], previous=self.previous))
         return out
 
     def complete(self) -> dict:

@@ -494,7 +494,9 @@ _MESSAGES_COMMON: dict[str, Schema] = {
 }
 MESSAGES_REQUEST: Schema = _object(_optional({
     **_MESSAGES_COMMON,
-    "max_tokens": bound(contract.MESSAGES["max_tokens"], description="required, as Anthropic requires it"),
+    "max_tokens": bound(contract.MESSAGES["max_tokens"],
+                        description="required, as Anthropic requires it; more than the model's context is a 400 "
+                                    "naming it, and the room the prompt leaves in the context caps it"),
     "stop_sequences": {"type": "array", "maxItems": STOP_MAX, "items": {"type": "string", "maxLength": STOP_CHARS},
                        "examples": [["END"]]},
     "stream": _bool(False, description="Anthropic's server-sent events (message_start ... message_stop)"),

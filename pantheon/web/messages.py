@@ -27,6 +27,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify
 
 from pantheon.errors import RequestError
+from pantheon.serving.admission import AdmissionService
 from pantheon.text.emitter import Delta
 from pantheon.web import bridge
 from pantheon.web.chat import BIG_PROMPT_CHARS, ChatRequest, Generation, check_arguments, prompt_ids, render_prompt
@@ -319,6 +320,14 @@ def parse_messages_request(body: Any, headers: Mapping[str, str]) -> ChatRequest
     return creq
 
 
+def without_truncate_hint(exc: RequestError) -> RequestError:
+    """`exc` without chat's advice to send "truncate": "oldest", a field this route does not have."""
+    hint = '; shorten them, or send "truncate": "oldest" to have the oldest turns dropped'
+    if hint not in str(exc):
+        return exc
+    return RequestError(str(exc).replace(hint, "; shorten them"), param=exc.param, status=exc.status, code=exc.code)
+
+
 # ---- the generation ---------------------------------------------------------------------------------------------
 class MessagesGeneration(Generation):
     """One Messages request in flight: the chat generation with Anthropic's shapes. Greenlet only."""
@@ -333,12 +342,8 @@ class MessagesGeneration(Generation):
     def start(self) -> None:
         try:
             super().start()
-        except RequestError as exc:  # chat's advice names a field this route does not have
-            hint = '; shorten them, or send "truncate": "oldest" to have the oldest turns dropped'
-            if hint not in str(exc):
-                raise
-            raise RequestError(str(exc).replace(hint, "; shorten them"), param=exc.param, status=exc.status,
-                               code=exc.code) from None
+        except RequestError as exc:
+            raise without_truncate_hint(exc) from None
 
     def usage(self) -> dict:
         return {"input_tokens": self.prompt_tokens - self.cached_tokens, "output_tokens": self.completion_tokens,
@@ -462,7 +467,12 @@ def handle_messages(root_model: str | None = None) -> Response:
 
 
 def handle_count(root_model: str | None = None) -> Response:
-    """The prompt's token count as /v1/messages would render it (template, tools and all)."""
+    """The prompt's token count as /v1/messages would render it (template, tools and all).
+
+    Bounded as /v1/messages is: the same body limit and parse (off the hub past BIG_BODY_BYTES), and a
+    prompt /v1/messages would refuse as longer than the context is refused here with the same 400,
+    from its length before any tokenizing (`AdmissionService.chat_count`); the rendering and counting of
+    a body past BIG_PROMPT_CHARS run in an OS thread, as /v1/messages and /tokenize run theirs."""
     from pantheon.web.body import parse_json
     from pantheon.web.routes import parse_for_root, read_raw, server
 
@@ -479,8 +489,11 @@ def handle_count(root_model: str | None = None) -> Response:
     entry = registry.acquire(creq.model)
     try:
         card = entry.card
-        count = lambda: len(prompt_ids(card, render_prompt(card, creq)))  # noqa: E731
+        count = lambda: len(AdmissionService.chat_count(card, render_prompt(card, creq),  # noqa: E731
+                                                        lambda text: prompt_ids(card, text)))
         n = bridge.call_in_thread(count, name="pantheon-tokenize") if len(raw) > BIG_PROMPT_CHARS else count()
+    except RequestError as exc:
+        raise without_truncate_hint(exc) from None
     finally:
         registry.release(entry)
     return jsonify(input_tokens=n)

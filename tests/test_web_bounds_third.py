@@ -1,0 +1,64 @@
+"""What the third adversarial run found (issue 43, scope items 1 and 2), each as a specification.
+
+In-process (Flask's test client on the fake backend of test_web_app: one character, one token, a
+64-token window), so each rule is checked by counting what ran -- tokenizer passes, renders, decodes,
+submits -- never by timing: `/v1/messages/count_tokens` refuses what `/v1/messages` refuses, with the same
+error and without tokenizing; a request's generations (prompts x n) are bounded by a setting.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_web_app import ADMIN, FakeModel, ScriptBackend, backend, in_flight, registry_app  # noqa: F401
+from test_web_app import app_and_reg, client  # noqa: F401  (pytest fixtures)
+from test_web_bounds import bounded_model, os_thread_name, tok_threads  # noqa: F401  (pytest fixtures)
+
+
+# ---- row 4: count_tokens is bounded as /v1/messages is ------------------------------------------------------------
+def _big_bodies(window: int) -> dict[str, dict]:
+    """The issue's three shapes, scaled to the fake model's window: one huge message, very many
+    messages, very many tools (the template renders tool descriptions)."""
+    tools = [{"name": f"t{i}", "description": "d" * 40, "input_schema": {"type": "object"}} for i in range(1200)]
+    return {"huge message": {"messages": [{"role": "user", "content": "lorem ipsum " * (40 * window)}]},
+            "many messages": {"messages": [{"role": "user", "content": "x"}] * (40 * window + 1)},
+            "many tools": {"messages": [{"role": "user", "content": "hi"}], "tools": tools}}
+
+
+@pytest.mark.parametrize("shape", ["huge message", "many messages", "many tools"])
+def test_count_tokens_refuses_what_messages_refuses_without_tokenizing(client, app_and_reg, bounded_model, shape):
+    card, seen = bounded_model
+    body = _big_bodies(card.context_length)[shape]
+    sent = client.post("/v1/messages", json={**body, "max_tokens": 4})
+    assert sent.status_code == 400, sent.get_data(as_text=True)[:300]
+    counted = client.post("/v1/messages/count_tokens", json=body)
+    assert counted.status_code == sent.status_code, counted.get_data(as_text=True)[:300]
+    assert counted.get_json() == sent.get_json()  # the same Anthropic error, word for word
+    assert "at least" in counted.get_json()["error"]["message"]
+    assert seen == []  # neither route tokenized anything
+    assert in_flight(app_and_reg[1]) == 0
+
+
+def test_count_tokens_counts_what_fits_and_refuses_a_count_past_the_window(client, bounded_model, monkeypatch):
+    card, seen = bounded_model
+    r = client.post("/v1/messages/count_tokens", json={"messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 200 and r.get_json() == {"input_tokens": 5} and len(seen) == 1
+    # A tokenizer whose length bound is weaker than its count: refused after counting, as /v1/messages refuses.
+    monkeypatch.setattr(card.tokenizer, "min_tokens", lambda text: 0, raising=False)
+    body = {"messages": [{"role": "user", "content": "y" * card.context_length}]}
+    sent = client.post("/v1/messages", json={**body, "max_tokens": 4})
+    counted = client.post("/v1/messages/count_tokens", json=body)
+    assert sent.status_code == counted.status_code == 400 and counted.get_json() == sent.get_json()
+
+
+def test_a_big_count_is_rendered_and_counted_off_the_event_loop(client, bounded_model, monkeypatch):
+    card, seen = bounded_model
+    rendered_in = []
+    render = card.template.render
+
+    def recorded(*args, **kwargs):
+        rendered_in.append(os_thread_name())
+        return render(*args, **kwargs)
+    monkeypatch.setattr(card.template, "render", recorded)
+    r = client.post("/v1/messages/count_tokens", json=_big_bodies(card.context_length)["huge message"])
+    assert r.status_code == 400 and rendered_in == ["pantheon-tokeni"]  # the kernel keeps 15 bytes of the name

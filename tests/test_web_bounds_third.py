@@ -62,3 +62,29 @@ def test_a_big_count_is_rendered_and_counted_off_the_event_loop(client, bounded_
     monkeypatch.setattr(card.template, "render", recorded)
     r = client.post("/v1/messages/count_tokens", json=_big_bodies(card.context_length)["huge message"])
     assert r.status_code == 400 and rendered_in == ["pantheon-tokeni"]  # the kernel keeps 15 bytes of the name
+
+
+# ---- row 2: a request's generations are bounded by a setting ------------------------------------------------------
+@pytest.fixture()
+def wide_app(tmp_path):
+    """The fake model with 64 slots (so the slot bound on `n` is not what refuses) and the default settings."""
+    from pantheon.config import Settings
+    settings = Settings(home=tmp_path, admin_key=ADMIN)
+    app, reg = registry_app(settings, lambda p, n, d, s: FakeModel(n, n_slots=64), lambda m, s: ScriptBackend(m))
+    return app.test_client(), reg, settings
+
+
+def test_a_completion_of_more_generations_than_the_setting_is_a_400_naming_the_field(wide_app):
+    client, reg, settings = wide_app
+    assert settings.max_generations == 16
+    r = client.post("/v1/completions", json={"prompt": ["p"] * 64, "n": 8, "max_tokens": 16})  # the issue's 512
+    err = r.get_json()["error"]
+    assert r.status_code == 400 and err["param"] == "n" and "512" in err["message"], err
+    assert "PANTHEON_MAX_GENERATIONS_PER_REQUEST" in err["message"]
+    r = client.post("/v1/completions", json={"prompt": ["p"] * 17, "max_tokens": 2})
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "prompt"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 17})
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "n"
+    assert backend(reg).last_request is None and in_flight(reg) == 0  # nothing was submitted
+    r = client.post("/v1/completions", json={"prompt": ["p"] * 16, "max_tokens": 2})  # 16: taken
+    assert r.status_code == 200 and len(r.get_json()["choices"]) == 16

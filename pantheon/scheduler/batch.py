@@ -187,6 +187,9 @@ class BatchScheduler:
         self.chunk = min(settings.prefill_chunk, model.chunk)
         self.queue_depth = 0 if self.immediate else settings.queue_depth
         self.queue_wait_s = settings.queue_wait_s
+        # the most slots one request's generations are admitted into while another request waits
+        # (PANTHEON_REQUEST_SLOT_SHARE; at least one): `_next_locked`
+        self.request_slots = max(1, int(self.n_slots * settings.request_slot_share))
         # (a vision model's image rows ride only in prefill steps: the mixed forward takes no override)
         self.mixed = settings.bs_mixed and model.supports_mixed and getattr(model, "vision", None) is None
         self.log_stats = settings.bs_stats
@@ -373,7 +376,7 @@ class BatchScheduler:
                 self._reap_queue_locked(events)
                 admissible = self.pressure() < PRESSURE_CRITICAL  # (nothing starts under critical pressure)
                 if self._queue and admissible:  # generation first: it may take slots back from embedding inputs
-                    self._embeds.yield_locked(self._queue[0].req.n - self._free_slots_locked())
+                    self._embeds.yield_locked(self._queue[self._next_locked()].req.n - self._free_slots_locked())
                 admitted = self._admit_locked(events)
                 gen_waits = bool(self._queue) and admissible
                 busy = {r.slot.index for r in self._inflight.rows} if self._inflight is not None else set()
@@ -475,10 +478,12 @@ class BatchScheduler:
         out = []
         while self._queue and self.pressure() < PRESSURE_CRITICAL:
             idle = [sl for sl in self._slots if sl.state == IDLE]
-            n = self._queue[0].req.n
+            k = self._next_locked()
+            n = self._queue[k].req.n
             if len(idle) < n:  # an n > 1 request waits for n free slots (first come, first served)
                 break
-            job = self._queue.popleft()
+            job = self._queue[k]
+            del self._queue[k]
             slot, reuse, resume = self._pick_slot(idle, job.req)
             prompt = job.req.prefix_key  # image positions keyed by their content hash
             slot.state = PREFILL
@@ -518,6 +523,34 @@ class BatchScheduler:
                 events.append((job, Started(reused_tokens=reuse)))
             out.append((slot, job))
         return out
+
+    def _next_locked(self) -> int:
+        """The queue index of the job to admit next: the oldest, unless its request already holds
+        `request_slots` slots (with this job's `n`) while a job of another request waits -- then the
+        oldest job of a request under that share, or of one holding none.
+
+        Why: a legacy completion's prompts are one job each (prompts x n generations), all queued at
+        once; in plain arrival order a 64-prompt, n 8 request held all 8 slots for minutes while a chat
+        queued behind every one of its generations (issue 43). With the share, a request that arrives
+        behind a big one takes the next slot that frees, so it waits at most for one generation already
+        running to end, never for the rest of another request. A request alone still gets every slot
+        (no slot idles for fairness), and a single job wider than the share runs when its request
+        holds nothing else."""
+        q = self._queue
+        if len(q) < 2 or self.request_slots >= self.n_slots:
+            return 0
+        first = q[0].req.request_id
+        if all(job.req.request_id == first for job in q):
+            return 0
+        held: dict[str, int] = {}
+        for sl in self._slots:
+            if sl.job is not None:
+                held[sl.job.req.request_id] = held.get(sl.job.req.request_id, 0) + 1
+        for k, job in enumerate(q):
+            mine = held.get(job.req.request_id, 0)
+            if mine == 0 or mine + job.req.n <= self.request_slots:
+                return k
+        return 0
 
     @staticmethod
     def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -137,6 +137,20 @@ class AdmissionService:
             raise RequestError(f"logit_bias: {out} is not a token id of this model (0..{vocab - 1})",
                                param="logit_bias")
 
+    @staticmethod
+    def generations(n: int, prompts: int, limit: int) -> None:
+        """A request's generations (`prompts` x `n`) against PANTHEON_MAX_GENERATIONS_PER_REQUEST (`limit`):
+        400 naming `n` (or `prompt` when n is 1) past it, before anything is tokenized. Why per request:
+        the slot bound on `n` holds one prompt's choices, but a 64-prompt completion with n 8 was 512
+        generations from one request (issue 43)."""
+        if n * prompts <= limit:
+            return
+        param = "n" if n > 1 else "prompt"
+        what = f"{prompts} prompts x n {n}" if prompts > 1 else f"n {n}"
+        raise RequestError(f"{param}: {what} is {n * prompts} generations; one request may start at most {limit} "
+                           "(PANTHEON_MAX_GENERATIONS_PER_REQUEST): send fewer prompts or choices, or several "
+                           "requests", param=param)
+
     # -- memory ------------------------------------------------------------------------------------------
     def memory(self, card: Any, n_tokens: int, reserve: int, min_tokens: int | None = None
                ) -> memory.Admission | None:

@@ -514,6 +514,7 @@ class Generation(GenerationCore):
         card = self.entry.card
         tok = card.tokenizer
         creq = self.creq
+        self.check_generations(creq.n)
         self.admission.limits(card, creq.n, creq.logit_bias)
         if web_images.image_parts(creq.messages):  # decode (maybe fetch) off the hub; 400 on any bad image
             msgs, self.images, self.image_texts = bridge.call_in_thread(

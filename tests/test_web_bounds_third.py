@@ -88,3 +88,91 @@ def test_a_completion_of_more_generations_than_the_setting_is_a_400_naming_the_f
     assert backend(reg).last_request is None and in_flight(reg) == 0  # nothing was submitted
     r = client.post("/v1/completions", json={"prompt": ["p"] * 16, "max_tokens": 2})  # 16: taken
     assert r.status_code == 200 and len(r.get_json()["choices"]) == 16
+
+
+# ---- row 6: images are counted from their headers before any pixel is decoded, and decoded in a bounded pool ------
+def _png(width: int, height: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class VisionTemplate:
+    """Renders text parts as they are and image parts as the model's marker (as a VLM's template does)."""
+
+    def render(self, messages, **kwargs) -> str:
+        out = []
+        for m in messages:
+            c = m.get("content")
+            parts = c if isinstance(c, list) else [{"type": "text", "text": c or ""}]
+            out += [p.get("text", "") if p.get("type") == "text" else p["marker"] for p in parts]
+        return "".join(out)
+
+
+class TilingModel(FakeModel):
+    """The fake model with a tiling vision card (Idefics3's kind): tiles of 8 pixels, the longer side
+    resized to 16, 12 image tokens ("@") per tile -- so a square image is 2 x 2 tiles plus the whole image,
+    60 image tokens (with their tile marks, more than the 64-token window), and a 64 x 8 one 1 x 2 tiles plus
+    the whole image, 36."""
+
+    def __init__(self, name: str):
+        import dataclasses
+
+        from pantheon.types import VisionCard
+        super().__init__(name)
+        vision = VisionCard(image_size=8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), n_tokens=12, image_id=ord("@"),
+                            marker="<img>", expansion="@" * 12, tiling=16, tile_prefix="<{row}{col}>",
+                            image_text="@")
+        self.template = VisionTemplate()
+        self.card = dataclasses.replace(self.card, template=self.template, vision=vision)
+
+
+@pytest.fixture()
+def vision_app(tmp_path, monkeypatch):
+    """(client, registry, server state, decodes): the tiling fake model, one image-decoding thread and no
+    queue; `decodes` counts the images whose pixels were decoded."""
+    from pantheon.config import Settings
+    from pantheon.formats import images
+    settings = Settings(home=tmp_path, admin_key=ADMIN, image_threads=1, image_queue=0)
+    app, reg = registry_app(settings, lambda p, n, d, s: TilingModel(n), lambda m, s: ScriptBackend(m))
+    decodes = []
+    real = images.decode
+    monkeypatch.setattr(images, "decode", lambda *a, **k: decodes.append(1) or real(*a, **k))
+    return app.test_client(), reg, app.extensions["pantheon"], decodes
+
+
+def _with_image(url: str) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "see "},
+                                                      {"type": "image_url", "image_url": {"url": url}}]}],
+            "max_tokens": 2}
+
+
+def test_an_image_whose_tokens_overflow_the_context_is_refused_before_any_pixel_is_decoded(vision_app):
+    client, reg, _, decodes = vision_app
+    r = client.post("/v1/chat/completions", json=_with_image(_png(64, 64)))
+    assert r.status_code == 400 and r.get_json()["error"]["code"] == "context_length_exceeded", r.get_json()
+    assert decodes == [] and backend(reg).last_request is None
+    r = client.post("/v1/chat/completions", json=_with_image(_png(64, 8)))  # fits: admitted, then decoded
+    assert r.status_code == 200, r.get_json()
+    assert decodes == [1] and len(backend(reg).last_request.images) == 3  # two tiles and the whole image
+    assert in_flight(reg) == 0
+
+
+def test_image_decoding_is_a_bounded_pool_that_answers_429_when_full(vision_app):
+    import threading
+    client, reg, state, decodes = vision_app
+    hold, started = threading.Event(), threading.Event()
+    state.images.submit(lambda: started.set() or hold.wait(30), lambda ok, value: None)  # the one thread, busy
+    try:
+        assert started.wait(30)
+        r = client.post("/v1/chat/completions", json=_with_image(_png(64, 8)))
+        assert r.status_code == 429 and r.headers.get("Retry-After"), r.get_json()
+        assert decodes == [] and backend(reg).last_request is None and in_flight(reg) == 0
+    finally:
+        hold.set()
+    assert state.images.wait_idle(30)
+    assert client.post("/v1/chat/completions", json=_with_image(_png(64, 8))).status_code == 200

@@ -462,7 +462,8 @@ def handle_messages(root_model: str | None = None) -> Response:
     import functools
 
     from pantheon.web.routes import serve_generation, server
-    return serve_generation(parse_messages_request, functools.partial(MessagesGeneration, grammars=server().grammars),
+    return serve_generation(parse_messages_request, functools.partial(MessagesGeneration, grammars=server().grammars,
+                                                              images=server().images),
                             root_model)
 
 

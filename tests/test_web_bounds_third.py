@@ -51,7 +51,7 @@ def test_count_tokens_counts_what_fits_and_refuses_a_count_past_the_window(clien
     assert sent.status_code == counted.status_code == 400 and counted.get_json() == sent.get_json()
 
 
-def test_a_big_count_is_rendered_and_counted_off_the_event_loop(client, bounded_model, monkeypatch):
+def test_a_big_count_is_rendered_off_the_event_loop_and_long_messages_never_rendered(client, bounded_model, monkeypatch):
     card, seen = bounded_model
     rendered_in = []
     render = card.template.render
@@ -60,8 +60,16 @@ def test_a_big_count_is_rendered_and_counted_off_the_event_loop(client, bounded_
         rendered_in.append(os_thread_name())
         return render(*args, **kwargs)
     monkeypatch.setattr(card.template, "render", recorded)
-    r = client.post("/v1/messages/count_tokens", json=_big_bodies(card.context_length)["huge message"])
+    bodies = _big_bodies(card.context_length)
+    # the tools are only seen in the rendering: rendered, in an OS thread, then refused from its length
+    r = client.post("/v1/messages/count_tokens", json=bodies["many tools"])
     assert r.status_code == 400 and rendered_in == ["pantheon-tokeni"]  # the kernel keeps 15 bytes of the name
+    # messages whose text alone is past the window are refused before anything is rendered, on both routes
+    rendered_in.clear()
+    for shape in ("huge message", "many messages"):
+        assert client.post("/v1/messages/count_tokens", json=bodies[shape]).status_code == 400
+        assert client.post("/v1/messages", json={**bodies[shape], "max_tokens": 4}).status_code == 400
+    assert rendered_in == []
 
 
 # ---- row 2: a request's generations are bounded by a setting ------------------------------------------------------

@@ -2629,8 +2629,8 @@ TINY_EMBED_INPUTS = 2048  # the issue's embeddings request: "text 0" ... "text 2
 COUNT_CONTENT = "lorem ipsum dolor sit amet " * 140_000  # 3.8 MB of content
 COUNT_MESSAGES = 100_001
 COUNT_TOOLS = 1200
-STORE_TURN_CHARS = 4000  # each chained Responses turn adds this much history
-STORE_TINY_MESSAGES = 80_000  # one-character messages in one stored input (~3.6 MB: under the body limit)
+STORE_TURN_CHARS = 4000  # each chained Responses turn adds this much history (less where the context is small)
+STORE_TINY_MESSAGES = 80_000  # one-character messages in one stored input (3.7 MB of compact JSON)
 VLM_DIR = REPO / "tests" / "fixtures" / "tiny-vlm"
 VLM_MODEL, VLM_MMPROJ = "idefics3-vlm.gguf", "idefics3-vlm.mmproj.gguf"  # the tiling family (the costly one)
 IMAGE_SIDE = 3990  # 15.9 M pixels: just under the default PANTHEON_MAX_IMAGE_PIXELS
@@ -2648,7 +2648,8 @@ def judge_rss(name: str, before: float | None, after: float | None) -> list[str]
 
 def post_json(b: Bench, path: str, obj: Any, deadline_s: float) -> Answer:
     """POST `obj` (JSON, however big) and read the answer (up to BIG_READ) within `deadline_s`."""
-    raw = http_request("POST", path, b.port, json.dumps(obj).encode(), {"Content-Type": "application/json"})
+    body = json.dumps(obj, separators=(",", ":")).encode()  # compact: the issue's sizes are compact JSON
+    raw = http_request("POST", path, b.port, body, {"Content-Type": "application/json"})
     return exchange(b.port, raw, deadline_s, limit=BIG_READ)
 
 
@@ -2762,12 +2763,14 @@ def phase_responses_store(b: Bench) -> dict[str, Any]:
     cfg = b.cfg
     chain = 10 if cfg.quick else 100
     big = 2 if cfg.quick else 8
+    ctx, cpt = calibrate(b)
+    turn_chars = max(64, min(STORE_TURN_CHARS, int((ctx - 64) * cpt * 0.5)))  # one turn always fits the context
     stored: list[str] = []
 
     def attack(tally: Tally, attacks: list[dict]) -> None:
         prev = None
         for k in range(chain):
-            body = {"model": b.name, "input": words_text(STORE_TURN_CHARS, lead=f"Turn {k}: "), "max_output_tokens": 2,
+            body = {"model": b.name, "input": words_text(turn_chars, lead=f"Turn {k}: "), "max_output_tokens": 2,
                     "truncation": "auto", "store": True, **({"previous_response_id": prev} if prev else {})}
             ans = post_json(b, RESPONSES, body, cfg.hang_s)
             tally.add(ans, f"chained turn {k}", None, "responses-store")
@@ -2775,7 +2778,7 @@ def phase_responses_store(b: Bench) -> dict[str, Any]:
             prev = obj.get("id") if isinstance(obj, dict) else None
             if prev:
                 stored.append(prev)
-        attacks.append({"input": f"{chain} chained turns of {STORE_TURN_CHARS} chars", "status": None,
+        attacks.append({"input": f"{chain} chained turns of {turn_chars} chars", "status": None,
                         "outcome": f"{len(stored)} stored", "ms": 0.0, "code": None, "answer": "", "answer_bytes": 0})
         tiny = [{"type": "message", "role": "user", "content": "x"}] * STORE_TINY_MESSAGES
         for k in range(big):

@@ -490,7 +490,8 @@ def handle_count(root_model: str | None = None) -> Response:
     entry = registry.acquire(creq.model)
     try:
         card = entry.card
-        count = lambda: len(AdmissionService.chat_count(card, render_prompt(card, creq),  # noqa: E731
+        count = lambda: len(AdmissionService.chat_count(card, creq.messages,  # noqa: E731
+                                                        lambda: render_prompt(card, creq),
                                                         lambda text: prompt_ids(card, text)))
         n = bridge.call_in_thread(count, name="pantheon-tokenize") if len(raw) > BIG_PROMPT_CHARS else count()
     except RequestError as exc:

@@ -8,7 +8,9 @@ Lifecycle of a request:
    request that finds no free slot is refused at once with 429 Retry-After 1. A request that must
    prepare first (compile its grammar) takes a place with `reserve` before it starts, so it is refused
    before that work rather than after, and its place counts in the queue's bound while it prepares.
-2. The driver admits queued requests into IDLE slots, preferring the slot that holds the request's
+2. The driver admits queued requests into IDLE slots -- in arrival order, except that while another
+   request's job waits, one request's generations (a legacy completion's prompts are one job each) take
+   at most PANTHEON_REQUEST_SLOT_SHARE of the slots (`_next_locked`) -- preferring the slot that holds the request's
    session, else the idle slot whose committed history shares the longest prefix with the prompt (its
    KV is reused: only the new suffix is prefilled). A model with recurrent state can only reuse a slot's
    whole committed history, so it also keeps snapshots of its slots' state where prompt chunks end

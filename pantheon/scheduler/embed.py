@@ -23,8 +23,13 @@ driver runs embedding work between generation steps, in slots that generation is
    generation), started jobs first, then queued jobs in order, and never while a generation job
    waits. A slot given to an input turns EMBED (generation does not admit into it) and forgets its
    prefix history, session and scope: its cache is about to be overwritten, so nothing may reuse it.
+   An input that fits one chunk whole takes no slot when the model offers `Model.embed_fresh`: up to
+   `fresh_rows` such inputs ride in one slot-free call per iteration (a cache made for the call), under
+   the same budget, and also while a generation job waits (they hold nothing generation needs); so
+   2,048 tiny inputs are 2,048 / `fresh_rows` forwards, not 2,048 / slots (issue 43).
 4. `Embeddings.run` (driver thread, no lock) feeds the next chunk of every chosen input in one
-   `Model.embed` call: inputs of one or several jobs are batched. An input keeps its slot for all its
+   `Model.embed` call, and the slot-free inputs in one `Model.embed_fresh` call: inputs of one or
+   several jobs are batched. An input keeps its slot for all its
    chunks unless generation takes it back (starts increase; the first is 0, which also restarts
    recurrent state) and gives it back (IDLE, empty history) when its last chunk is in; the pooled
    vector is finished on the host (`pantheon.runtime.pooling.EmbedRun`). When every input of a job is

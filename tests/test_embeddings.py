@@ -806,7 +806,7 @@ def test_2048_tiny_inputs_take_few_forwards_and_no_slot(fresh):
     # The request ("text 0" ... "text 2047"): one input per slot per forward was 2048 / 4 = 512
     # forwards here (on SmolLM2, over 120 s beside a stream).
     fake, s = fresh
-    inputs = [[1 + i % 500, 2 + i % 7, 3] for i in range(2048)]
+    inputs = [[1 + i % 500, 2 + i % 7] for i in range(2048)]  # 16 a call: 32 tokens, a chunk (8) per slot (4)
     r = submit_embed(s, inputs).result
     assert isinstance(r, Embedded), r
     np.testing.assert_allclose(r.vectors, [expected(x) for x in inputs], atol=1e-6)

@@ -211,7 +211,9 @@ class Embeddings:
 
     def _take_short_locked(self, rows: Rows, take: Callable[[EmbedRun], bool], admissible: bool) -> None:
         """Give this iteration's slot-free call (`Model.embed_fresh`) the waiting inputs that fit one chunk
-        whole, in job and input order, up to `fresh_rows` of them and the call's token budget (`take`).
+        whole, in job and input order, up to `fresh_rows` of them and the call's token budget (`take`;
+        with no generation, a chunk per slot: a chat that arrives waits no longer than behind a
+        slot-fed call).
 
         Why: an input fed through a slot holds it, so a request of 2,048 tiny inputs took 2,048 / slots
         forwards, one driver iteration each (over 120 s beside a stream, issue 43). A short input needs no
@@ -220,20 +222,24 @@ class Embeddings:
         embedding work beside generation: neither kind of work starves the other."""
         if not self.fresh_rows:
             return
-        taken = 0
+        taken = tokens = 0
+        most = self.chunk * len(self.slots)  # alone, at most what a slot-fed call of every slot carries
+        full = False
         for job in list(self.jobs) + (list(self.queue) if admissible else []):
-            short = [i for i in sorted(job.todo) if len(job.runs[i].tokens) <= self.chunk]
-            for i in short:
-                if taken >= self.fresh_rows or not take(job.runs[i]):
+            for i in [i for i in sorted(job.todo) if len(job.runs[i].tokens) <= self.chunk]:
+                n = len(job.runs[i].tokens)
+                full = taken >= self.fresh_rows or (taken > 0 and tokens + n > most) or not take(job.runs[i])
+                if full:
                     break
+                tokens += n
+                taken += 1
                 job.fresh.add(i)
                 rows.append((None, job, job.runs[i]))
-                taken += 1
             if job.fresh:
                 job.todo = [i for i in job.todo if i not in job.fresh]
                 heapq.heapify(job.todo)
                 self._started_locked(job)
-            if taken >= self.fresh_rows:
+            if full:
                 return
 
     def drop_locked(self, job: _EmbedJob) -> None:

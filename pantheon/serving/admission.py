@@ -99,7 +99,7 @@ def _input_too_long(index: int, n: str, window: int) -> RequestError:
 
 
 def _cap_by_length(bound: Callable[[list[dict]], int], msgs: list[dict], window: int,
-                   reserve: int) -> tuple[list[dict], bool]:
+                   reserve: int, over: bool = False) -> tuple[list[dict], bool]:
     """Drop (or refuse) what certainly cannot fit, before the prompt is ever tokenized.
 
     A 4 MB message takes seconds to tokenize, and capping a conversation re-tokenizes it a dozen
@@ -109,8 +109,10 @@ def _cap_by_length(bound: Callable[[list[dict]], int], msgs: list[dict], window:
     (the bound never exceeds the real count), and a prompt that cannot fit even with only its last turn
     (tools and the template's text stay whatever is dropped) is refused at once. So what is tokenized
     afterwards is at most about a window's worth of text. (capped) is True when anything was dropped.
+    `over`: the caller already knows the conversation is past the window (its messages' text alone is),
+    so it is not rendered whole to learn it.
     """
-    if bound(msgs) <= window - 1:  # might still be taken as sent: leave it to the real count
+    if not over and bound(msgs) <= window - 1:  # might still be taken as sent: leave it to the real count
         return msgs, False
     last = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=0)
 
@@ -208,22 +210,29 @@ class AdmissionService:
         window = int(card.context_length)
         reserve = answer_reserve(window, max_tokens)
         tok = card.tokenizer
-        if not truncate and content_bound(tok, messages) > window - 1:  # provably too long: nothing rendered
+        over = content_bound(tok, messages) > window - 1  # its messages' text alone is past the window
+        if over and not truncate:  # provably too long: refused with nothing rendered
             raise _window_exceeded(f"at least {content_bound(tok, messages)}", window)
         msgs = [dict(m) for m in messages]
-        first = text(msgs)  # the one rendering of the prompt as sent
+        first: list[str] = []  # the one rendering of the prompt as sent, made when first needed
+
+        def whole() -> str:
+            if not first:
+                first.append(text(msgs))
+            return first[0]
+
         pre_capped = False
-        rendered = first
         if callable(getattr(tok, "min_tokens", None)):
             def bound(ms: list[dict]) -> int:
-                return tok.min_tokens(first if ms is msgs else text(ms))
+                return tok.min_tokens(whole() if ms is msgs else text(ms))
 
-            if truncate:
-                kept, pre_capped = _cap_by_length(bound, msgs, window, reserve)
+            if truncate:  # (a conversation `over` is capped from its newest turn without being rendered whole)
+                kept, pre_capped = _cap_by_length(bound, msgs, window, reserve, over=over)
                 if pre_capped:
-                    msgs, rendered = kept, text(kept)
+                    msgs, first[:] = kept, [text(kept)]
             elif bound(msgs) > window - 1:  # provably too long: refused before tokenizing
                 raise _window_exceeded(f"at least {bound(msgs)}", window)
+        rendered = whole()
         ids = tokenize(rendered)
         n = len(ids)
         if n > window - 1 and not truncate:

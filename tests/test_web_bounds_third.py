@@ -184,3 +184,12 @@ def test_image_decoding_is_a_bounded_pool_that_answers_429_when_full(vision_app)
         hold.set()
     assert state.images.wait_idle(30)
     assert client.post("/v1/chat/completions", json=_with_image(_png(64, 8))).status_code == 200
+
+
+def test_an_image_in_a_turn_that_capping_drops_is_never_decoded(vision_app):
+    client, reg, _, decodes = vision_app
+    body = _with_image(_png(64, 8))  # 50 tokens with its text
+    body["messages"] += [{"role": "assistant", "content": "a" * 20}, {"role": "user", "content": "and now?"}]
+    r = client.post("/v1/chat/completions", json={**body, "truncate": "oldest"})
+    assert r.status_code == 200 and r.get_json()["context_capped"] is True, r.get_json()
+    assert decodes == [] and backend(reg).last_request.images == ()

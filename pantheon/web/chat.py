@@ -535,8 +535,10 @@ class Generation(GenerationCore):
             raise
         rendered, ids, self.prompt_capped = admitted.rendered, admitted.ids, admitted.capped
         self.capped = self.prompt_capped
-        if parts:  # admitted: only now are the pixels decoded
-            self.images = self._decode_images(card, parts)
+        if parts:  # admitted: only now are the pixels decoded, of the images still in the prompt (capping
+            # drops the oldest turns with their images: the markers left are the last images')
+            kept = min(len(parts), rendered.count(card.vision.marker))
+            self.images = self._decode_images(card, parts[len(parts) - kept:]) if kept else []
         encode = getattr(self.entry.backend, "encode_images", None)
         if self.images and encode is not None:  # after admission: a refused prompt costs no encode
             self.image_embd = bridge.call_in_thread(encode, [p.pixels for p in self.images], name="pantheon-image")
@@ -607,8 +609,8 @@ class Generation(GenerationCore):
                          stop_ids=stop_ids(tok, creq.ignore_eos), session_id=session, cache_scope=creq.cache_scope,
                          request_id=self.id, n=creq.n, logprobs=creq.logprobs, logit_bias=creq.logit_bias,
                          constraint=constraint, speculative=creq.speculative,
-                         images=web_images.prompt_images(ids, self.images, card, self.image_embd) if self.images
-                         else ())
+                         images=web_images.prompt_images(ids, self.images, card, self.image_embd)
+                         if self.image_texts else ())
         self.launch(req, emitters, reservation=reservation)
 
     def _constraint(self, tok: Any) -> Any:

@@ -46,6 +46,7 @@ class Settings:
     body_min_rate: float = 1024.0
     max_connections: int = 1000
     max_echo_logprobs: int = 65536
+    max_generations: int = 16
     responses_store: int = 1024
     responses_store_mb: float = 64.0
     grammar_threads: int = 2
@@ -59,6 +60,8 @@ class Settings:
     max_image_bytes: int = 10 * 1024 * 1024
     max_image_pixels: int = 16_000_000
     image_url_allowlist: tuple[str, ...] = ()
+    image_threads: int = 2
+    image_queue: int = 8
     dtype: str = "auto"
     max_seq: int = 2048
     forbid_compile: bool = False
@@ -67,6 +70,7 @@ class Settings:
     prefill_chunk: int = 128
     queue_depth: int = 32
     queue_wait_s: float = 30.0
+    request_slot_share: float = 0.5
     bs_stats: bool = False
     bs_mixed: bool = True
     speculative: bool = True
@@ -325,6 +329,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PANTHEON_MAX_ECHO_LOGPROBS", "max_echo_logprobs", _integer(low=0),
             doc="legacy completions with `echo` and `logprobs`: at most this many prompt log-probability "
                 "entries in one answer (n x prompt tokens x (logprobs + 1)); more is a 400 naming `logprobs`"),
+    Setting("PANTHEON_MAX_GENERATIONS_PER_REQUEST", "max_generations", _integer(low=1),
+            doc="generations one request may start: `n` for a chat, prompts x `n` for a legacy completion; "
+                "more is a 400 naming `n` (or `prompt`), before anything is tokenized"),
     Setting("PANTHEON_RESPONSES_STORE", "responses_store", _integer(low=0),
             doc="stored `/v1/responses` answers kept for `previous_response_id` and `GET` (the oldest go first; "
                 "0 keeps none)"),
@@ -358,6 +365,12 @@ SETTINGS: tuple[Setting, ...] = (
             doc="encoded size of one image (after base64 decoding, or as fetched); more is a 400"),
     Setting("PANTHEON_MAX_IMAGE_PIXELS", "max_image_pixels", _integer(low=1),
             doc="width x height of one image, read from its header before its pixels are decoded; more is a 400"),
+    Setting("PANTHEON_IMAGE_THREADS", "image_threads", _integer(low=1),
+            doc="images decoding and tiling at once, over all requests (OS threads started on demand, "
+                "`pantheon-image-<i>`); a request's image tokens are checked against the context from the "
+                "images' headers first, so a prompt that cannot fit decodes nothing"),
+    Setting("PANTHEON_IMAGE_QUEUE", "image_queue", _integer(low=0),
+            doc="requests waiting for an image-decoding thread; past it 429 `Retry-After`"),
     Setting("PANTHEON_IMAGE_URL_ALLOWLIST", "image_url_allowlist", _origins, shown_default="unset (no fetching)",
             doc="comma-separated URL prefixes (`https://images.example.com/`) that an `image_url` may name "
                 "to be fetched by the server; unset, only `data:` URLs are taken and any other URL is a 400 "
@@ -413,6 +426,10 @@ SETTINGS: tuple[Setting, ...] = (
             doc="waiting requests beyond the free slots before 429 `Retry-After: 5`"),
     Setting("PANTHEON_QUEUE_WAIT_S", "queue_wait_s", _number(),
             doc="how long a queued request waits for a slot before 429"),
+    Setting("PANTHEON_REQUEST_SLOT_SHARE", "request_slot_share", _number(low=0.0),
+            doc="while a job of another request waits, one request's generations (a completion's prompts x "
+                "`n`) are admitted into at most this share of the slots (at least one); so a waiting request "
+                "takes the next slot that frees instead of queueing behind every generation of a big one"),
     Setting("PANTHEON_STEP_STATS", "bs_stats", _flag, aliases=("QWEN35_BS_STATS",),
             doc="1 logs every step (kind, width, tokens, device ms from dispatch to read, host ms of "
                 "planning/dispatch/emit, start in s since load) to stderr"),

@@ -189,3 +189,53 @@ def test_a_loaded_model_publishes_its_geometry_on_its_card():
         assert memory.activation_bytes(geo, 300) > memory.activation_bytes(geo, 4) > 0  # wider spans cost more
     finally:
         m.free()
+
+
+# ---- capping costs in proportion to the window, not to the body (issue 43 row 1) ------------------------------
+class MeteredTemplate:
+    """A ChatML-like template that records the size of every rendering."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+
+    def render(self, messages, **kwargs) -> str:
+        text = "".join(f"<|{m['role']}|>{m.get('content') or ''}<|end|>\n" for m in messages) + "<|assistant|>"
+        self.sizes.append(len(text))
+        return text
+
+
+class MeteredTokenizer(CharTokenizer):
+    """One token a character; records the size of every text it tokenizes."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        self.sizes.append(len(text))
+        return super().encode(text, add_special)
+
+    def min_tokens(self, text: str) -> int:  # as weak as a real vocabulary's longest token makes it
+        return len(text) // 8
+
+
+@pytest.mark.parametrize("turns, chars", [(3000, 900), (60000, 1)])
+def test_capping_a_huge_conversation_renders_and_tokenizes_only_window_sized_candidates(turns, chars):
+    # The issue's body ("truncation": "auto" / "truncate": "oldest" on a 2.8 MB conversation) once cost a
+    # dozen renders of half the conversation and more, and one tokenizer pass per candidate.
+    window = 2048
+    tmpl, tok = MeteredTemplate(), MeteredTokenizer()
+    card = ModelCard(name="m", path="", arch="fake", context_length=window, n_slots=2, tokenizer=tok, template=tmpl)
+    msgs = [{"role": "user", "content": ("lorem ipsum dolor " * 50)[:chars]} for _ in range(turns)]
+    admitted = AdmissionService().chat(card, msgs, tmpl.render, tok.encode, 2, truncate=True)
+    assert admitted.capped and len(admitted.ids) <= window - 1
+    assert admitted.rendered.endswith(f"<|user|>{msgs[-1]['content']}<|end|>\n<|assistant|>")  # the last turn whole
+    turn = len(tmpl.render(msgs[:1])) - len("<|assistant|>")
+    tmpl.sizes.pop()
+    reach = 8 * window  # the most text that can still be within the window by its length bound
+    log_turns = turns.bit_length()
+    # its messages' text alone is past the window, so the conversation as sent is never rendered whole:
+    # every rendering is a capping candidate near the window's size, O(log turns) of them
+    assert max(tmpl.sizes) <= 2 * reach + 2 * turn, sorted(tmpl.sizes)[-5:]
+    assert len(tmpl.sizes) <= 4 * log_turns + 8
+    # and the tokenizer only ever sees text its length bound could not already refuse
+    assert max(tok.sizes) <= reach + turn and len(tok.sizes) <= 2 * log_turns + 4

@@ -769,3 +769,100 @@ def test_openai_client_against_a_live_server(smol_server):
         openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).embeddings.create(
             model="smol", input="x")
 
+
+
+# ---- short inputs ride many to a forward, in no slot (issue 43 row 3) -------------------------------------------
+class FreshFake(EmbedFake):
+    """EmbedFake plus `embed_fresh`: whole short inputs, no slot touched, at most `fresh_embed_rows` a call."""
+
+    fresh_embed_rows = 16
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.fresh_calls: list[list[list[int]]] = []
+
+    def embed_fresh(self, rows, pooling="mean"):
+        kinds = [pooling] * len(rows) if isinstance(pooling, str) else list(pooling)
+        assert 0 < len(rows) <= self.fresh_embed_rows and all(0 < len(r) <= self.chunk for r in rows)
+        self.fresh_calls.append([list(r) for r in rows])
+        self.log.append(("embed", sum(len(r) for r in rows)))
+        out = []
+        for toks, kind in zip(rows, kinds):
+            vecs = [feature(t, i) for i, t in enumerate(toks)]
+            out.append(np.sum(vecs, axis=0) if kind == "mean" else vecs[-1])
+        return np.asarray(out, np.float32)
+
+
+@pytest.fixture()
+def fresh():
+    from pantheon.scheduler.batch import BatchScheduler
+    fake = FreshFake()
+    s = BatchScheduler(fake, sched_settings(), warmup=False)
+    yield fake, s
+    s.close()
+
+
+def test_2048_tiny_inputs_take_few_forwards_and_no_slot(fresh):
+    # The issue's request ("text 0" ... "text 2047"): one input per slot per forward was 2048 / 4 = 512
+    # forwards here (on SmolLM2, over 120 s beside a stream).
+    fake, s = fresh
+    inputs = [[1 + i % 500, 2 + i % 7] for i in range(2048)]  # 16 a call: 32 tokens, a chunk (8) per slot (4)
+    r = submit_embed(s, inputs).result
+    assert isinstance(r, Embedded), r
+    np.testing.assert_allclose(r.vectors, [expected(x) for x in inputs], atol=1e-6)
+    assert fake.calls == []  # no input took a slot
+    assert len(fake.fresh_calls) == 2048 // fake.fresh_embed_rows
+
+
+def test_a_long_input_still_takes_a_slot_beside_short_ones(fresh):
+    fake, s = fresh
+    inputs = [[5, 6], list(range(10, 30)), [7]]  # 20 tokens: three chunks of 8, in one slot
+    r = submit_embed(s, inputs, pooling="last").result
+    np.testing.assert_allclose(r.vectors, [expected(x, "last") for x in inputs], atol=1e-6)
+    assert [len(rows) for rows in fake.fresh_calls] == [2] and len(fake.calls) == 3
+
+
+def test_short_inputs_run_beside_a_stream_at_most_a_chunk_a_call_and_neither_starves(fresh):
+    """While a chat streams (and while more chats wait for slots), the slot-free calls go on, each at most
+    one prefill chunk's worth of tokens between two decode steps; every chat is answered exactly."""
+    fake, s = fresh
+    fake.gate = threading.Event()
+    chats = []
+    for k in range(6):  # more chats than slots: some wait for a slot the whole time
+        c = Collector()
+        s.submit(GenRequest(prompt_ids=[7 + k, 8, 9], params=GREEDY, max_tokens=20), c)
+        chats.append(c)
+    wait_until(lambda: s.load_info()["running"] >= 1, 10, "a chat to be admitted")
+    inputs = [[1 + i % 300, 4] for i in range(256)]
+    big = submit_embed(s, inputs)
+    fake.gate.set()
+    np.testing.assert_allclose(big.result.vectors, [expected(x) for x in inputs], atol=1e-6)
+    for k, c in enumerate(chats):
+        assert c.done.wait(10) and c.ids == fake.generate_alone([7 + k, 8, 9], 20)
+    assert fake.calls == []
+    steps = [i for i, (kind, _) in enumerate(fake.log) if kind == "step"]
+    between = [sum(x for kind, x in fake.log[a + 1:b] if kind == "embed") for a, b in zip(steps, steps[1:])]
+    assert max(between) <= fake.chunk, between  # a decode step waits behind at most one chunk of it
+    assert sum(between) > 0  # and it went on while the chats streamed and waited
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen35", "rwkv7"])
+def test_a_slot_free_embedding_is_the_slot_fed_one(arch):
+    """`Model.embed_fresh` (a cache made for the call, many inputs a forward) pools what `Model.embed`
+    pools through a serving slot, and leaves the serving state alone."""
+    from conftest import TINY
+    from pantheon.runtime import engine
+    m = engine.load(TINY / f"{arch}.gguf", engine.LoadOptions(n_slots=2, max_seq=128, prefill_chunk=16))
+    try:
+        rows, kinds = [[1, 5, 9], [7, 8], [3, 4, 5, 6, 7, 8, 9, 10, 11]], ["mean", "last", "mean"]
+        fresh = m.embed_fresh(rows, kinds)
+        state = m.new_state()
+        slotted = []
+        for r, k in zip(rows, kinds):
+            out, state = m.embed(state, [r], [0], [0], k)
+            slotted.append(out[0])
+        np.testing.assert_allclose(fresh, np.stack(slotted), rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError):
+            m.embed_fresh([list(range(1, m.chunk + 2))])  # longer than a chunk: that input needs a slot
+    finally:
+        m.free()

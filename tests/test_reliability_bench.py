@@ -331,3 +331,25 @@ def test_new_phases_are_selectable_and_bounded():
     assert rb.check(rb.config_from(rb.build_parser().parse_args(["--grammar-sizes", "0"]))) is not None
     full = rb.Config()
     assert set(rb.ATTACK_PHASES) <= set(full.phases) and full.budget_s() > rb.Config(phases=("fuzz",)).budget_s()
+
+
+def test_issue_43_phases_are_selectable_and_judge_the_rss():
+    names = "images,truncation,generations,embed-many,count-tokens,responses-store"
+    cfg = rb.config_from(rb.build_parser().parse_args(["--quick", "--phases", names]))
+    assert cfg.phases == ("truncation", "generations", "embed-many", "count-tokens", "responses-store", "images")
+    assert set(cfg.phases) <= set(rb.ATTACK_PHASES) and set(cfg.phases) <= set(rb.PHASE_FUNCS)
+    assert rb.check(cfg) is None
+    assert rb.judge_rss("x", 1000.0, 1100.0) == [] and rb.judge_rss("x", None, 5000.0) == []
+    assert "1000 -> 1101 MiB" in rb.judge_rss("x", 1000.0, 1101.0)[0]
+
+
+def test_the_images_phase_sends_pngs_at_the_pixel_limit_that_fit_the_body():
+    import base64
+    import io
+
+    from PIL import Image
+    url = rb.big_png_url(rb.IMAGE_SIDE)
+    data = base64.b64decode(url.split(",", 1)[1])
+    assert Image.open(io.BytesIO(data)).size == (rb.IMAGE_SIDE, rb.IMAGE_SIDE)
+    assert rb.IMAGE_SIDE ** 2 <= rb.load_settings({}).max_image_pixels
+    assert rb.IMAGES_PER_CHAT * len(url) < rb.ATTACK_BODY

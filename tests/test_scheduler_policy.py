@@ -170,3 +170,50 @@ def test_stats_log_one_line_per_step_with_device_and_host_time(run, capsys):
     assert sum(int(x[2]) - (x[1] != "decode") for x in steps if x[1] != "prefill") == info["decode_tokens"]
     starts = [float(x[6]) for x in steps]
     assert starts == sorted(starts)
+
+
+def test_one_request_takes_at_most_its_share_of_the_slots_while_another_waits(run):
+    """Issue 43: a legacy completion's prompts are one job each; queued in plain arrival order, a big
+    request held every slot while a later chat waited behind all of its generations. With the share
+    (PANTHEON_REQUEST_SLOT_SHARE, half the slots here), the later request takes the next slot that frees."""
+    from pantheon.types import Started
+    s, m = run(request_slot_share=0.5)
+    assert s.request_slots == 2
+    order: list[str] = []
+
+    class Recording(Collector):
+        def __init__(self, name: str):
+            super().__init__()
+            self.name = name
+
+        def __call__(self, ev) -> None:
+            if isinstance(ev, Started):
+                order.append(self.name)
+            super().__call__(ev)
+
+    m.gate = threading.Event()  # hold the driver: whatever it admitted first stays in its slots
+    big = []
+    for i in range(8):  # one request, eight generations (its parts share the request id, as a batch's do)
+        c = Recording("big")
+        s.submit(GenRequest(prompt_ids=prompt(i), params=GREEDY, max_tokens=6, request_id="big"), c)
+        big.append(c)
+    chat = Recording("chat")
+    s.submit(GenRequest(prompt_ids=prompt(9), params=GREEDY, max_tokens=6, request_id="chat"), chat)
+    m.gate.set()
+    assert chat.done.wait(30) and all(c.done.wait(30) for c in big)
+    # the big request had every slot while it was alone (at most 4) and at most its share after that
+    assert order.index("chat") <= s.n_slots, order
+    assert sorted(order) == ["big"] * 8 + ["chat"]
+
+
+def test_a_request_alone_still_gets_every_slot(run):
+    s, m = run(request_slot_share=0.25)
+    m.gate = threading.Event()
+    cs = []
+    for i in range(4):
+        c = Collector()
+        s.submit(GenRequest(prompt_ids=prompt(i), params=GREEDY, max_tokens=6, request_id="only"), c)
+        cs.append(c)
+    wait_until(lambda: s.load_info()["running"] == 4, what="all four slots taken by the one request")
+    m.gate.set()
+    assert all(c.done.wait(30) for c in cs)

@@ -12,7 +12,8 @@ worker's RSS growth per 1000 requests, and whether greedy answers stayed identic
     .venv/bin/python tools/reliability_bench.py --json out.json --markdown       # smollm2-135m, ~35 min
 
 Phases (`--phases` picks a subset, in this order): fuzz, slow-body, large-body, disconnects, overflow,
-unload, protocol, tokenizer, amplification, embeddings, grammar, soak, greedy. The greedy prompts are
+unload, protocol, tokenizer, amplification, embeddings, grammar, truncation, generations, embed-many,
+count-tokens, responses-store, images, soak, greedy. The greedy prompts are
 answered once, alone, before the first phase.
 
 The five phases of issue 31 send inputs that cost the server far more than the client, or test one
@@ -45,6 +46,11 @@ Design choices, and why:
 * Sized to the model. Issue 31's inputs were sized for SmolLM2's 2048-token context; a smaller model
   would refuse them as too long before doing the expensive work, so prompts and embedding inputs are
   scaled to the context (`GET /v1/loads`) and the tokenizer's characters per token (`POST /tokenize`).
+
+The six phases of issue 43 (truncation, generations, embed-many, count-tokens, responses-store, images)
+replay that run's table, rows 1-6, at the issue's own sizes, beside the same witness; besides issue 31's
+findings they report the worker's RSS not back within 10 % of its start after the phase (images runs
+on a second server of its own, on the tiny Idefics3 fixture). docs/benchmarks.md lists their inputs.
 
 Exit status: 0 when every phase ran and found nothing, 1 when something was found (5xx, hang, greedy
 mismatch, worker restart; in the issue 31 phases also GET / p99 >= 1 s, a witness gap >= 1 s or a
@@ -100,7 +106,8 @@ UNLOAD = "/admin/models/unload"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
 PHASES = ("fuzz", "slow-body", "large-body", "disconnects", "overflow", "unload", "protocol", "tokenizer",
-          "amplification", "embeddings", "grammar", "soak", "greedy")
+          "amplification", "embeddings", "grammar", "truncation", "generations", "embed-many", "count-tokens",
+          "responses-store", "images", "soak", "greedy")
 CONNECT_S = 5.0
 PROBE_INTERVAL_S = 0.1  # how often GET / is timed during a phase
 PROBE_TIMEOUT_S = 5.0  # a GET / not answered by then counts as failed
@@ -597,9 +604,9 @@ SERVERS: list["ServerProcess"] = []  # every server started, stopped on every wa
 class ServerProcess:
     """`pantheon serve` on 127.0.0.1 in its own process group; `stop()` kills the whole group."""
 
-    def __init__(self, model_arg: str, port: int, env: dict[str, str], log_path: Path):
+    def __init__(self, model_arg: str, port: int, env: dict[str, str], log_path: Path, extra: tuple[str, ...] = ()):
         self.cmd = [sys.executable, "-m", "pantheon.cli", "serve", "--model", model_arg,
-                    "--host", require_loopback(LOOPBACK), "--port", str(port)]
+                    "--host", require_loopback(LOOPBACK), "--port", str(port), *extra]
         self.port = port
         self.env = env
         self.log_path = log_path
@@ -747,7 +754,10 @@ class Config:
                "protocol": (len(TE_CASES) + 2 * len(TOOL_CUTS) + 2 * len(SCOPE_PAIRS) + 6) * self.hang_s,
                "tokenizer": 10 * self.hang_s, "amplification": 4 * self.hang_s + 2 * self.amplify_s,
                "embeddings": self.embed_s + 4 * self.hang_s,
-               "grammar": (len(self.grammar_sizes) + 4) * self.hang_s}
+               "grammar": (len(self.grammar_sizes) + 4) * self.hang_s,
+               "truncation": 4 * self.hang_s, "generations": 2 * self.amplify_s, "embed-many": self.embed_s,
+               "count-tokens": 7 * self.hang_s, "responses-store": (120 if self.quick else 220) * self.hang_s,
+               "images": self.startup_s + 3 * self.hang_s}
         for name in ATTACK_PHASES:  # the witness's and the drain's share
             per[name] += 2 * self.hang_s + self.drain_s + ABANDON_S + WATCH_S + 60
         return self.startup_s + len(GREEDY_PROMPTS) * self.hang_s + sum(per[p] for p in self.phases) + 120
@@ -1879,7 +1889,8 @@ def phase_greedy(b: Bench) -> dict[str, Any]:
 # witness stream runs: a plain streaming chat whose gaps between SSE chunks show whether another request's
 # work stalled generation. Issue 31's acceptance: no 5xx, no hang, GET / p99 under 1 s in every phase, no
 # witness gap of 1 s caused by another request's grammar, embeddings or tokenizer work.
-ATTACK_PHASES = ("protocol", "tokenizer", "amplification", "embeddings", "grammar")
+ATTACK_PHASES = ("protocol", "tokenizer", "amplification", "embeddings", "grammar", "truncation", "generations",
+                 "embed-many", "count-tokens", "responses-store", "images")
 GAP_LIMIT_MS = 1000.0  # a witness gap this long is a finding
 ROOT_P99_LIMIT_MS = 1000.0  # so is a GET / p99 this long
 SLOW_REFUSAL_MS = 1000.0  # a refusal slower than this is reported (a cheap 400/429 is the pass)
@@ -2606,11 +2617,254 @@ def phase_grammar(b: Bench) -> dict[str, Any]:
                          sizes=list(cfg.grammar_sizes), abandoned=cfg.grammar_abandon)
 
 
+# -- phases 14-19: the third adversarial run (issue 43, rows 1-6) ------------------------------------------------
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
+RSS_RETURN = 0.10  # after an issue-43 phase the worker's RSS must be back within this share of its start
+TRUNCATION_TURNS = (3000, 900)  # the issue's conversation: 3,000 messages of 900 characters (2.8 MB) ...
+TRUNCATION_TINY = 60_000  # ... and 60,000 messages of one character
+BATCH_PROMPTS, BATCH_N, BATCH_TOKENS = 64, 8, 16  # the issue's completions request: 512 generations
+TINY_EMBED_INPUTS = 2048  # the issue's embeddings request: "text 0" ... "text 2047"
+COUNT_CONTENT = "lorem ipsum dolor sit amet " * 140_000  # 3.8 MB of content
+COUNT_MESSAGES = 100_001
+COUNT_TOOLS = 1200
+STORE_TURN_CHARS = 4000  # each chained Responses turn adds this much history (less where the context is small)
+STORE_TINY_MESSAGES = 80_000  # one-character messages in one stored input (3.7 MB of compact JSON)
+VLM_DIR = REPO / "tests" / "fixtures" / "tiny-vlm"
+VLM_MODEL, VLM_MMPROJ = "idefics3-vlm.gguf", "idefics3-vlm.mmproj.gguf"  # the tiling family (the costly one)
+IMAGE_SIDE = 3990  # 15.9 M pixels: just under the default PANTHEON_MAX_IMAGE_PIXELS
+IMAGES_PER_CHAT, IMAGE_CHATS = 8, 4
+
+
+def judge_rss(name: str, before: float | None, after: float | None) -> list[str]:
+    """Issue 43's memory rule: the worker's RSS back within RSS_RETURN of its start once the phase (and the
+    drain after its clients) is over."""
+    if before is None or after is None or after <= before * (1 + RSS_RETURN):
+        return []
+    return [f"{name}: the worker's RSS went {before:.0f} -> {after:.0f} MiB and was not back within "
+            f"{RSS_RETURN:.0%} of its start after the phase"]
+
+
+def post_json(b: Bench, path: str, obj: Any, deadline_s: float) -> Answer:
+    """POST `obj` (JSON, however big) and read the answer (up to BIG_READ) within `deadline_s`."""
+    body = json.dumps(obj, separators=(",", ":")).encode()  # compact: the issue's sizes are compact JSON
+    raw = http_request("POST", path, b.port, body, {"Content-Type": "application/json"})
+    return exchange(b.port, raw, deadline_s, limit=BIG_READ)
+
+
+def issue43_phase(b: Bench, name: str, attack: Callable[[Tally, list[dict]], None], hang_s: float,
+                  **details: Any) -> dict[str, Any]:
+    """Run `attack(tally, attacks)` beside the witness and GET / probe (as the issue 31 phases do), then judge
+    it by issue 43's acceptance: no witness gap over 1 s, GET / p99 under 1 s, no 5xx (and no hang), and
+    the worker's RSS back within 10 % of its start."""
+    t0 = time.monotonic()
+    tally, attacks = Tally(), []
+    _, rss0 = b.server.worker_rss()
+    health, witness, quiet = with_witness(b, lambda: attack(tally, attacks))
+    _, rss1 = b.server.worker_rss()
+    rss = {"start_mib": None if rss0 is None else round(rss0, 1), "end_mib": None if rss1 is None else round(rss1, 1)}
+    key = attacks_line(attacks) + f"; RSS {_v(rss['start_mib'])} -> {_v(rss['end_mib'])} MiB"
+    return attack_result(name, t0, tally, hang_s, health, witness, quiet, attacks, judge_rss(name, rss0, rss1), key,
+                         rss=rss, **details)
+
+
+def phase_truncation(b: Bench) -> dict[str, Any]:
+    """Row 1: `truncation: "auto"` on a 2.8 MB conversation of 3,000 messages (and on 60,000 one-character
+    messages), and chat's `"truncate": "oldest"` on the same: capping used to re-render and re-tokenize
+    candidate conversations for 18-30 s of CPU while every stream stalled (a 19.3 s witness gap)."""
+    turns, chars = TRUNCATION_TURNS
+    text = ("lorem ipsum dolor " * 50)[:chars]
+    items = [{"type": "message", "role": "user", "content": text}] * turns
+    tiny = [{"type": "message", "role": "user", "content": "x"}] * TRUNCATION_TINY
+    chat = [{"role": "user", "content": text}] * turns
+
+    def attack(tally: Tally, attacks: list[dict]) -> None:
+        for label, path, body in (
+                (f"responses, {turns} x {chars} chars, truncation auto", RESPONSES,
+                 {"model": b.name, "input": items, "max_output_tokens": 2, "truncation": "auto", "store": False}),
+                (f"responses, {TRUNCATION_TINY} x 1 char, truncation auto", RESPONSES,
+                 {"model": b.name, "input": tiny, "max_output_tokens": 2, "truncation": "auto", "store": False}),
+                (f"chat, {turns} x {chars} chars, truncate oldest", CHAT,
+                 {"model": b.name, "messages": chat, "max_tokens": 2, "truncate": "oldest"})):
+            record(tally, attacks, label, post_json(b, path, body, b.cfg.hang_s), "truncation")
+        time.sleep(WATCH_S)
+
+    return issue43_phase(b, "truncation", attack, b.cfg.hang_s)
+
+
+def phase_generations(b: Bench) -> dict[str, Any]:
+    """Row 2: one completions request of 64 prompts x n 8 x 16 tokens (512 generations held every slot for
+    226 s; a chat waited 5.6 s, embeddings > 10 s) -- now a 400 past PANTHEON_MAX_GENERATIONS_PER_REQUEST
+    -- then the most one request may ask (16 prompts x n 1, ignore_eos) while plain chats and the witness
+    must still be admitted (a request holds at most its share of the slots while others wait)."""
+    cfg = b.cfg
+    big = {"model": b.name, "prompt": [f"Prompt {i}: count slowly." for i in range(BATCH_PROMPTS)], "n": BATCH_N,
+           "max_tokens": BATCH_TOKENS, "ignore_eos": True, "temperature": 0.8, "seed": cfg.seed}
+    allowed = {**big, "prompt": big["prompt"][:16], "n": 1, "max_tokens": 4 * BATCH_TOKENS}
+
+    def attack(tally: Tally, attacks: list[dict]) -> None:
+        record(tally, attacks, f"completions {BATCH_PROMPTS} prompts x n {BATCH_N} x {BATCH_TOKENS} tokens",
+               post_json(b, COMPLETIONS, big, cfg.amplify_s), "generations")
+        record(tally, attacks, f"completions 16 prompts x n 1 x {4 * BATCH_TOKENS} tokens",
+               post_json(b, COMPLETIONS, allowed, cfg.amplify_s), "generations")
+        time.sleep(WATCH_S)
+
+    return issue43_phase(b, "generations", attack, cfg.amplify_s)
+
+
+def phase_embed_many(b: Bench) -> dict[str, Any]:
+    """Row 3: one embeddings request of 2,048 tiny inputs (~8k tokens in all) did not finish in 120 s and a
+    stream beside it saw a 5.2 s gap; it should finish in seconds and never starve generation."""
+    body = {"model": b.name, "input": [f"text {i}" for i in range(TINY_EMBED_INPUTS)]}
+
+    def attack(tally: Tally, attacks: list[dict]) -> None:
+        ans = post_json(b, EMBEDDINGS, body, b.cfg.embed_s)
+        obj = ans.json() if ans.status == 200 else None
+        record(tally, attacks, f"embeddings, {TINY_EMBED_INPUTS} inputs \"text i\"", ans, "embed-many",
+               vectors=len(obj.get("data") or []) if isinstance(obj, dict) else None)
+        time.sleep(WATCH_S)
+
+    return issue43_phase(b, "embed-many", attack, b.cfg.embed_s)
+
+
+def phase_count_tokens(b: Bench) -> dict[str, Any]:
+    """Row 4: `/v1/messages/count_tokens` on 3.8 MB of content, 100,001 messages and 1,200 tools (19-27 s of
+    CPU each while `/v1/messages` refused the same bodies in 0.3 s): each body goes to both routes, which
+    must answer alike (a finding otherwise), quickly and without stalling the witness."""
+    tools = [{"name": f"tool_{i}", "description": words_text(1100), "input_schema": {
+        "type": "object", "properties": {"text": {"type": "string"}}}} for i in range(COUNT_TOOLS)]
+    bodies = {"3.8 MB content": {"messages": [{"role": "user", "content": COUNT_CONTENT}]},
+              f"{COUNT_MESSAGES} messages": {"messages": [{"role": "user", "content": "x"}] * COUNT_MESSAGES},
+              f"{COUNT_TOOLS} tools": {"messages": [{"role": "user", "content": "hi"}], "tools": tools}}
+    differ: list[str] = []
+
+    def attack(tally: Tally, attacks: list[dict]) -> None:
+        for label, body in bodies.items():
+            counted = post_json(b, COUNT_TOKENS, {"model": b.name, **body}, b.cfg.hang_s)
+            record(tally, attacks, f"count_tokens, {label}", counted, "count-tokens")
+            sent = post_json(b, MESSAGES, {"model": b.name, "max_tokens": 4, **body}, b.cfg.hang_s)
+            record(tally, attacks, f"messages, {label}", sent, "count-tokens")
+            if (counted.status == 200) != (sent.status == 200) or (sent.status != 200 and counted.status != sent.status):
+                differ.append(f"count-tokens: {label}: count_tokens answered {counted.status}, /v1/messages "
+                              f"{sent.status}")
+        time.sleep(WATCH_S)
+
+    res = issue43_phase(b, "count-tokens", attack, b.cfg.hang_s)
+    res["findings"] += differ
+    return res
+
+
+def phase_responses_store(b: Bench) -> dict[str, Any]:
+    """Row 5: the Responses store under many chained turns (`previous_response_id`, each adding
+    STORE_TURN_CHARS) and big stored histories (80,000 one-character messages each): it counted JSON
+    characters, not memory (5.7x more held), copied the whole history per turn and the worker's RSS went
+    1.31 -> 2.18 GB and stayed. Every stored response is deleted at the end: RSS must come back."""
+    cfg = b.cfg
+    chain = 10 if cfg.quick else 100
+    big = 2 if cfg.quick else 8
+    ctx, cpt = calibrate(b)
+    turn_chars = max(64, min(STORE_TURN_CHARS, int((ctx - 64) * cpt * 0.5)))  # one turn always fits the context
+    stored: list[str] = []
+
+    def attack(tally: Tally, attacks: list[dict]) -> None:
+        prev = None
+        for k in range(chain):
+            body = {"model": b.name, "input": words_text(turn_chars, lead=f"Turn {k}: "), "max_output_tokens": 2,
+                    "truncation": "auto", "store": True, **({"previous_response_id": prev} if prev else {})}
+            ans = post_json(b, RESPONSES, body, cfg.hang_s)
+            tally.add(ans, f"chained turn {k}", None, "responses-store")
+            obj = ans.json() if ans.status == 200 else None
+            prev = obj.get("id") if isinstance(obj, dict) else None
+            if prev:
+                stored.append(prev)
+        attacks.append({"input": f"{chain} chained turns of {turn_chars} chars", "status": None,
+                        "outcome": f"{len(stored)} stored", "ms": 0.0, "code": None, "answer": "", "answer_bytes": 0})
+        tiny = [{"type": "message", "role": "user", "content": "x"}] * STORE_TINY_MESSAGES
+        for k in range(big):
+            ans = post_json(b, RESPONSES, {"model": b.name, "input": tiny, "max_output_tokens": 2,
+                                           "truncation": "auto", "store": True}, cfg.hang_s)
+            rec = record(tally, attacks, f"stored input of {STORE_TINY_MESSAGES} x 1 char ({k})", ans, "responses-store")
+            obj = ans.json() if ans.status == 200 else None
+            if isinstance(obj, dict) and obj.get("id"):
+                stored.append(obj["id"])
+                rec["stored"] = True
+        gone = sum(b.request("DELETE", f"{RESPONSES}/{rid}").status == 200 for rid in stored)
+        attacks.append({"input": f"DELETE each of {len(stored)} stored", "status": None, "outcome": f"{gone} deleted",
+                        "ms": 0.0, "code": None, "answer": "", "answer_bytes": 0})
+        time.sleep(WATCH_S)
+
+    return issue43_phase(b, "responses-store", attack, cfg.hang_s, chained_turns=chain, big_inputs=big)
+
+
+def big_png_url(side: int) -> str:
+    """A data URL of a `side` x `side` PNG (a smooth gradient: at the pixel limit yet small to send)."""
+    import base64
+    import io
+
+    from PIL import Image
+    img = Image.linear_gradient("L").resize((side, side)).convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=False)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def vlm_bench(b: Bench) -> Bench:
+    """A second server of our own, on the tiny Idefics3 fixture with its projector (the phase's witness and
+    probe run against it), started like the first; the caller stops it."""
+    port = free_port()
+    env = {**b.server.env, "PANTHEON_MODEL_DIR": str(VLM_DIR)}
+    log_path = Path(tempfile.mkstemp(prefix=f"pantheon-reliability-vlm-{port}-", suffix=".log")[1])
+    server = ServerProcess(str(VLM_DIR / VLM_MODEL), port, env, log_path,
+                           extra=("--mmproj", str(VLM_DIR / VLM_MMPROJ))).start()
+    server.wait_ready(b.cfg.startup_s)
+    name = Path(VLM_MODEL).stem
+    return Bench(cfg=b.cfg, server=server, port=port, admin_key=b.admin_key, name=name,
+                 reload_body={"path": str(VLM_DIR / VLM_MODEL), "name": name}, model_dir=VLM_DIR, slots=b.slots,
+                 queue_depth=b.queue_depth, queue_wait_s=b.queue_wait_s, rng=random.Random(b.cfg.seed))
+
+
+def phase_images(b: Bench) -> dict[str, Any]:
+    """Row 6: 4 concurrent chats x 8 PNGs at the pixel limit on a tiling VLM (Idefics3): each image was
+    decoded and tiled (17-18 s, +890 MB) before the prompt was admitted, then refused 400
+    context_length_exceeded. Now the headers give the image tokens first and decoding runs in a bounded
+    pool: expected quick 400s (or 429s), then one small image answered 200. Runs on a second server of
+    its own (the tiny Idefics3 fixture), the witness beside it."""
+    url = big_png_url(IMAGE_SIDE)
+    small = big_png_url(64)
+    vb = vlm_bench(b)
+    try:
+        def content(u: str, k: int) -> list[dict]:
+            return [{"type": "text", "text": "Describe these."}] + [{"type": "image_url", "image_url": {"url": u}}] * k
+
+        def attack(tally: Tally, attacks: list[dict]) -> None:
+            body = vb.chat_body("", 4, temperature=0)
+            body["messages"][0]["content"] = content(url, IMAGES_PER_CHAT)
+            answers = run_threads(lambda i: post_json(vb, CHAT, body, b.cfg.hang_s), IMAGE_CHATS, b.cfg.hang_s + 5)
+            for i, ans in enumerate(answers):
+                record(tally, attacks, f"chat {i}: {IMAGES_PER_CHAT} PNGs of {IMAGE_SIDE}^2",
+                       ans or Answer(None, {}, b"", b.cfg.hang_s, "hang", None), "images")
+            one = vb.chat_body("", 4, temperature=0)
+            one["messages"][0]["content"] = content(small, 1)
+            record(tally, attacks, "one 64^2 PNG", post_json(vb, CHAT, one, b.cfg.hang_s), "images")
+            time.sleep(WATCH_S)
+
+        res = issue43_phase(vb, "images", attack, b.cfg.hang_s, image_side=IMAGE_SIDE,
+                            images_per_chat=IMAGES_PER_CHAT, chats=IMAGE_CHATS, model=VLM_MODEL)
+        if vb.server.proc is not None and vb.server.proc.poll() is not None:
+            res["findings"].append(f"images: the VLM server exited ({vb.server.log_tail(5)})")
+        return res
+    finally:
+        vb.server.stop()
+
+
 PHASE_FUNCS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "fuzz": phase_fuzz, "slow-body": phase_slow_body, "large-body": phase_large_body,
     "disconnects": phase_disconnects, "overflow": phase_overflow, "unload": phase_unload, "soak": phase_soak,
     "greedy": phase_greedy, "protocol": phase_protocol, "tokenizer": phase_tokenizer,
     "amplification": phase_amplification, "embeddings": phase_embeddings, "grammar": phase_grammar,
+    "truncation": phase_truncation, "generations": phase_generations, "embed-many": phase_embed_many,
+    "count-tokens": phase_count_tokens, "responses-store": phase_responses_store, "images": phase_images,
 }
 
 

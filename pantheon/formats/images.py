@@ -46,6 +46,22 @@ class Preprocessed:
 
 def decode(data: bytes, limits: ImageLimits = ImageLimits()):
     """A PIL image from encoded bytes, or ImageError saying why not."""
+    img = opened(data, limits)
+    try:
+        img.load()
+    except Exception as exc:  # truncated or corrupt data past the header
+        raise ImageError(f"the image could not be decoded: {exc}") from None
+    return img
+
+
+def size(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[int, int]:
+    """(width, height) from the image's header alone, within `limits`, or ImageError: what admission needs
+    to know how many tokens the image will take, before any pixel is decoded."""
+    return opened(data, limits).size
+
+
+def opened(data: bytes, limits: ImageLimits = ImageLimits()):
+    """A PIL image with only its header read (no pixel decoded yet), checked against `limits`."""
     from PIL import Image, UnidentifiedImageError
     if len(data) > limits.max_bytes:
         raise ImageError(f"the image is {len(data)} bytes; at most {limits.max_bytes} are accepted")
@@ -60,10 +76,6 @@ def decode(data: bytes, limits: ImageLimits = ImageLimits()):
     w, h = img.size
     if w < 1 or h < 1 or w * h > limits.max_pixels:
         raise ImageError(f"the image is {w} x {h} pixels; at most {limits.max_pixels} pixels are accepted")
-    try:
-        img.load()
-    except Exception as exc:  # truncated or corrupt data past the header
-        raise ImageError(f"the image could not be decoded: {exc}") from None
     return img
 
 
@@ -129,6 +141,13 @@ def _whole_tiles(h: int, w: int, tile: int) -> tuple[int, int]:
         h = math.ceil(h / tile) * tile
         w = math.ceil(int(h * aspect) / tile) * tile
     return h, w
+
+
+def grid(width: int, height: int, tile: int, longest: int) -> tuple[int, int]:
+    """(rows, cols) of tiles `tiles` cuts an image of this size into ((0, 0): one tile), from the size
+    alone -- the same arithmetic, so the image's prompt text is known from its header."""
+    h, w = _whole_tiles(*_fit_longest(height, width, longest), tile)
+    return (0, 0) if h <= tile and w <= tile else (h // tile, w // tile)
 
 
 def tiles(img, tile: int, longest: int, mean: tuple[float, float, float],

@@ -118,6 +118,9 @@ def _chunk_buckets(chunk: int) -> tuple[int, ...]:
     return tuple(sorted(lengths))
 
 
+FRESH_EMBED_ROWS = 64  # short embeddings inputs one slot-free forward takes at most (`Model.embed_fresh`)
+
+
 def _bucket(n: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if n <= b:
@@ -300,6 +303,11 @@ class Model:
         self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (all-ones mask, False) on the device
         embed = self._embed_impl if self.shard_plan is None else self.shard_plan.wrap_forward(self._embed_impl)
         self._embed = jax.jit(embed, static_argnames=("span", "kernels"), donate_argnums=(1,))
+        # Short embeddings inputs need no slot: a forward over a cache made for the call (`embed_fresh`),
+        # many rows at once. Single-device models only (a sharded cache has its own layout).
+        self._embed_fresh = (jax.jit(self._embed_fresh_impl, static_argnames=("span", "kernels"))
+                             if self.shard_plan is None else None)
+        self.fresh_embed_rows = FRESH_EMBED_ROWS if self._embed_fresh is not None else 0
         if vision is not None:
             from pantheon.jax_models import siglip
             # One image per call, always resized to the same size: one program, compiled once.
@@ -911,6 +919,46 @@ class Model:
         state = self._track(state.replace(cache=cache))
         both = _to_host(pooled)[:, :n]  # [2, rows, D]: sums, last
         return np.stack([both[0 if k == "mean" else 1, b] for b, k in enumerate(kinds)]).astype(np.float32), state
+
+    def embed_fresh(self, rows: Sequence[Sequence[int]], pooling: str | Sequence[str] = "mean") -> np.ndarray:
+        """Embed whole short inputs without any slot: each row (at most `chunk` tokens, at most
+        `fresh_embed_rows` rows) is fed from position 0 into a cache made inside the call and dropped with
+        it, so the serving slots' caches are untouched and no slot is taken. Returns f32 [rows, D]:
+        "mean" rows the *sum* of the hidden states (as `embed`), "last" rows the last token's.
+
+        Why: an input of a slot-fed `embed` call holds a slot, so a request of 2,048 tiny inputs took
+        2,048 / n_slots forwards, one driver iteration each, and did not finish in 120 s beside a stream
+        (issue 43). Here one forward takes up to `fresh_embed_rows` of them. Compiled per (rows, tokens)
+        bucket; the state it returns is not the serving state (there is none to return)."""
+        self._check_live()
+        n = len(rows)
+        kinds = [pooling] * n if isinstance(pooling, str) else list(pooling)
+        if n == 0 or n > self.fresh_embed_rows or len(kinds) != n or any(k not in ("mean", "last") for k in kinds):
+            raise ValueError(f"embed_fresh takes 1..{self.fresh_embed_rows} rows, each pooled \"mean\" or \"last\"")
+        lens = [len(r) for r in rows]
+        if min(lens) < 1 or max(lens) > self.chunk:
+            raise ValueError(f"an embed_fresh row holds 1..{self.chunk} tokens")
+        B = _bucket(n, _geometric_buckets(1, self.fresh_embed_rows, 2))
+        T = _bucket(max(lens), self.chunk_buckets)
+        span = self._span_for(T)
+        tok = np.zeros((B, T), np.int32)
+        nn = np.ones((B,), np.int32)  # padding rows feed one token of id 0; their output is dropped
+        for b, r in enumerate(rows):
+            tok[b, :lens[b]] = r
+            nn[b] = lens[b]
+        self._note_shape(("embed_fresh", B, T, span))
+        pooled = self._embed_fresh(self.params, tok, nn, span=span, kernels=self.kernels)
+        both = _to_host(pooled)[:, :n]  # [2, rows, D]: sums, last
+        return np.stack([both[0 if k == "mean" else 1, b] for b, k in enumerate(kinds)]).astype(np.float32)
+
+    def _embed_fresh_impl(self, params, tokens, n_new, *, span: int, kernels: Kernels):
+        """`_embed_impl` over a cache of tokens.shape[0] rows and `span` positions made here."""
+        rows = tokens.shape[0]
+        cache = self.arch.init_state(self.config, rows, span, self.kv_dtype)
+        slots = jnp.arange(rows, dtype=jnp.int32)
+        pooled, _, _ = self._embed_impl(params, cache, tokens, slots, jnp.zeros((rows,), jnp.int32), n_new,
+                                        span=span, kernels=kernels)
+        return pooled
 
     def _embed_impl(self, params, cache, tokens, slots, start, n_new, *, span: int, kernels: Kernels):
         """The hidden-state forward and both poolings: [2, B, D] (sum over each row's real tokens,

@@ -528,7 +528,7 @@ def _shrink_text(messages: list[dict], idx: int, keep_tail: bool, tokenize_fn: C
 
 
 def cap_messages(messages: Sequence[dict], tokenize_fn: Callable[[list[dict]], Any],
-                 fit_tokens: int) -> tuple[list[dict], bool]:
+                 fit_tokens: int, *, over: bool = False) -> tuple[list[dict], bool]:
     """Keep the most recent conversation that fits in `fit_tokens` (the seed's sliding window).
 
     `tokenize_fn(messages)` renders the prompt (chat template + tokenizer) and returns its ids (or
@@ -538,9 +538,17 @@ def cap_messages(messages: Sequence[dict], tokenize_fn: Callable[[list[dict]], A
     system prompt's end; then cut the last user message's beginning. The system prompt and the last
     user message are kept whole whenever dropping history suffices. Returns (messages, capped); the
     result can still exceed `fit_tokens` only when the last turn alone cannot be made to fit.
+    `over`: the caller already knows the whole conversation does not fit (it is not counted again).
+
+    Why the search gallops from the newest turn: each count renders and tokenizes a candidate, which
+    costs its size. A binary search over all cut points starts from half the conversation, so a 2.8 MB
+    conversation of 3,000 turns cost a dozen multi-megabyte renders (18-30 s of CPU on one request,
+    issue 43). Keeping 1, 2, 4, ... of the newest turns until a candidate no longer fits, then bisecting
+    between the last two, counts O(log n) candidates, each at most about twice the size of what is
+    finally kept (itself about the window's worth): the work is bounded by the window, not the body.
     """
     msgs = [dict(m) for m in messages]
-    if _count(tokenize_fn, msgs) <= fit_tokens:
+    if not over and _count(tokenize_fn, msgs) <= fit_tokens:
         return msgs, False
     n_sys = 0
     while n_sys < len(msgs) and msgs[n_sys].get("role") in ("system", "developer"):
@@ -552,16 +560,26 @@ def cap_messages(messages: Sequence[dict], tokenize_fn: Callable[[list[dict]], A
     if not cuts:
         cuts = [k for k, m in enumerate(middle) if m.get("role") != "tool" and k > 0]
     cuts.append(len(middle))
-    # Binary search the smallest cut that fits (tokens only shrink as k grows).
-    lo, hi = 0, len(cuts) - 1
-    if _count(tokenize_fn, head + middle[cuts[hi]:] + tail) <= fit_tokens:
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _count(tokenize_fn, head + middle[cuts[mid]:] + tail) <= fit_tokens:
-                hi = mid
+
+    def fits(i: int) -> bool:  # tokens only shrink as i grows (a later cut keeps less)
+        return _count(tokenize_fn, head + middle[cuts[i]:] + tail) <= fit_tokens
+
+    good = len(cuts) - 1
+    if fits(good):
+        bad, step = -1, 1  # -1: the conversation as sent, known not to fit
+        while good - bad > 1:  # gallop from the newest turn: invariant cuts[good] fits, bad does not
+            probe = max(good - step, bad + 1)
+            if not fits(probe):
+                bad = probe
+                break
+            good, step = probe, step * 2
+        while good - bad > 1:
+            mid = (good + bad) // 2
+            if fits(mid):
+                good = mid
             else:
-                lo = mid + 1
-        return head + middle[cuts[lo]:] + tail, True
+                bad = mid
+        return head + middle[cuts[good]:] + tail, True
     kept = head + tail
     # History alone was not enough: shorten the system prompt (its start usually matters most) ...
     for i in range(len(head) - 1, -1, -1):

@@ -72,6 +72,7 @@ class Engine(Protocol):
     row_buckets: tuple
     chunk_buckets: tuple
     span_buckets: tuple
+    fresh_embed_rows: int  # rows `embed_fresh` takes at most (0: it is not offered)
     released: bool
 
     # -- verbs: change device state or run a compiled program -----------------------------------------
@@ -118,6 +119,9 @@ class Engine(Protocol):
     @verb
     def embed(self, state: DecodeState, rows: Sequence[Sequence[int]], slots: Sequence[int],
               starts: Sequence[int], pooling: Any = "mean") -> tuple[Any, DecodeState]: ...
+
+    @verb
+    def embed_fresh(self, rows: Sequence[Sequence[int]], pooling: Any = "mean") -> Any: ...  # runs a program
 
     @verb
     def encode_images(self, pixels: list) -> Any: ...  # runs the vision encoder's program

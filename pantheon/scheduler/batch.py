@@ -8,7 +8,9 @@ Lifecycle of a request:
    request that finds no free slot is refused at once with 429 Retry-After 1. A request that must
    prepare first (compile its grammar) takes a place with `reserve` before it starts, so it is refused
    before that work rather than after, and its place counts in the queue's bound while it prepares.
-2. The driver admits queued requests into IDLE slots, preferring the slot that holds the request's
+2. The driver admits queued requests into IDLE slots -- in arrival order, except that while another
+   request's job waits, one request's generations (a legacy completion's prompts are one job each) take
+   at most PANTHEON_REQUEST_SLOT_SHARE of the slots (`_next_locked`) -- preferring the slot that holds the request's
    session, else the idle slot whose committed history shares the longest prefix with the prompt (its
    KV is reused: only the new suffix is prefilled). A model with recurrent state can only reuse a slot's
    whole committed history, so it also keeps snapshots of its slots' state where prompt chunks end
@@ -187,6 +189,9 @@ class BatchScheduler:
         self.chunk = min(settings.prefill_chunk, model.chunk)
         self.queue_depth = 0 if self.immediate else settings.queue_depth
         self.queue_wait_s = settings.queue_wait_s
+        # the most slots one request's generations are admitted into while another request waits
+        # (PANTHEON_REQUEST_SLOT_SHARE; at least one): `_next_locked`
+        self.request_slots = max(1, int(self.n_slots * settings.request_slot_share))
         # (a vision model's image rows ride only in prefill steps: the mixed forward takes no override)
         self.mixed = settings.bs_mixed and model.supports_mixed and getattr(model, "vision", None) is None
         self.log_stats = settings.bs_stats
@@ -222,7 +227,8 @@ class BatchScheduler:
         self._turn_prefill = True  # driver-only: whose turn it is when both kinds of work exist
         self._inflight: _InFlight | None = None  # driver-only: the dispatched step not yet read
         self._state = model.new_state()  # driver-only after start: the donated device state
-        self._embeds = Embeddings(self._mu, self._work, self._slots, self.chunk, self.stats)  # embeddings jobs (_mu)
+        self._embeds = Embeddings(self._mu, self._work, self._slots, self.chunk, self.stats,  # embeddings jobs (_mu)
+                                  fresh_rows=int(getattr(model, "fresh_embed_rows", 0) or 0))
         # grammar mask rows: workers start with the first constrained step; up to n_slots more may be
         # held by abandoned (late) rows while n_slots stay free for new steps
         self._mask_builder = MaskBuilder(f"mask-{model.name}", settings.grammar_mask_ms / 1000.0,
@@ -378,7 +384,7 @@ class BatchScheduler:
                 self._reap_queue_locked(events)
                 admissible = self.pressure() < PRESSURE_CRITICAL  # (nothing starts under critical pressure)
                 if self._queue and admissible:  # generation first: it may take slots back from embedding inputs
-                    self._embeds.yield_locked(self._queue[0].req.n - self._free_slots_locked())
+                    self._embeds.yield_locked(self._queue[self._next_locked()].req.n - self._free_slots_locked())
                 admitted = self._admit_locked(events)
                 gen_waits = bool(self._queue) and admissible
                 busy = {r.slot.index for r in self._inflight.rows} if self._inflight is not None else set()
@@ -480,10 +486,12 @@ class BatchScheduler:
         out = []
         while self._queue and self.pressure() < PRESSURE_CRITICAL:
             idle = [sl for sl in self._slots if sl.state == IDLE]
-            n = self._queue[0].req.n
+            k = self._next_locked()
+            n = self._queue[k].req.n
             if len(idle) < n:  # an n > 1 request waits for n free slots (first come, first served)
                 break
-            job = self._queue.popleft()
+            job = self._queue[k]
+            del self._queue[k]
             slot, reuse, resume = self._pick_slot(idle, job.req)
             prompt = job.req.prefix_key  # image positions keyed by their content hash
             slot.state = PREFILL
@@ -523,6 +531,34 @@ class BatchScheduler:
                 events.append((job, Started(reused_tokens=reuse)))
             out.append((slot, job))
         return out
+
+    def _next_locked(self) -> int:
+        """The queue index of the job to admit next: the oldest, unless its request already holds
+        `request_slots` slots (with this job's `n`) while a job of another request waits -- then the
+        oldest job of a request under that share, or of one holding none.
+
+        Why: a legacy completion's prompts are one job each (prompts x n generations), all queued at
+        once; in plain arrival order a 64-prompt, n 8 request held all 8 slots for minutes while a chat
+        queued behind every one of its generations (issue 43). With the share, a request that arrives
+        behind a big one takes the next slot that frees, so it waits at most for one generation already
+        running to end, never for the rest of another request. A request alone still gets every slot
+        (no slot idles for fairness), and a single job wider than the share runs when its request
+        holds nothing else."""
+        q = self._queue
+        if len(q) < 2 or self.request_slots >= self.n_slots:
+            return 0
+        first = q[0].req.request_id
+        if all(job.req.request_id == first for job in q):
+            return 0
+        held: dict[str, int] = {}
+        for sl in self._slots:
+            if sl.job is not None:
+                held[sl.job.req.request_id] = held.get(sl.job.req.request_id, 0) + 1
+        for k, job in enumerate(q):
+            mine = held.get(job.req.request_id, 0)
+            if mine == 0 or mine + job.req.n <= self.request_slots:
+                return k
+        return 0
 
     @staticmethod
     def _common_prefix(a: list[int], b: list[int]) -> int:

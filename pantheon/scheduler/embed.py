@@ -23,8 +23,13 @@ driver runs embedding work between generation steps, in slots that generation is
    generation), started jobs first, then queued jobs in order, and never while a generation job
    waits. A slot given to an input turns EMBED (generation does not admit into it) and forgets its
    prefix history, session and scope: its cache is about to be overwritten, so nothing may reuse it.
+   An input that fits one chunk whole takes no slot when the model offers `Model.embed_fresh`: up to
+   `fresh_rows` such inputs ride in one slot-free call per iteration (a cache made for the call), under
+   the same budget, and also while a generation job waits (they hold nothing generation needs); so
+   2,048 tiny inputs are 2,048 / `fresh_rows` forwards, not 2,048 / slots (issue 43).
 4. `Embeddings.run` (driver thread, no lock) feeds the next chunk of every chosen input in one
-   `Model.embed` call: inputs of one or several jobs are batched. An input keeps its slot for all its
+   `Model.embed` call, and the slot-free inputs in one `Model.embed_fresh` call: inputs of one or
+   several jobs are batched. An input keeps its slot for all its
    chunks unless generation takes it back (starts increase; the first is 0, which also restarts
    recurrent state) and gives it back (IDLE, empty history) when its last chunk is in; the pooled
    vector is finished on the host (`pantheon.runtime.pooling.EmbedRun`). When every input of a job is
@@ -71,6 +76,7 @@ class _EmbedJob:
     runs: list[EmbedRun]
     todo: list[int] = field(init=False)  # a heap: the inputs waiting for a slot, lowest index first; _mu
     rows: dict[int, int] = field(default_factory=dict)  # slot index -> the input (its index) fed there; _mu
+    fresh: set[int] = field(default_factory=set)  # inputs in this iteration's slot-free call; _mu
     cancelled: bool = False  # _mu
 
     def __post_init__(self) -> None:
@@ -93,15 +99,16 @@ class _EmbedHandle:
         self._cancel(self._job)
 
 
-Rows = list[tuple[Slot, _EmbedJob, EmbedRun]]
+Rows = list[tuple[Slot | None, _EmbedJob, EmbedRun]]  # slot None: the input rides in the slot-free call
 
 
 class Embeddings:
     """The embeddings work of one scheduler: its queue, its started jobs and the slots they hold (see the
     module docstring)."""
 
-    def __init__(self, mu: osthread.Lock, work: Any, slots: list[Slot], chunk: int, stats: Any):
+    def __init__(self, mu: osthread.Lock, work: Any, slots: list[Slot], chunk: int, stats: Any, fresh_rows: int = 0):
         self.mu = mu
+        self.fresh_rows = fresh_rows  # short inputs one slot-free call (`Model.embed_fresh`) takes; 0: none
         self.work = work  # a condition on `mu`: notified when a slot comes back
         self.slots = slots
         self.chunk = chunk
@@ -166,25 +173,74 @@ class Embeddings:
             for s, i in job.rows.items():
                 if take(job.runs[i]):
                     rows.append((self.slots[s], job, job.runs[i]))
+        self._take_short_locked(rows, take, admissible)
         if gen_waits:
             return rows  # the idle slots are generation's
         idle = sorted((sl for sl in self.slots if sl.state == IDLE and sl.index not in busy),
                       key=lambda sl: len(sl.hist))
         waiting = list(self.jobs) + (list(self.queue) if admissible else [])
         for job in waiting:
-            while idle and job.todo and take(job.runs[job.todo[0]]):
+            while idle:
+                i = self._next_for_a_slot(job)
+                if i is None or not take(job.runs[i]):
+                    break
                 sl = idle.pop(0)
                 sl.state = EMBED
                 sl.forget_history()  # its cache is about to be overwritten
-                i = heapq.heappop(job.todo)
+                job.todo.remove(i)
+                heapq.heapify(job.todo)
                 job.rows[sl.index] = i
                 rows.append((sl, job, job.runs[i]))
-            if job.rows and job not in self.jobs:
-                self.queue.remove(job)
-                self.jobs.append(job)
+            self._started_locked(job)
             if not idle or (shared and spent >= self.chunk):
                 break
         return rows
+
+    def _next_for_a_slot(self, job: _EmbedJob) -> int | None:
+        """The job's first waiting input that needs a slot: any, or with the slot-free call, only one longer
+        than a chunk (the short ones wait for that call, however many it is behind: it is cheaper)."""
+        if not self.fresh_rows:
+            return job.todo[0] if job.todo else None
+        return min((i for i in job.todo if len(job.runs[i].tokens) > self.chunk), default=None)
+
+    def _started_locked(self, job: _EmbedJob) -> None:
+        """A queued job that now has inputs running (in slots or in the slot-free call) joins the started."""
+        if (job.rows or job.fresh) and job not in self.jobs:
+            self.queue.remove(job)
+            self.jobs.append(job)
+
+    def _take_short_locked(self, rows: Rows, take: Callable[[EmbedRun], bool], admissible: bool) -> None:
+        """Give this iteration's slot-free call (`Model.embed_fresh`) the waiting inputs that fit one chunk
+        whole, in job and input order, up to `fresh_rows` of them and the call's token budget (`take`;
+        with no generation, a chunk per slot: a chat that arrives waits no longer than behind a
+        slot-fed call).
+
+        Why: an input fed through a slot holds it, so a request of 2,048 tiny inputs took 2,048 / slots
+        forwards, one driver iteration each (over 120 s beside a stream, issue 43). A short input needs no
+        slot (nothing of it outlives the call), so up to `fresh_rows` ride in one forward; and since they
+        take no slot they run even while a generation job waits, under the same one-chunk budget as any
+        embedding work beside generation: neither kind of work starves the other."""
+        if not self.fresh_rows:
+            return
+        taken = tokens = 0
+        most = self.chunk * len(self.slots)  # alone, at most what a slot-fed call of every slot carries
+        full = False
+        for job in list(self.jobs) + (list(self.queue) if admissible else []):
+            for i in [i for i in sorted(job.todo) if len(job.runs[i].tokens) <= self.chunk]:
+                n = len(job.runs[i].tokens)
+                full = taken >= self.fresh_rows or (taken > 0 and tokens + n > most) or not take(job.runs[i])
+                if full:
+                    break
+                tokens += n
+                taken += 1
+                job.fresh.add(i)
+                rows.append((None, job, job.runs[i]))
+            if job.fresh:
+                job.todo = [i for i in job.todo if i not in job.fresh]
+                heapq.heapify(job.todo)
+                self._started_locked(job)
+            if full:
+                return
 
     def drop_locked(self, job: _EmbedJob) -> None:
         """The job leaves: its slots go back to IDLE with no history (their caches hold its inputs)."""
@@ -193,6 +249,7 @@ class Embeddings:
             sl.state = IDLE
             sl.forget_history()
         job.rows.clear()
+        job.fresh.clear()
         if job in self.jobs:
             self.jobs.remove(job)
         self.work.notify_all()
@@ -208,35 +265,51 @@ class Embeddings:
 
     # ---- the driver thread, device work (no lock held) ---------------------------------------------
     def run(self, model: Any, state: Any, rows: Rows) -> tuple[Any, list[tuple[Any, Event]], Exception | None]:
-        """One `model.embed` call: the next chunk of every input holding a slot, batched. Returns (the
-        state, the events to deliver, a device failure or None): a failure of the device is the
-        scheduler's to handle like a failed step (the state is then gone); a refusal before anything
+        """This iteration's embedding forwards: the next chunk of every input holding a slot, batched in
+        one `model.embed` call, and the short inputs of the slot-free call in one `model.embed_fresh`.
+        Returns (the state, the events to deliver, a device failure or None): a failure of the device is
+        the scheduler's to handle like a failed step (the state is then gone); a refusal before anything
         ran (a compile forbidden after warm-up, a bad shape) fails only the jobs in the call."""
-        parts = [(sl, job, run, *run.next_chunk(self.chunk)) for sl, job, run in rows]
         events: list[tuple[Any, Event]] = []
-        try:
-            out, state = model.embed(state, [p[3] for p in parts], [p[0].index for p in parts],
-                                     [p[4] for p in parts], [p[2].pooling for p in parts])
-        except (CompileForbiddenError, ValueError) as exc:  # refused before anything ran: the state is intact
+        slotted = [(sl, job, run, *run.next_chunk(self.chunk)) for sl, job, run in rows if sl is not None]
+        fresh = [(None, job, run, list(run.tokens), next(i for i in job.fresh if job.runs[i] is run))
+                 for sl, job, run in rows if sl is None]  # (the input's index where a slot row has its start)
+        for parts in (slotted, fresh):
+            if not parts:
+                continue
+            try:
+                if parts is slotted:
+                    out, state = model.embed(state, [p[3] for p in parts], [p[0].index for p in parts],
+                                             [p[4] for p in parts], [p[2].pooling for p in parts])
+                else:
+                    out = model.embed_fresh([p[3] for p in parts], [p[2].pooling for p in parts])
+            except (CompileForbiddenError, ValueError) as exc:  # refused before anything ran: the state is intact
+                with self.mu:
+                    for job in {id(p[1]): p[1] for p in parts}.values():
+                        if job in self.jobs:
+                            self.drop_locked(job)
+                            events.append((job, Finished("error", error=exc)))
+                continue
+            except Exception as exc:  # the device failed
+                return state, events, exc
             with self.mu:
-                for job in {id(p[1]): p[1] for p in parts}.values():
-                    if job in self.jobs:
-                        self.drop_locked(job)
-                        events.append((job, Finished("error", error=exc)))
-            return state, events, None
-        except Exception as exc:  # the device failed
-            return state, events, exc
-        with self.mu:
-            for (sl, job, run, toks, _), vec in zip(parts, out):
-                if job.cancelled or job not in self.jobs:
-                    continue  # cancelled meanwhile: admit_locked drops it next iteration
-                run.add(len(toks), vec)
-                if not run.done:
-                    continue
+                self._took_locked(parts, out, events)
+        return state, events, None
+
+    def _took_locked(self, parts: list[tuple], out: Any, events: list[tuple[Any, Event]]) -> None:
+        """One call's vectors into their inputs; a job whose every input is done gets `Embedded`."""
+        for (sl, job, run, toks, where), vec in zip(parts, out):
+            if job.cancelled or job not in self.jobs:
+                continue  # cancelled meanwhile: admit_locked drops it next iteration
+            run.add(len(toks), vec)
+            if not run.done:
+                continue
+            if sl is None:
+                job.fresh.discard(where)
+            else:
                 del job.rows[sl.index]
                 sl.state = IDLE  # its history was cleared when the input took it
-                if not job.todo and not job.rows:
-                    self.jobs.remove(job)
-                    vectors = np.stack([r.vector() for r in job.runs])
-                    events.append((job, Embedded(vectors=vectors, prompt_tokens=job.req.prompt_tokens)))
-        return state, events, None
+            if not job.todo and not job.rows and not job.fresh:
+                self.jobs.remove(job)
+                vectors = np.stack([r.vector() for r in job.runs])
+                events.append((job, Embedded(vectors=vectors, prompt_tokens=job.req.prompt_tokens)))

@@ -60,6 +60,26 @@ def _last_user_content(messages: Sequence[dict]) -> Any:
     return next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), None)
 
 
+def content_bound(tok: Any, messages: Sequence[dict]) -> int:
+    """A lower bound on a conversation's prompt tokens from its BOUND_ROLES messages' text alone, before
+    the template renders anything (0 when the tokenizer has no length bound). Why: rendering 100,001
+    messages took 4 s of CPU in the template, holding the interpreter while every stream waited, only to
+    learn that the prompt was far past the window (issue 43)."""
+    if not callable(getattr(tok, "min_tokens", None)):
+        return 0
+    texts = []
+    for m in messages:
+        if m.get("role") not in BOUND_ROLES:
+            continue
+        c = m.get("content")
+        if isinstance(c, str):
+            texts.append(c.strip())
+        elif isinstance(c, list):
+            texts.extend(p["text"] for p in c if isinstance(p, dict) and p.get("type") == "text"
+                         and isinstance(p.get("text"), str))
+    return tok.min_tokens("".join(texts))
+
+
 def _window_exceeded(n: str, window: int) -> RequestError:
     return RequestError(f"messages: this model's maximum context length is {window} tokens and at least one must "
                         f"be left to generate, but the prompt (the messages and any tools, in the chat template) "
@@ -79,7 +99,7 @@ def _input_too_long(index: int, n: str, window: int) -> RequestError:
 
 
 def _cap_by_length(bound: Callable[[list[dict]], int], msgs: list[dict], window: int,
-                   reserve: int) -> tuple[list[dict], bool]:
+                   reserve: int, over: bool = False) -> tuple[list[dict], bool]:
     """Drop (or refuse) what certainly cannot fit, before the prompt is ever tokenized.
 
     A 4 MB message takes seconds to tokenize, and capping a conversation re-tokenizes it a dozen
@@ -89,8 +109,10 @@ def _cap_by_length(bound: Callable[[list[dict]], int], msgs: list[dict], window:
     (the bound never exceeds the real count), and a prompt that cannot fit even with only its last turn
     (tools and the template's text stay whatever is dropped) is refused at once. So what is tokenized
     afterwards is at most about a window's worth of text. (capped) is True when anything was dropped.
+    `over`: the caller already knows the conversation is past the window (its messages' text alone is),
+    so it is not rendered whole to learn it.
     """
-    if bound(msgs) <= window - 1:  # might still be taken as sent: leave it to the real count
+    if not over and bound(msgs) <= window - 1:  # might still be taken as sent: leave it to the real count
         return msgs, False
     last = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=0)
 
@@ -102,10 +124,17 @@ def _cap_by_length(bound: Callable[[list[dict]], int], msgs: list[dict], window:
 
     if bound(msgs[last:]) > window - reserve:  # what capping can never drop is already too long
         raise refuse()
-    capped, _ = memory.cap_messages(msgs, bound, window - reserve)
+    capped, _ = memory.cap_messages(msgs, bound, window - reserve, over=True)
     if bound(capped) > window - reserve or _last_user_content(capped) != _last_user_content(msgs):
         raise refuse()
     return capped, True
+
+
+def _count_within(tok: Any, rendered: str, tokenize: Callable[[str], list[int]], fit: int) -> int:
+    """`rendered`'s token count, or a lower bound on it already past `fit` (then it is not tokenized):
+    a capping candidate provably too long costs its length, not a tokenizer pass."""
+    least = tok.min_tokens(rendered) if callable(getattr(tok, "min_tokens", None)) else 0
+    return least if least > fit else len(tokenize(rendered))
 
 
 class AdmissionService:
@@ -129,6 +158,20 @@ class AdmissionService:
         if out is not None:
             raise RequestError(f"logit_bias: {out} is not a token id of this model (0..{vocab - 1})",
                                param="logit_bias")
+
+    @staticmethod
+    def generations(n: int, prompts: int, limit: int) -> None:
+        """A request's generations (`prompts` x `n`) against PANTHEON_MAX_GENERATIONS_PER_REQUEST (`limit`):
+        400 naming `n` (or `prompt` when n is 1) past it, before anything is tokenized. Why per request:
+        the slot bound on `n` holds one prompt's choices, but a 64-prompt completion with n 8 was 512
+        generations from one request (issue 43)."""
+        if n * prompts <= limit:
+            return
+        param = "n" if n > 1 else "prompt"
+        what = f"{prompts} prompts x n {n}" if prompts > 1 else f"n {n}"
+        raise RequestError(f"{param}: {what} is {n * prompts} generations; one request may start at most {limit} "
+                           "(PANTHEON_MAX_GENERATIONS_PER_REQUEST): send fewer prompts or choices, or several "
+                           "requests", param=param)
 
     # -- memory ------------------------------------------------------------------------------------------
     def memory(self, card: Any, n_tokens: int, reserve: int, min_tokens: int | None = None
@@ -159,25 +202,37 @@ class AdmissionService:
         Turns are dropped for the *window* only when the request asks for it (`truncate`: "oldest"), as
         OpenAI and the peer servers answer a longer conversation with 400 `context_length_exceeded`;
         dropping turns because the *memory* free now is short stays automatic. Only a prompt that is
-        capped is rendered and tokenized again (each candidate of the capping, then the kept one).
+        capped is rendered and tokenized again: O(log turns) candidates, each about the size of what
+        is kept (`memory.cap_messages` gallops from the newest turn), a candidate whose length alone
+        proves it too long never tokenized -- so capping costs in proportion to the window, not to
+        the body (issue 43: 3,000 turns of 900 characters cost 18-30 s of CPU before).
         """
         window = int(card.context_length)
         reserve = answer_reserve(window, max_tokens)
-        msgs = [dict(m) for m in messages]
-        first = text(msgs)  # the one rendering of the prompt as sent
         tok = card.tokenizer
+        over = content_bound(tok, messages) > window - 1  # its messages' text alone is past the window
+        if over and not truncate:  # provably too long: refused with nothing rendered
+            raise _window_exceeded(f"at least {content_bound(tok, messages)}", window)
+        msgs = [dict(m) for m in messages]
+        first: list[str] = []  # the one rendering of the prompt as sent, made when first needed
+
+        def whole() -> str:
+            if not first:
+                first.append(text(msgs))
+            return first[0]
+
         pre_capped = False
-        rendered = first
         if callable(getattr(tok, "min_tokens", None)):
             def bound(ms: list[dict]) -> int:
-                return tok.min_tokens(first if ms is msgs else text(ms))
+                return tok.min_tokens(whole() if ms is msgs else text(ms))
 
-            if truncate:
-                kept, pre_capped = _cap_by_length(bound, msgs, window, reserve)
+            if truncate:  # (a conversation `over` is capped from its newest turn without being rendered whole)
+                kept, pre_capped = _cap_by_length(bound, msgs, window, reserve, over=over)
                 if pre_capped:
-                    msgs, rendered = kept, text(kept)
+                    msgs, first[:] = kept, [text(kept)]
             elif bound(msgs) > window - 1:  # provably too long: refused before tokenizing
                 raise _window_exceeded(f"at least {bound(msgs)}", window)
+        rendered = whole()
         ids = tokenize(rendered)
         n = len(ids)
         if n > window - 1 and not truncate:
@@ -192,7 +247,7 @@ class AdmissionService:
         memory_short = measured and adm is not None and (adm.window < window or adm.fit_tokens < window - reserve)
         if not truncate and not memory_short:  # the window is the limit and one token still fits: as sent
             return AdmittedPrompt(rendered, ids, pre_capped)
-        capped, _ = memory.cap_messages(msgs, lambda m: tokenize(text(m)), fit)
+        capped, _ = memory.cap_messages(msgs, lambda m: _count_within(tok, text(m), tokenize, fit), fit, over=True)
         c_rendered = text(capped)
         c_ids = tokenize(c_rendered)
         if len(c_ids) <= fit and _last_user_content(capped) == _last_user_content(msgs):
@@ -207,6 +262,26 @@ class AdmissionService:
         raise RequestError(f"messages: the prompt has {n} tokens; this model's context holds {window} and at least "
                            "one must be left to generate (dropping earlier turns is not enough: the last message "
                            "alone is too long)", param="messages", code="context_length_exceeded")
+
+    @staticmethod
+    def chat_count(card: Any, messages: Sequence[dict], text: Callable[[], str],
+                   tokenize: Callable[[str], list[int]]) -> list[int]:
+        """The ids of a conversation (`text()`: its rendering) held to the window as `chat` holds one sent
+        without truncation: refused (400 context_length_exceeded, the same error) from its messages' text
+        before it is rendered, from its rendered length before it is tokenized, or from its count after. For the routes that only count a prompt
+        (`/v1/messages/count_tokens`): what the route it counts for refuses, it refuses too, and never
+        spends more than a window's worth of tokenizing on it (issue 43: 3.8 MB took 27 s of CPU)."""
+        window = int(card.context_length)
+        tok = card.tokenizer
+        if content_bound(tok, messages) > window - 1:
+            raise _window_exceeded(f"at least {content_bound(tok, messages)}", window)
+        rendered = text()
+        if callable(getattr(tok, "min_tokens", None)) and tok.min_tokens(rendered) > window - 1:
+            raise _window_exceeded(f"at least {tok.min_tokens(rendered)}", window)
+        ids = tokenize(rendered)
+        if len(ids) > window - 1:
+            raise _window_exceeded(str(len(ids)), window)
+        return ids
 
     # -- a prompt of ids, taken as it is ------------------------------------------------------------------
     @staticmethod

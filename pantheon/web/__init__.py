@@ -46,6 +46,8 @@ class ServerState:
     _throughput: Any = field(default=None, repr=False)  # pantheon.web.router_api's per-model token rates
     # pantheon.web.bridge.WorkPool of the structured-output grammar compiles (threads start on demand)
     grammars: Any = field(default=None, repr=False)
+    # pantheon.web.bridge.WorkPool decoding and tiling admitted requests' images (threads start on demand)
+    images: Any = field(default=None, repr=False)
     # pantheon.web.responses.ResponseStore: stored Responses-API answers (made on first use)
     responses: Any = field(default=None, repr=False)
 
@@ -162,6 +164,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     from pantheon.web import bridge
     state.grammars = bridge.WorkPool("pantheon-grammar", settings.grammar_threads, settings.grammar_queue,
                                      "too many structured-output grammars are compiling; retry shortly")
+    state.images = bridge.WorkPool("pantheon-image", settings.image_threads, settings.image_queue,
+                                   "too many requests' images are being decoded; retry shortly")
     app = Flask(__name__)
     app.json.sort_keys = False
     app.extensions["pantheon"] = state

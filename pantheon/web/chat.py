@@ -499,10 +499,11 @@ class Generation(GenerationCore):
 
     def __init__(self, registry: Any, entry: Any, creq: ChatRequest, environ: dict, metrics: Any = None,
                  t0: float | None = None, watch: Any = None, settings: Any = None, *,
-                 grammars: bridge.WorkPool):
+                 grammars: bridge.WorkPool, images: bridge.WorkPool | None = None):
         super().__init__(registry, entry, environ, metrics=metrics, t0=t0, watch=watch, settings=settings)
         self.creq = creq
         self.grammars = grammars  # the server's grammar-compile pool (ServerState.grammars)
+        self.image_pool = images  # the server's image-decoding pool (ServerState.images); None: a thread each
         self.prompt_capped = False  # the oldest turns were dropped (prefix reuse is skipped for the turn)
         self.images: list[Any] = []  # the encoder's inputs, preprocessed (pantheon.formats.images.Preprocessed)
         self.image_texts: list[str] = []  # the text each image's marker becomes (web_images.expand)
@@ -514,10 +515,12 @@ class Generation(GenerationCore):
         card = self.entry.card
         tok = card.tokenizer
         creq = self.creq
+        self.check_generations(creq.n)
         self.admission.limits(card, creq.n, creq.logit_bias)
-        if web_images.image_parts(creq.messages):  # decode (maybe fetch) off the hub; 400 on any bad image
-            msgs, self.images, self.image_texts = bridge.call_in_thread(
-                web_images.load_images, creq.messages, card, self.registry.settings, name="pantheon-image")
+        parts: list[web_images.ImagePart] = []
+        if web_images.image_parts(creq.messages):  # headers only (maybe a fetch), off the hub; 400 on a bad one
+            msgs, parts, self.image_texts = bridge.call_in_thread(
+                web_images.plan_images, creq.messages, card, self.registry.settings, name="pantheon-image")
             creq = self.creq = dataclasses.replace(creq, messages=msgs)
         admit = lambda: self.admission.chat(card, creq.messages, lambda m: self._render(card, m),  # noqa: E731
                                             self._prompt_ids_of(card), creq.max_tokens,
@@ -532,6 +535,10 @@ class Generation(GenerationCore):
             raise
         rendered, ids, self.prompt_capped = admitted.rendered, admitted.ids, admitted.capped
         self.capped = self.prompt_capped
+        if parts:  # admitted: only now are the pixels decoded, of the images still in the prompt (capping
+            # drops the oldest turns with their images: the markers left are the last images')
+            kept = min(len(parts), rendered.count(card.vision.marker))
+            self.images = self._decode_images(card, parts[len(parts) - kept:]) if kept else []
         encode = getattr(self.entry.backend, "encode_images", None)
         if self.images and encode is not None:  # after admission: a refused prompt costs no encode
             self.image_embd = bridge.call_in_thread(encode, [p.pixels for p in self.images], name="pantheon-image")
@@ -545,6 +552,21 @@ class Generation(GenerationCore):
         finally:
             if reservation is not None:
                 reservation.release()  # (a no-op once submit took it over)
+
+    def _decode_images(self, card: Any, parts: list[web_images.ImagePart]) -> list[Any]:
+        """The admitted request's images decoded and tiled in the server's image pool (`image_pool`:
+        PANTHEON_IMAGE_THREADS at once, PANTHEON_IMAGE_QUEUE waiting, past that 429 with Retry-After),
+        waiting at most PANTHEON_QUEUE_WAIT_S for it (then 503); a client that leaves cancels it.
+        Without a pool (a unit test's app) in an OS thread of its own."""
+        st = self.registry.settings
+        decode = lambda: web_images.decode_images(parts, card, st)  # noqa: E731
+        if self.image_pool is None:
+            return bridge.call_in_thread(decode, name="pantheon-image")
+        try:
+            return self.image_pool.call(decode, timeout=st.queue_wait_s, check=self.check_client)
+        except bridge.Timeout:
+            raise BusyError(f"the request's images were not decoded within {st.queue_wait_s:g} s "
+                            "(PANTHEON_QUEUE_WAIT_S): the server is busy", status=503, retry_after=5) from None
 
     def _compile_constraint(self, tok: Any) -> tuple[Any, Any]:
         """(the model's queue reservation or None, the compiled grammar), for a request that needs one.
@@ -587,8 +609,8 @@ class Generation(GenerationCore):
                          stop_ids=stop_ids(tok, creq.ignore_eos), session_id=session, cache_scope=creq.cache_scope,
                          request_id=self.id, n=creq.n, logprobs=creq.logprobs, logit_bias=creq.logit_bias,
                          constraint=constraint, speculative=creq.speculative,
-                         images=web_images.prompt_images(ids, self.images, card, self.image_embd) if self.images
-                         else ())
+                         images=web_images.prompt_images(ids, self.images, card, self.image_embd)
+                         if self.image_texts else ())
         self.launch(req, emitters, reservation=reservation)
 
     def _constraint(self, tok: Any) -> Any:
@@ -621,7 +643,7 @@ class Generation(GenerationCore):
     def _prompt_ids_of(self, card: Any) -> Any:
         """Rendered text -> the prompt's token ids (BOS added when the model wants one), each image's
         placeholder expanded to its image tokens first, as the model's processor does."""
-        return lambda text: prompt_ids(card, web_images.expand(text, card, self.image_texts) if self.images
+        return lambda text: prompt_ids(card, web_images.expand(text, card, self.image_texts) if self.image_texts
                                    else text)
 
 

@@ -179,6 +179,7 @@ class CompletionGeneration(GenerationCore):
         card = self.entry.card
         tok = card.tokenizer
         creq = self.creq
+        self.check_generations(creq.n)
         self.admission.limits(card, creq.n, creq.logit_bias)
         if isinstance(creq.prompt, str) and len(creq.prompt) > BIG_PROMPT_CHARS:  # off the hub
             ids, bos_added = bridge.call_in_thread(lambda: self._tokenize(tok), name="pantheon-tokenize")
@@ -339,6 +340,7 @@ class BatchCompletion(GenerationCore):
             self.parts.append(part)
 
     def start(self) -> None:
+        self.check_generations(self.creq.n, len(self.parts))
         for part in self.parts:
             part.start()
         self.large_answer = any(p.large_answer for p in self.parts)

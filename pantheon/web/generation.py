@@ -165,6 +165,11 @@ class GenerationCore(abc.ABC):
     def start(self) -> None:
         """Render or tokenize the prompt, admit it, build and submit the GenRequest (see `launch`)."""
 
+    def check_generations(self, n: int, prompts: int = 1) -> None:
+        """The request's generations (prompts x n) within PANTHEON_MAX_GENERATIONS_PER_REQUEST (else 400)."""
+        limit = self.registry.settings.max_generations
+        self.admission.generations(n, prompts, limit)
+
     def observe_admission(self, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.observe_admission(outcome)

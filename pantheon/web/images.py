@@ -7,8 +7,11 @@ with a timeout, without following redirects, and at most PANTHEON_MAX_IMAGE_BYTE
 
 Every failure is a 400 naming the part (`messages[i].content[j].image_url.url`): a model without a
 vision projector, more than PANTHEON_MAX_IMAGES images, a malformed URL or base64, a format Pillow does
-not decode, an image over the byte or pixel limit. Decoding happens here, before the request reaches
-a scheduler, so a bad image costs nothing on the device.
+not decode, an image over the byte or pixel limit. In two steps, so a prompt is admitted before any
+pixel is decoded: `plan_images` reads each image to its header (size, so the image's tokens and prompt
+text), then admission holds the prompt to the context, then `decode_images` decodes and tiles, in the
+server's bounded image pool (PANTHEON_IMAGE_THREADS, PANTHEON_IMAGE_QUEUE, past that 429) -- all before
+the request reaches a scheduler, so a bad image costs nothing on the device.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import base64
 import binascii
 import copy
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from pantheon.errors import RequestError
@@ -99,12 +103,29 @@ def image_bytes(url: Any, param: str, settings: Any) -> bytes:
     raise _bad(param, "must be a data: URL (or an http(s) URL on the server's allowlist)")
 
 
-def load_images(messages: list[dict], card: Any, settings: Any
-                ) -> tuple[list[dict], list[images.Preprocessed], list[str]]:
-    """The messages with each image part turned into the template's image part; the encoder's inputs in
-    prompt order (one per image, or for a tiling model (Idefics3) each image's tiles then its whole
-    image); and the text each image's marker becomes (`expand`). Blocking (decode, maybe a fetch): call
-    it off the hub when the request has images."""
+@dataclass(frozen=True)
+class ImagePart:
+    """One image part read as far as its header: its encoded bytes and the tile grid its size gives
+    ((0, 0): one tile, or an untiled model). No pixel has been decoded yet."""
+
+    param: str  # messages[i].content[j].image_url.url, for a 400 that names it
+    data: bytes
+    rows: int
+    cols: int
+
+
+def _image_error(param: str, exc: images.ImageError) -> RequestError:
+    return _bad(param, str(exc), code="image_too_large" if "at most" in str(exc) else "invalid_image")
+
+
+def plan_images(messages: list[dict], card: Any, settings: Any) -> tuple[list[dict], list[ImagePart], list[str]]:
+    """The messages with each image part turned into the template's image part; each image read to its
+    header (`ImagePart`); and the text each image's marker becomes (`expand`) -- everything admission
+    needs to count the prompt's image tokens against the context, with no pixel decoded.
+
+    Why split from decoding: 4 chats x 8 images at the pixel limit spent 17-18 s and +890 MB each
+    decoding and tiling, and only then got 400 context_length_exceeded (issue 43). Blocking (base64,
+    maybe a fetch): call it off the hub when the request has images; 400 on any bad part."""
     parts = image_parts(messages)
     if not parts:
         return messages, [], []
@@ -116,24 +137,19 @@ def load_images(messages: list[dict], card: Any, settings: Any
     if len(parts) > settings.max_images:
         raise RequestError(f"messages: {len(parts)} images; at most {settings.max_images} are accepted per request "
                            "(PANTHEON_MAX_IMAGES)", param="messages", code="too_many_images")
-    limits = images.ImageLimits(max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
-    out: list[images.Preprocessed] = []
+    limits = _limits(settings)
+    planned: list[ImagePart] = []
     texts: list[str] = []
     for i, j, obj in parts:
         param = f"messages[{i}].content[{j}].image_url.url"
         data = image_bytes(obj.get("url"), param, settings)
         try:
-            if vision.tiling:
-                cut = images.tiles(images.decode(data, limits), vision.image_size, vision.tiling, vision.mean,
-                                   vision.std)
-                out.extend(cut.tiles)
-                texts.append(vision.expansion_for(cut.rows, cut.cols))
-            else:
-                out.append(images.load(data, vision.image_size, vision.mean, vision.std, limits))
-                texts.append(vision.expansion)
+            width, height = images.size(data, limits)
         except images.ImageError as exc:
-            code = "image_too_large" if "at most" in str(exc) else "invalid_image"
-            raise _bad(param, str(exc), code=code) from None
+            raise _image_error(param, exc) from None
+        rows, cols = images.grid(width, height, vision.image_size, vision.tiling) if vision.tiling else (0, 0)
+        planned.append(ImagePart(param, data, rows, cols))
+        texts.append(vision.expansion_for(rows, cols) if vision.tiling else vision.expansion)
     msgs = copy.copy(messages)
     for i, j, _ in parts:
         m = dict(msgs[i])
@@ -141,7 +157,41 @@ def load_images(messages: list[dict], card: Any, settings: Any
         content[j] = {"type": "image", "marker": vision.marker}
         m["content"] = content
         msgs[i] = m
-    return msgs, out, texts
+    return msgs, planned, texts
+
+
+def _limits(settings: Any) -> images.ImageLimits:
+    return images.ImageLimits(max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
+
+
+def decode_images(parts: list[ImagePart], card: Any, settings: Any) -> list[images.Preprocessed]:
+    """The encoder's inputs for `plan_images`' parts, in prompt order: one per image, or for a tiling model
+    (Idefics3) each image's tiles then its whole image. The expensive part (decoding, resizing, tiling):
+    run it after admission, in the server's bounded image pool (`ServerState.images`)."""
+    vision = card.vision
+    limits = _limits(settings)
+    out: list[images.Preprocessed] = []
+    for part in parts:
+        try:
+            if vision.tiling:
+                cut = images.tiles(images.decode(part.data, limits), vision.image_size, vision.tiling, vision.mean,
+                                   vision.std)
+                if (cut.rows, cut.cols) != (part.rows, part.cols):  # the header's arithmetic is the cut's own
+                    raise images.ImageError(f"the image decoded to a {cut.rows} x {cut.cols} grid, its header "
+                                            f"said {part.rows} x {part.cols}")
+                out.extend(cut.tiles)
+            else:
+                out.append(images.load(part.data, vision.image_size, vision.mean, vision.std, limits))
+        except images.ImageError as exc:
+            raise _image_error(part.param, exc) from None
+    return out
+
+
+def load_images(messages: list[dict], card: Any, settings: Any
+                ) -> tuple[list[dict], list[images.Preprocessed], list[str]]:
+    """`plan_images` then `decode_images` at once (for callers with no admission step between them)."""
+    msgs, parts, texts = plan_images(messages, card, settings)
+    return msgs, decode_images(parts, card, settings), texts
 
 
 def expand(rendered: str, card: Any, texts: list[str] | None = None) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify
 
 from pantheon.errors import RequestError
+from pantheon.serving.admission import AdmissionService
 from pantheon.text.emitter import Delta
 from pantheon.web import bridge
 from pantheon.web import images as web_images
@@ -333,6 +334,14 @@ def parse_messages_request(body: Any, headers: Mapping[str, str]) -> ChatRequest
     return creq
 
 
+def without_truncate_hint(exc: RequestError) -> RequestError:
+    """`exc` without chat's advice to send "truncate": "oldest", a field this route does not have."""
+    hint = '; shorten them, or send "truncate": "oldest" to have the oldest turns dropped'
+    if hint not in str(exc):
+        return exc
+    return RequestError(str(exc).replace(hint, "; shorten them"), param=exc.param, status=exc.status, code=exc.code)
+
+
 # ---- the generation ---------------------------------------------------------------------------------------------
 class MessagesGeneration(Generation):
     """One Messages request in flight: the chat generation with Anthropic's shapes. Greenlet only."""
@@ -353,12 +362,8 @@ class MessagesGeneration(Generation):
                                f"can generate (its context is {most} tokens)", param="max_tokens")
         try:
             super().start()
-        except RequestError as exc:  # chat's advice names a field this route does not have
-            hint = '; shorten them, or send "truncate": "oldest" to have the oldest turns dropped'
-            if hint not in str(exc):
-                raise
-            raise RequestError(str(exc).replace(hint, "; shorten them"), param=exc.param, status=exc.status,
-                               code=exc.code) from None
+        except RequestError as exc:
+            raise without_truncate_hint(exc) from None
 
     def usage(self) -> dict:
         return {"input_tokens": self.prompt_tokens - self.cached_tokens, "output_tokens": self.completion_tokens,
@@ -477,12 +482,18 @@ def handle_messages(root_model: str | None = None) -> Response:
     import functools
 
     from pantheon.web.routes import serve_generation, server
-    return serve_generation(parse_messages_request, functools.partial(MessagesGeneration, grammars=server().grammars),
+    return serve_generation(parse_messages_request, functools.partial(MessagesGeneration, grammars=server().grammars,
+                                                              images=server().images),
                             root_model)
 
 
 def handle_count(root_model: str | None = None) -> Response:
-    """The prompt's token count as /v1/messages would render it (template, tools and all)."""
+    """The prompt's token count as /v1/messages would render it (template, tools and all).
+
+    Bounded as /v1/messages is: the same body limit and parse (off the hub past BIG_BODY_BYTES), and a
+    prompt /v1/messages would refuse as longer than the context is refused here with the same 400,
+    from its length before any tokenizing (`AdmissionService.chat_count`); the rendering and counting of
+    a body past BIG_PROMPT_CHARS run in an OS thread, as /v1/messages and /tokenize run theirs."""
     from pantheon.web.body import parse_json
     from pantheon.web.routes import parse_for_root, read_raw, server
 
@@ -502,15 +513,24 @@ def handle_count(root_model: str | None = None) -> Response:
         with_images = bool(web_images.image_parts(creq.messages))
 
         def count() -> int:
-            """The prompt /v1/messages would run: each image's marker expanded to the image tokens the
-            model's processor gives it (which, for a tiling model, takes the image's size)."""
-            if not with_images:
-                return len(prompt_ids(card, render_prompt(card, creq)))
-            msgs, _, texts = web_images.load_images(creq.messages, card, registry.settings)
-            return len(prompt_ids(card, web_images.expand(render_prompt(card, creq, msgs), card, texts)))
+            """The prompt /v1/messages would run, refused as /v1/messages refuses it (the same 400 from the
+            messages' text, the rendering's length or the count: AdmissionService.chat_count): each
+            image's marker expanded to the image tokens its header gives (plan_images: no pixel is
+            decoded to count it)."""
+            msgs, texts = creq.messages, None
+            if with_images:
+                msgs, _, texts = web_images.plan_images(creq.messages, card, registry.settings)
 
-        big = with_images or len(raw) > BIG_PROMPT_CHARS  # images are decoded: never on the hub
+            def text() -> str:
+                rendered = render_prompt(card, creq, msgs) if with_images else render_prompt(card, creq)
+                return web_images.expand(rendered, card, texts) if with_images else rendered
+
+            return len(AdmissionService.chat_count(card, creq.messages, text, lambda t: prompt_ids(card, t)))
+
+        big = with_images or len(raw) > BIG_PROMPT_CHARS  # images are read: never on the hub
         n = bridge.call_in_thread(count, name="pantheon-tokenize") if big else count()
+    except RequestError as exc:
+        raise without_truncate_hint(exc) from None
     finally:
         registry.release(entry)
     return jsonify(input_tokens=n)

@@ -799,7 +799,7 @@ def store() -> ResponseStore:
 def handle_responses(root_model: str | None = None) -> Response:
     from pantheon.web.routes import serve_generation, server
     from pantheon.web.security import presented_key
-    make = functools.partial(ResponsesGeneration, grammars=server().grammars, store=store(),
+    make = functools.partial(ResponsesGeneration, grammars=server().grammars, images=server().images, store=store(),
                              key=key_hash(presented_key()))
     return serve_generation(parse_responses_request, make, root_model)
 

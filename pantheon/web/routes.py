@@ -130,7 +130,8 @@ def completions() -> Response:
 def handle_chat(root_model: str | None = None) -> Response:
     """One chat completion. `root_model`: the request came in under that model's own root
     (`/m/<model>/...`, pantheon.web.router_api), which serves that model only."""
-    return serve_generation(parse_chat_request, functools.partial(Generation, grammars=server().grammars), root_model)
+    return serve_generation(parse_chat_request, functools.partial(Generation, grammars=server().grammars,
+                                                                 images=server().images), root_model)
 
 
 def handle_completion(root_model: str | None = None) -> Response:

@@ -846,6 +846,34 @@ def test_short_inputs_run_beside_a_stream_at_most_a_chunk_a_call_and_neither_sta
     assert sum(between) > 0  # and it went on while the chats streamed and waited
 
 
+class PaddedFreshFake(FreshFake):
+    """FreshFake whose slot-free forward is padded as the engine's is (`Model.embed_fresh_shape`): rows to
+    a power of two, tokens to its smallest prefill bucket (here the chunk)."""
+
+    def embed_fresh_shape(self, rows, longest):
+        b = 1
+        while b < rows:
+            b *= 2
+        return b, self.chunk
+
+
+def test_a_slot_free_call_costs_no_more_than_a_slot_fed_one_once_padded():
+    # 64 inputs of 4 tokens are, padded, a 64 x 32 forward: ~10 s on SmolLM2, every stream stalled behind
+    # it (issue 43's bench). A call is budgeted by its padded shape: alone a chunk per slot at most.
+    from pantheon.scheduler.batch import BatchScheduler
+    fake = PaddedFreshFake()
+    s = BatchScheduler(fake, sched_settings(), warmup=False)
+    try:
+        inputs = [[1 + i % 500, 2] for i in range(64)]
+        r = submit_embed(s, inputs).result
+        np.testing.assert_allclose(r.vectors, [expected(x) for x in inputs], atol=1e-6)
+        shapes = [fake.embed_fresh_shape(len(c), max(map(len, c))) for c in fake.fresh_calls]
+        assert fake.calls == [] and len(fake.fresh_calls) > 1
+        assert all(b * t <= fake.chunk * 4 for b, t in shapes), shapes  # 4 slots of one chunk
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen35", "rwkv7"])
 def test_a_slot_free_embedding_is_the_slot_fed_one(arch):
     """`Model.embed_fresh` (a cache made for the call, many inputs a forward) pools what `Model.embed`

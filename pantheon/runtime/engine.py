@@ -938,8 +938,7 @@ class Model:
         lens = [len(r) for r in rows]
         if min(lens) < 1 or max(lens) > self.chunk:
             raise ValueError(f"an embed_fresh row holds 1..{self.chunk} tokens")
-        B = _bucket(n, _geometric_buckets(1, self.fresh_embed_rows, 2))
-        T = _bucket(max(lens), self.chunk_buckets)
+        B, T = self.embed_fresh_shape(n, max(lens))
         span = self._span_for(T)
         tok = np.zeros((B, T), np.int32)
         nn = np.ones((B,), np.int32)  # padding rows feed one token of id 0; their output is dropped
@@ -950,6 +949,13 @@ class Model:
         pooled = self._embed_fresh(self.params, tok, nn, span=span, kernels=self.kernels)
         both = _to_host(pooled)[:, :n]  # [2, rows, D]: sums, last
         return np.stack([both[0 if k == "mean" else 1, b] for b, k in enumerate(kinds)]).astype(np.float32)
+
+    def embed_fresh_shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """The padded (rows, tokens) of an `embed_fresh` call of `rows` inputs, the longest `longest`
+        tokens: its forward costs rows x tokens token-rows whatever the inputs' own lengths, so the
+        scheduler budgets a call by this, not by the tokens it carries (64 inputs of 4 tokens are a
+        64 x 32 forward: ~10 s on SmolLM2, a stall of every stream)."""
+        return _bucket(rows, _geometric_buckets(1, self.fresh_embed_rows, 2)), _bucket(longest, self.chunk_buckets)
 
     def _embed_fresh_impl(self, params, tokens, n_new, *, span: int, kernels: Kernels):
         """`_embed_impl` over a cache of tokens.shape[0] rows and `span` positions made here."""

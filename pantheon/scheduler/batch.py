@@ -228,7 +228,8 @@ class BatchScheduler:
         self._inflight: _InFlight | None = None  # driver-only: the dispatched step not yet read
         self._state = model.new_state()  # driver-only after start: the donated device state
         self._embeds = Embeddings(self._mu, self._work, self._slots, self.chunk, self.stats,  # embeddings jobs (_mu)
-                                  fresh_rows=int(getattr(model, "fresh_embed_rows", 0) or 0))
+                                  fresh_rows=int(getattr(model, "fresh_embed_rows", 0) or 0),
+                                  fresh_shape=getattr(model, "embed_fresh_shape", None))
         # grammar mask rows: workers start with the first constrained step; up to n_slots more may be
         # held by abandoned (late) rows while n_slots stay free for new steps
         self._mask_builder = MaskBuilder(f"mask-{model.name}", settings.grammar_mask_ms / 1000.0,

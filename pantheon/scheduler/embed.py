@@ -106,9 +106,12 @@ class Embeddings:
     """The embeddings work of one scheduler: its queue, its started jobs and the slots they hold (see the
     module docstring)."""
 
-    def __init__(self, mu: osthread.Lock, work: Any, slots: list[Slot], chunk: int, stats: Any, fresh_rows: int = 0):
+    def __init__(self, mu: osthread.Lock, work: Any, slots: list[Slot], chunk: int, stats: Any, fresh_rows: int = 0,
+                 fresh_shape: Callable[[int, int], tuple[int, int]] | None = None):
         self.mu = mu
         self.fresh_rows = fresh_rows  # short inputs one slot-free call (`Model.embed_fresh`) takes; 0: none
+        # (rows, longest) -> the slot-free call's padded (rows, tokens): `Model.embed_fresh_shape`
+        self.fresh_shape = fresh_shape or (lambda rows, longest: (rows, longest))
         self.work = work  # a condition on `mu`: notified when a slot comes back
         self.slots = slots
         self.chunk = chunk
@@ -173,7 +176,7 @@ class Embeddings:
             for s, i in job.rows.items():
                 if take(job.runs[i]):
                     rows.append((self.slots[s], job, job.runs[i]))
-        self._take_short_locked(rows, take, admissible)
+        self._take_short_locked(rows, take, admissible, self.chunk if shared else self.chunk * len(self.slots))
         if gen_waits:
             return rows  # the idle slots are generation's
         idle = sorted((sl for sl in self.slots if sl.state == IDLE and sl.index not in busy),
@@ -209,11 +212,13 @@ class Embeddings:
             self.queue.remove(job)
             self.jobs.append(job)
 
-    def _take_short_locked(self, rows: Rows, take: Callable[[EmbedRun], bool], admissible: bool) -> None:
+    def _take_short_locked(self, rows: Rows, take: Callable[[EmbedRun], bool], admissible: bool, padded: int) -> None:
         """Give this iteration's slot-free call (`Model.embed_fresh`) the waiting inputs that fit one chunk
         whole, in job and input order, up to `fresh_rows` of them and the call's token budget (`take`;
         with no generation, a chunk per slot: a chat that arrives waits no longer than behind a
-        slot-fed call).
+        slot-fed call). `padded`: the token-rows the call's forward may cost once padded to its program's
+        shape (`fresh_shape`): a chunk beside generation, a chunk per slot alone -- what a slot-fed call
+        costs -- so a driver iteration with the call stalls a stream no longer than one without it.
 
         Why: an input fed through a slot holds it, so a request of 2,048 tiny inputs took 2,048 / slots
         forwards, one driver iteration each (over 120 s beside a stream, issue 43). A short input needs no
@@ -222,16 +227,16 @@ class Embeddings:
         embedding work beside generation: neither kind of work starves the other."""
         if not self.fresh_rows:
             return
-        taken = tokens = 0
-        most = self.chunk * len(self.slots)  # alone, at most what a slot-fed call of every slot carries
+        taken = longest = 0
         full = False
         for job in list(self.jobs) + (list(self.queue) if admissible else []):
             for i in [i for i in sorted(job.todo) if len(job.runs[i].tokens) <= self.chunk]:
                 n = len(job.runs[i].tokens)
-                full = taken >= self.fresh_rows or (taken > 0 and tokens + n > most) or not take(job.runs[i])
+                b, t = self.fresh_shape(taken + 1, max(longest, n)) if taken < self.fresh_rows else (0, 0)
+                full = taken >= self.fresh_rows or (taken > 0 and b * t > padded) or not take(job.runs[i])
                 if full:
                     break
-                tokens += n
+                longest = max(longest, n)
                 taken += 1
                 job.fresh.add(i)
                 rows.append((None, job, job.runs[i]))

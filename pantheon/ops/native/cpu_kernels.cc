@@ -700,15 +700,15 @@ StoredFormat StoredFormatOf(int32_t qtype) {
 inline __m256i Load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // One activation row quantized: q[K]; d[K / B] (the block's unit: its step is d * 2^sh, below); for
-// B = 32 the f32 sum of each block's q * 2^sh and `sc`, each block's 16-lane int16 vector of 2^sh
-// (lanes 0-7: weights 0-15, 8-15: weights 16-31); for B = 256 the int16 sum of each 16 q * 2^sh (the
+// B = 32 the f32 sum of each block's q * 2^sh and `sc`, each block's 8 int32-lane shifts as bytes
+// (lanes 0-3 hold weights 0-15, lanes 4-7 weights 16-31); for B = 256 the int16 sum of each 16 q * 2^sh (the
 // minimums' and the offset formats' correction terms) and `sh`, each 32-run's shift.
 struct Q8Row {
   const int8_t* q;
   const float* d;
   const float* s;
   const int16_t* bs;
-  const int16_t* sc;
+  const uint8_t* sc;
   const int32_t* sh;
 };
 
@@ -721,7 +721,7 @@ struct Q8Group {
   const float* d[MB];
   const float* s[MB];
   const int16_t* bs[MB];
-  const int16_t* sc[MB];
+  const uint8_t* sc[MB];
   const int32_t* sh[MB];
   inline __m256i Run(int64_t r, int i) const { return Load32(q + (r * MB + i) * 32); }
 };
@@ -731,14 +731,14 @@ struct Q8Group {
 // where their own largest value allows it: with amax the block's and m the sub-block's largest |x|,
 // e = the largest of 0 .. 3 with m * 2^e <= amax, q = rint(x * ((127 / amax) * 2^e)), so |q| <= 127
 // and the sub-block's step is (amax / 127) / 2^e. In units of u = (amax / 127) / 8 (stored as d) a q
-// weighs 2^(3 - e) = 2^sh: the integer sums stay exact (the shift is applied to them, or multiplies
-// the int16 pairs, before they meet any float) and the float part is the same as with one step per
+// weighs 2^(3 - e) = 2^sh: the integer sums stay exact (each run's int32 lanes are shifted left by sh
+// before they meet any float) and the float part is the same as with one step per
 // block. Why: one step per 256 values lets a block's one large activation (ffn_down's inputs have
 // them) round all the others to a few levels; per-sub-block steps halve the int8 form's logit error
 // on the catalog models (measured: gemma3 0.32 -> 0.17, SmolLM2 0.40 -> 0.30 mean top-20 distance to
-// the exact form over every prompt position), at one shift or a different madd operand per run.
+// the exact form over every prompt position), at one variable shift per run and row.
 template <int B>
-void QuantizeRow(const float* x, int64_t K, int8_t* q, float* d, float* s, int16_t* bs, int16_t* sc, int32_t* sh) {
+void QuantizeRow(const float* x, int64_t K, int8_t* q, float* d, float* s, int16_t* bs, uint8_t* sc, int32_t* sh) {
   constexpr int S = B == 32 ? 16 : 32, NS = B / S;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -777,7 +777,7 @@ void QuantizeRow(const float* x, int64_t K, int8_t* q, float* d, float* s, int16
       int sum = 0;
       for (int k = 0; k < 32; ++k) sum += qb[k] * (1 << shift[k / 16]);
       s[b] = static_cast<float>(sum);
-      for (int l = 0; l < 16; ++l) sc[16 * b + l] = static_cast<int16_t>(1 << shift[l / 8]);
+      for (int l = 0; l < 8; ++l) sc[8 * b + l] = static_cast<uint8_t>(shift[l / 4]);
     } else {
       for (int g = 0; g < B / 16; ++g) {
         int sum = 0;
@@ -841,10 +841,13 @@ struct Int8Legacy {
       }
       if constexpr (!kMin) w = _mm256_sub_epi8(w, _mm256_set1_epi8(T == kQ4_0 ? 8 : 16));
     }
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i u = kMin ? w : _mm256_abs_epi8(w);
     for (int i = 0; i < MB; ++i) {
       const __m256i xq = x.Run(b, i);
-      const __m256i lanes = DotU(u, kMin ? xq : _mm256_sign_epi8(xq, w), Load32(x.sc[i] + 16 * b));
+      // each half's sums in the row's units: times 2^sh of its 16 weights (QuantizeRow)
+      const __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x.sc[i] + 8 * b)));
+      const __m256i lanes = _mm256_sllv_epi32(DotU(u, kMin ? xq : _mm256_sign_epi8(xq, w), ones), sh);
       const float dx = x.d[i][b];
       acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * dx)));
       if constexpr (kMin) mins[i] = mins[i] + x.s[i][b] * (HalfAt(blk + 2) * dx);
@@ -1153,7 +1156,7 @@ void Int8Product(ffi::ThreadPool& pool, const Int8Format& f, ffi::Buffer<ffi::S3
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * K / B), s(B == 32 ? M * K / B : 0);
   std::vector<int16_t> bs(B == 256 ? M * K / 16 + 16 : 0);  // + 16: the last 16-sums load is 32 bytes
-  std::vector<int16_t> sc(B == 32 ? M * K / 2 : 0);  // 16 int16 per 32-block
+  std::vector<uint8_t> sc(B == 32 ? M * K / 4 : 0);  // 8 lane shifts per 32-block
   std::vector<int32_t> sh(B == 256 ? M * K / 32 : 0);
   std::vector<Q8Row> rows(M);
   for (int64_t m : live) {
@@ -1161,7 +1164,7 @@ void Int8Product(ffi::ThreadPool& pool, const Int8Format& f, ffi::Buffer<ffi::S3
     float* dm = d.data() + m * (K / B);
     float* sm = B == 32 ? s.data() + m * (K / B) : nullptr;
     int16_t* bm = B == 256 ? bs.data() + m * (K / 16) : nullptr;
-    int16_t* cm = B == 32 ? sc.data() + m * (K / 2) : nullptr;
+    uint8_t* cm = B == 32 ? sc.data() + m * (K / 4) : nullptr;
     int32_t* hm = B == 256 ? sh.data() + m * (K / 32) : nullptr;
     if (B == 32) {
       QuantizeRow<32>(x + m * K, K, qm, dm, sm, bm, cm, hm);

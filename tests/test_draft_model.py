@@ -207,6 +207,7 @@ def draft_counter(client, model: str, what: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+@pytest.mark.slow  # a target and a draft loaded and warmed by the registry, over 10 s on 2 cores: left out of make test-quick
 def test_the_admin_load_field_attaches_a_draft_the_scheduler_uses_and_unload_frees_it(tmp_path):
     app, reg = real_app(tmp_path)
     client = app.test_client()
@@ -278,6 +279,7 @@ def test_the_cli_flag_becomes_the_setting_every_startup_load_drafts_with(tmp_pat
     reg.unload("t", None, 30)
 
 
+@pytest.mark.slow  # every program of a target and its draft, over 10 s on 2 cores: left out of make test-quick
 def test_warm_up_makes_the_draft_programs_too_and_nothing_compiles_after():
     target = with_draft("llama", tiny_fixture("llama.q8_0")[0])
     sched = BatchScheduler(target, settings(warmup=True, forbid_compile=True))

@@ -45,9 +45,12 @@ def load(path: Path, spec_k: int | None = None) -> engine.Model:
 
 
 def with_draft(target_name: str, draft_path: Path) -> engine.Model:
-    """A fresh target model (its own `draft` attribute) with `draft_path` loaded as its draft."""
-    target = engine.load(tiny_fixture(target_name)[0], OPTS)
-    target.draft = engine.load(draft_path, engine.LoadOptions(**{**OPTS.__dict__, "spec_k": 0}))
+    """The module's `target_name` model with `draft_path` loaded as its draft, for the scheduler the test
+    starts next (a scheduler reads `draft` when it starts). The target is the model plain decoding runs
+    on (`load`, the same options) and the drafts are loaded once too, so the tests share their compiled
+    programs instead of compiling the same ones for a fresh pair each."""
+    target = load(tiny_fixture(target_name)[0])
+    target.draft = load(draft_path, spec_k=0)
     return target
 
 

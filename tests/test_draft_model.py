@@ -45,9 +45,12 @@ def load(path: Path, spec_k: int | None = None) -> engine.Model:
 
 
 def with_draft(target_name: str, draft_path: Path) -> engine.Model:
-    """A fresh target model (its own `draft` attribute) with `draft_path` loaded as its draft."""
-    target = engine.load(tiny_fixture(target_name)[0], OPTS)
-    target.draft = engine.load(draft_path, engine.LoadOptions(**{**OPTS.__dict__, "spec_k": 0}))
+    """The module's `target_name` model with `draft_path` loaded as its draft, for the scheduler the test
+    starts next (a scheduler reads `draft` when it starts). The target is the model plain decoding runs
+    on (`load`, the same options) and the drafts are loaded once too, so the tests share their compiled
+    programs instead of compiling the same ones for a fresh pair each."""
+    target = load(tiny_fixture(target_name)[0])
+    target.draft = load(draft_path, spec_k=0)
     return target
 
 
@@ -207,6 +210,7 @@ def draft_counter(client, model: str, what: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+@pytest.mark.slow  # a target and a draft loaded and warmed by the registry, over 10 s on 2 cores: left out of make test-quick
 def test_the_admin_load_field_attaches_a_draft_the_scheduler_uses_and_unload_frees_it(tmp_path):
     app, reg = real_app(tmp_path)
     client = app.test_client()
@@ -278,6 +282,7 @@ def test_the_cli_flag_becomes_the_setting_every_startup_load_drafts_with(tmp_pat
     reg.unload("t", None, 30)
 
 
+@pytest.mark.slow  # every program of a target and its draft, over 10 s on 2 cores: left out of make test-quick
 def test_warm_up_makes_the_draft_programs_too_and_nothing_compiles_after():
     target = with_draft("llama", tiny_fixture("llama.q8_0")[0])
     sched = BatchScheduler(target, settings(warmup=True, forbid_compile=True))

@@ -96,6 +96,7 @@ def stored(tmp_path_factory) -> dict:
                 key=m._exec_store().key, j=j)
 
 
+@pytest.mark.slow  # the store's cold warm-up (every program, over 10 s on 2 cores): left out of make test-quick
 def test_a_cold_start_compiles_every_program_once_and_stores_it(stored):
     # every program was made here and saved (the compile count is not compared with n: jitted slot
     # verbs shared with a model loaded earlier in the same process may have been lowered already)
@@ -114,6 +115,7 @@ def restart(stored: dict, store: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a child process (and the cold warm-up before it): left out of make test-quick
 def test_a_restart_loads_the_stored_programs_and_compiles_nothing(stored):
     """A second process on the same file, config and machine: every program comes from the store,
     nothing is traced, lowered or compiled from warm-up through serving, and the tokens are the same."""
@@ -124,6 +126,7 @@ def test_a_restart_loads_the_stored_programs_and_compiles_nothing(stored):
     assert again["ids"] == stored["ids"]
 
 
+@pytest.mark.slow  # two more cold warm-ups (over 10 s on 2 cores): left out of make test-quick
 def test_a_different_file_or_config_compiles_its_own_programs(stored, tmp_path):
     path, prompt = stored["path"], stored["j"]["prompt_ids"]
     store = tmp_path / "store"
@@ -143,6 +146,7 @@ def test_a_different_file_or_config_compiles_its_own_programs(stored, tmp_path):
     assert len([d for d in store.iterdir() if d.is_dir()]) == 3
 
 
+@pytest.mark.slow  # a child process (and the cold warm-up before it): left out of make test-quick
 def test_a_damaged_program_is_compiled_again_never_loaded(stored, tmp_path):
     store = tmp_path / "store"
     shutil.copytree(stored["store"], store)
@@ -248,6 +252,7 @@ def test_a_key_file_others_can_read_or_write_is_not_trusted(tmp_path, caplog):
     assert "not used" in caplog.text and "open to other users" in caplog.text
 
 
+@pytest.mark.slow  # a server's whole catalog compiled in the test, over 10 s on 2 cores: left out of make test-quick
 def test_ready_before_every_bucket_compiles_and_a_request_runs_padded_in_a_larger_one(tmp_path):
     """Serve while compiling, through the server: `/` is 200 and says `compiled k/n` while the
     background compile is held back; a request whose buckets are not compiled yet is served by the

@@ -50,7 +50,8 @@ def qwen35moe():
     return load("qwen35moe")
 
 
-@pytest.mark.parametrize("name", ["qwen35moe", "qwen35"])
+# qwen35 loads and warms a model of its own (over 10 s on 2 cores): not in make test-quick.
+@pytest.mark.parametrize("name", ["qwen35moe", pytest.param("qwen35", marks=pytest.mark.slow)])
 def test_turn_two_resumes_from_a_snapshot_and_equals_a_full_recompute(name, qwen35moe, monkeypatch):
     """Turn 2 re-sends turn 1's prompt and an answer that differs from what the slot generated (as a
     template that strips a reasoning block does): the slot's own state is past the divergence, so it
@@ -166,6 +167,7 @@ def test_the_load_estimate_charges_the_pool_it_can_fill():
     assert est.total_bytes > est.weights_bytes + est.state_bytes + est.snapshot_bytes
 
 
+@pytest.mark.slow  # a model of its own and its steps compiled, over 10 s on 2 cores: left out of make test-quick
 def test_rwkv7_snapshots_need_no_source_slot():
     """RWKV-7 has no per-token state: its snapshot is the whole cache of the prefix, so it resumes
     into any slot with no copy, even after the source slot was given to another prompt."""

@@ -51,7 +51,9 @@ def built():
         pytest.fail(f"the native kernels did not build on this machine: {native.unavailable_reason()}")
 
 
-@pytest.mark.parametrize("profile", ["qwen2-7b", "qwen3moe-30b-a3b", "qwen35moe-30b-a3b"])
+# The two MoE profiles (experts in the file, loaded and run twice) take over 10 s on 2 cores: not in make test-quick.
+@pytest.mark.parametrize("profile", ["qwen2-7b", pytest.param("qwen3moe-30b-a3b", marks=pytest.mark.slow),
+                                     pytest.param("qwen35moe-30b-a3b", marks=pytest.mark.slow)])
 def test_layers_stay_in_the_file_and_compute_the_copied_stacks_bits(tmp_path, monkeypatch, profile):
     path = _file(tmp_path, profile)
     mapped = engine.load(path, OPTS)

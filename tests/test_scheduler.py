@@ -141,6 +141,7 @@ def test_prefix_reuse_automatic_and_by_session(model):
         s.close()
 
 
+@pytest.mark.slow  # waits for the whole catalog to compile, over 10 s on 2 cores: left out of make test-quick
 def test_no_compilation_after_warmup(model, sched):
     """Every bucket compiled at start-up (the first ones before the scheduler serves, the rest in the
     background): serving mixed traffic afterwards compiles nothing."""

@@ -284,6 +284,7 @@ def test_n_choices_and_grammar_requests_are_unchanged(model, sched):
     assert bound.wait().ids() == outs[0] and bound.finished[0].reason == "stop"
 
 
+@pytest.mark.slow  # every program compiled in the test, over 10 s on 2 cores: left out of make test-quick
 def test_verify_programs_are_made_by_warm_up_and_nothing_compiles_after(model):
     s = BatchScheduler(model, settings(warmup=True, forbid_compile=True))
     try:
@@ -376,6 +377,7 @@ def test_a_real_model_through_the_scheduler_drafts_and_keeps_its_tokens(load_rea
         sched.close()
 
 
+@pytest.mark.slow  # a model of its own in the int8 form, its steps and verify steps compiled, over 10 s on 2 cores: left out of make test-quick
 def test_the_int8_products_keep_batching_and_speculation_invisible():
     """The serving default on a quantized file: the int8 products give a row the same bits whatever rows
     share the call (a verify step of K + 1 rows, a prefill chunk, 8 decode rows), so streams batched,

@@ -164,6 +164,7 @@ def test_tile_order_matters(model):
     assert np.abs(centered(got) - centered(np.load(VLM / c["logits_file"]))).max() > 0.1
 
 
+@pytest.mark.slow  # a scheduler's warm-up at a 256-token chunk, over 10 s on 2 cores: left out of make test-quick
 @pytest.mark.parametrize("case", ["one", "two"])
 def test_greedy_through_the_scheduler_equals_oracle(model, case):
     """Chunks of 24 around 16-token tile runs (the scheduler stretches or stops a chunk at a run)."""

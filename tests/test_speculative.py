@@ -192,10 +192,11 @@ def alone(model, prompt, params=GREEDY, n=24) -> list[int]:
     return list(reference.generate(model, prompt, params, max_tokens=n, stop_ids=[]))
 
 
-def test_batched_and_joined_streams_with_speculation_equal_plain_decoding_alone(model, sched):
+def batched_joined_and_alone(model, sched) -> None:
+    """Three streams batched, then one joined by another mid-way, greedy and seeded: each equals the same
+    request decoded alone without drafts."""
     ps = spec_prompts()
     params = [GREEDY if i % 2 else SamplingParams(temperature=0.8, seed=11 + i) for i in range(len(ps))]
-    before = sched.load_info()
     cs = [submit(sched, p, prm) for p, prm in zip(ps[:3], params)]
     for c in cs:
         assert c.done.wait(120)
@@ -205,10 +206,15 @@ def test_batched_and_joined_streams_with_speculation_equal_plain_decoding_alone(
     late = submit(sched, ps[4], params[4], n=20)
     for c in (first, late):
         assert c.done.wait(120)
-    after = sched.load_info()
     assert [c.ids for c in cs] == [alone(model, p, prm) for p, prm in zip(ps[:3], params)]
     assert first.ids == alone(model, ps[3], params[3], 40)
     assert late.ids == alone(model, ps[4], params[4], 20)
+
+
+def test_batched_and_joined_streams_with_speculation_equal_plain_decoding_alone(model, sched):
+    before = sched.load_info()
+    batched_joined_and_alone(model, sched)
+    after = sched.load_info()
     assert after["spec_accepted"] > before["spec_accepted"]  # drafts were verified and kept
     assert after["spec_steps"] > before["spec_steps"]
 
@@ -387,20 +393,7 @@ def test_the_int8_products_keep_batching_and_speculation_invisible():
     assert m.kernels.dot == "int8" and m.kernels.matmul
     s = BatchScheduler(m, settings())
     try:
-        ps = spec_prompts()
-        params = [GREEDY if i % 2 else SamplingParams(temperature=0.8, seed=11 + i) for i in range(len(ps))]
-        cs = [submit(s, p, prm) for p, prm in zip(ps[:3], params)]
-        for c in cs:
-            assert c.done.wait(120)
-        first = submit(s, ps[3], params[3], n=40)
-        while len(first.ids) < 5 and not first.done.is_set():
-            first.done.wait(0.01)
-        late = submit(s, ps[4], params[4], n=20)
-        for c in (first, late):
-            assert c.done.wait(120)
+        batched_joined_and_alone(m, s)
         assert s.load_info()["spec_steps"] > 0
-        assert [c.ids for c in cs] == [alone(m, p, prm) for p, prm in zip(ps[:3], params)]
-        assert first.ids == alone(m, ps[3], params[3], 40)
-        assert late.ids == alone(m, ps[4], params[4], 20)
     finally:
         s.close()

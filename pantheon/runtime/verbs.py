@@ -144,6 +144,9 @@ class Engine(Protocol):
     def state_bytes_per_token(self) -> int: ...
 
     @host
+    def embed_fresh_shape(self, rows: int, longest: int) -> tuple[int, int]: ...  # the padded (rows, tokens) of a call
+
+    @host
     def snapshot_bytes(self) -> int: ...
 
     @host
